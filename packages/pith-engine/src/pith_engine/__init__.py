@@ -1,0 +1,1 @@
+"""pith-engine."""

@@ -1,0 +1,94 @@
+"""The layer and model contract that the engine executes.
+
+A decoder layer is cut at its expert-parallel communication boundaries, so a scheduler can run one
+micro-batch's compute while another's all-to-all is in flight:
+
+    stage 1 (model)   norm, attention, residual, norm, router, shared expert / dense MLP -> Stage1Out
+    stage 2 (engine)  dispatch: group the routed rows by expert (moe_permute); all-to-all under EP
+    stage 3 (model)   expert MLPs over rows grouped by (local) expert
+    stage 4 (engine)  combine: the inverse exchange, handing back rows plus (slots, weights)
+    stage 5 (model)   h + sum_k weights[t, k] * y[slots[t, k]]  (moe_unpermute), the layer output
+
+Without expert parallelism stages 2 and 4 are local (permute, identity) and `slots`/`weights` are
+the permutation's slots and the router's weights. Under EP the engine may hand stage 5 other
+slots/weights (for example one pre-weighted row per destination rank); a slot < 0 contributes
+nothing. Models never see process groups except through `Positions.cp_group`, which they pass on
+to `pith_engine.attention.attention` unchanged.
+
+Shape legend: B batch, S sequence (local to this rank under CP), T = B*S tokens, D model dim,
+K router top-k, E experts, N rows grouped by expert (>= T*K when padded), V vocabulary,
+H heads, R rotary half-dim.
+"""
+
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+
+class Positions(NamedTuple):
+    """What attention needs to know about where the local tokens sit in their sequences."""
+
+    position_ids_BS: Tensor  # global positions of the local tokens (zigzag order under CP)
+    cos_BSR: Tensor  # rotary cos table for those positions, fp32 (model-specific scaling applied)
+    sin_BSR: Tensor  # rotary sin table, fp32
+    cp_group: ProcessGroup | None  # ring-attention group under context parallelism, else None
+
+
+class Routing(NamedTuple):
+    """What stage 1 hands to dispatch for the routed experts of one MoE layer."""
+
+    x_TD: Tensor  # expert input rows (normed hidden states), one per token
+    expert_ids_TK: Tensor  # int64 global expert ids chosen for each token
+    weights_TK: Tensor  # fp32 combine weights, normalisation and scaling already applied
+    probs_TE: Tensor  # fp32 router probabilities over all experts (load-balancing loss; has grad)
+    logits_TE: Tensor  # router logits (z-loss)
+
+
+class Stage1Out(NamedTuple):
+    h_BSD: Tensor  # residual stream after attention, plus shared experts (dense layer: its output)
+    routing: Routing | None  # None for a dense layer: stages 2-5 are skipped
+
+
+class DecoderLayer(Protocol):
+    """One decoder layer, dense or MoE, in the five-stage form."""
+
+    def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out: ...
+
+    def stage3(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
+        """Expert MLPs over rows grouped by the experts this module holds (group_ends: int32 cumulative
+        row ends, one per local expert; rows past the last end are padding and may hold anything)."""
+        ...
+
+    def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor: ...
+
+    def reference_forward(self, h_BSD: Tensor, pos: Positions) -> Tensor:
+        """The whole layer in plain PyTorch, no staging or fused kernels: the specification."""
+        ...
+
+
+class MoEModel(Protocol):
+    """A decoder-only language model built from DecoderLayers."""
+
+    layers: nn.ModuleList  # DecoderLayers in order; global layer index = position in this list
+    lm_head: nn.Linear  # weight [V, D]; the loss fuses it (pith_ops.linear_cross_entropy)
+
+    def prologue(self, input_ids_BS: Tensor) -> Tensor:
+        """Token embedding -> h_BSD."""
+        ...
+
+    def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions: ...
+
+    def epilogue(self, h_BSD: Tensor) -> Tensor:
+        """Final norm -> h_BSD, ready for lm_head."""
+        ...
+
+    def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
+        """Logits [B, S, V] in plain PyTorch (positions 0..S-1, no parallelism)."""
+        ...
+
+
+def default_position_ids(input_ids_BS: Tensor) -> Tensor:
+    B, S = input_ids_BS.shape
+    return torch.arange(S, device=input_ids_BS.device).expand(B, S)

@@ -1,0 +1,31 @@
+"""pith-ops: Triton and PyTorch operators for Mixture-of-Experts training.
+
+Each operator module holds its Triton kernel(s), launcher, custom-op registration (fake + backward)
+and a plain-PyTorch `*_reference` that is its specification.
+"""
+
+from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from pith_ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from pith_ops.moe_permute import moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference
+from pith_ops.rmsnorm import rms_norm, rms_norm_reference
+from pith_ops.rope import apply_rope, apply_rope_reference
+from pith_ops.swiglu import swiglu, swiglu_oss, swiglu_oss_reference, swiglu_reference
+
+__all__ = [
+    "apply_rope",
+    "apply_rope_reference",
+    "grouped_gemm",
+    "grouped_gemm_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
+    "moe_permute",
+    "moe_permute_reference",
+    "moe_unpermute",
+    "moe_unpermute_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "swiglu",
+    "swiglu_oss",
+    "swiglu_oss_reference",
+    "swiglu_reference",
+]
