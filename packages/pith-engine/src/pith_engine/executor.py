@@ -7,10 +7,10 @@ The same stage functions run in both cases; there is no second code path.
 
 from typing import Any, Protocol
 
+import pith_ops
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-import pith_ops
 from pith_engine.contract import DecoderLayer, MoEModel, Positions, Routing, default_position_ids
 
 

@@ -1,6 +1,5 @@
 """Fused lm_head + cross-entropy (TEMPORARY: reference only until the chunked kernel lands)."""
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

@@ -1,6 +1,5 @@
 """Grouped GEMM over per-expert row segments (TEMPORARY: reference only until the kernel lands)."""
 
-import torch
 from torch import Tensor
 
 
