@@ -1,0 +1,53 @@
+"""Shared timing harness for the operator benchmarks (run on a CUDA machine).
+
+Times with CUDA events after warm-up (triton.testing.do_bench, median), on random data, and reports
+each measurement against the card's measured ceilings: device-copy bandwidth (bytes read + written
+by a large clone) and the bf16 dense matmul rate (8192^3).
+"""
+
+import functools
+
+import torch
+import triton.testing
+
+
+def median_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+@functools.cache
+def ceilings() -> dict:
+    """Measured on this card: copy GB/s and bf16 matmul TFLOP/s."""
+    src = torch.randn(2**29 // 2, device="cuda", dtype=torch.bfloat16)  # 512 MiB
+    copy_ms = median_ms(lambda: src.clone())
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = median_ms(lambda: a @ b)
+    return {
+        "card": torch.cuda.get_device_name(),
+        "copy_GBps": 2 * src.numel() * src.element_size() / copy_ms / 1e6,
+        "bf16_TFLOPs": 2 * 8192**3 / mm_ms / 1e9,
+    }
+
+
+def report(
+    name: str, ms: float, *, bytes_moved: float = 0.0, flops: float = 0.0, baselines: dict | None = None
+):
+    """Print one row: time, GB/s or TFLOP/s, the ratio to the ceiling, and speed-ups over baselines (ms)."""
+    c = ceilings()
+    parts = [f"{name:<42} {ms * 1e3:9.1f} us"]
+    if bytes_moved:
+        gbps = bytes_moved / ms / 1e6
+        parts.append(f"{gbps:7.0f} GB/s ({gbps / c['copy_GBps']:4.0%} of copy)")
+    if flops:
+        tf = flops / ms / 1e9
+        parts.append(f"{tf:6.0f} TFLOP/s ({tf / c['bf16_TFLOPs']:4.0%} of matmul)")
+    for base, base_ms in (baselines or {}).items():
+        parts.append(f"x{base_ms / ms:5.2f} vs {base}")
+    print("  ".join(parts), flush=True)
+
+
+def header(title: str) -> None:
+    c = ceilings()
+    ceil = f"copy {c['copy_GBps']:.0f} GB/s, bf16 matmul {c['bf16_TFLOPs']:.0f} TFLOP/s"
+    print(f"\n== {title} on {c['card']}: {ceil}")
