@@ -1,0 +1,370 @@
+"""Qwen3-MoE (Qwen/Qwen3-30B-A3B and its small relatives) in the five-stage layer form.
+
+Architectural choices:
+- pre-norm decoder: h += attn(rms_norm(h)); h += mlp(rms_norm(h)); final rms_norm, then lm_head
+  (tied to the embedding when tie_word_embeddings);
+- grouped-query attention, head_dim independent of hidden_size / heads, no biases, per-head RMSNorm
+  on q and k (over head_dim) before RoPE; scale head_dim**-0.5; no sliding window;
+- RoPE over the whole head dim, half-split pairs (i, i + head_dim/2), base rope_theta, no scaling;
+- MoE layers: router logits in fp32, softmax over all experts, top-k (selection adds the aux-loss-free
+  `expert_bias`), combine weights = the selected probabilities, renormalised to sum 1 when
+  norm_topk_prob; SwiGLU experts of width moe_intermediate_size; no shared expert;
+- dense SwiGLU layers of width intermediate_size where layer i is in mlp_only_layers or
+  (i + 1) % decoder_sparse_step != 0 (the Hugging Face rule).
+
+Shape legend: B batch, S sequence, T = B*S tokens, D hidden, H query heads, G key/value heads,
+Dh head dim, R = Dh/2 rotary pairs, E experts (E_held: those this module holds), F expert width,
+K top-k, N rows grouped by expert, V vocabulary.
+"""
+
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
+
+import pith_ops
+import torch
+import torch.nn.functional as F
+from pith_engine.attention import attention, attention_reference
+from pith_engine.contract import Positions, Routing, Stage1Out, default_position_ids
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class Config:
+    model_type: ClassVar[str] = "qwen3_moe"  # the Hugging Face model_type (key of pith_models.hf.MODULES)
+
+    vocab_size: int  # V
+    hidden_size: int  # D
+    intermediate_size: int  # width of the dense SwiGLU layers
+    moe_intermediate_size: int  # F, width of one expert
+    num_hidden_layers: int
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # G; H must be a multiple of G
+    head_dim: int  # Dh (even)
+    num_experts: int  # E
+    num_experts_per_tok: int  # K
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum 1
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    rope_theta: float = 1_000_000.0  # RoPE base
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight
+    max_position_embeddings: int = 40960  # context the checkpoint was trained for (no effect on the math)
+    initializer_range: float = 0.02  # std of init_weights' normal draws
+
+    def __post_init__(self):
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} are outside [0, {self.num_hidden_layers})")
+
+    def is_moe(self, i: int) -> bool:
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Config":
+        """From a Hugging Face config.json dict (transformers 4.x or 5.x spelling)."""
+        d = dict(d)
+        model_type = d.pop("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            raise ValueError(f"expected model_type {cls.model_type!r}, got {model_type!r}")
+        # transformers 5 writes num_local_experts and rope_parameters; 4.x num_experts and rope_theta.
+        if "num_local_experts" in d:
+            d["num_experts"] = d.pop("num_local_experts")
+        for key in ("rope_parameters", "rope_scaling"):
+            rope = d.pop(key, None) or {}
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(f"{key}: rope type {rope_type!r} is not supported (only 'default')")
+            if "rope_theta" in rope:
+                d["rope_theta"] = rope["rope_theta"]
+        for key, allowed in _FIXED.items():
+            if key in d and d.pop(key) != allowed:
+                raise ValueError(f"config field {key}: only {allowed!r} is supported")
+        if not d.pop("use_sliding_window", False):
+            d.pop("sliding_window", None)  # HF ignores it then
+            d.pop("max_window_layers", None)
+        else:
+            raise ValueError("config field use_sliding_window: only False is supported")
+        for key in _IGNORED:
+            d.pop(key, None)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unsupported qwen3_moe config fields: {unknown}")
+        return cls(**d)
+
+    def to_hf(self) -> dict:
+        d = asdict(self)
+        d["mlp_only_layers"] = list(self.mlp_only_layers)
+        rope_theta = d.pop("rope_theta")
+        return {
+            "model_type": self.model_type,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            **d,
+            **_FIXED,
+            "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+            "use_sliding_window": False,
+        }
+
+
+# Fields whose other values would change the math and are not implemented: value we support.
+_FIXED = {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0}
+# Fields that do not change the forward math (generation, HF bookkeeping, loss knobs set by the trainer).
+_IGNORED = (
+    "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "bos_token_id",
+    "eos_token_id", "pad_token_id", "output_router_logits", "router_aux_loss_coef",
+)  # fmt: skip
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
+        norm = pith_ops.rms_norm_reference if reference else pith_ops.rms_norm
+        return norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        D, H, G, Dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.H, self.G, self.Dh = H, G, Dh
+        self.q_proj = nn.Linear(D, H * Dh, bias=False)
+        self.k_proj = nn.Linear(D, G * Dh, bias=False)
+        self.v_proj = nn.Linear(D, G * Dh, bias=False)
+        self.o_proj = nn.Linear(H * Dh, D, bias=False)
+        self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps)
+
+    def forward(self, x_BSD: Tensor, pos: Positions, reference: bool = False) -> Tensor:
+        B, S, _ = x_BSD.shape
+        rope = pith_ops.apply_rope_reference if reference else pith_ops.apply_rope
+        q_BSHD = self.q_norm(self.q_proj(x_BSD).view(B, S, self.H, self.Dh), reference)
+        k_BSGD = self.k_norm(self.k_proj(x_BSD).view(B, S, self.G, self.Dh), reference)
+        v_BSGD = self.v_proj(x_BSD).view(B, S, self.G, self.Dh)
+        q_BSHD = rope(q_BSHD, pos.cos_BSR, pos.sin_BSR)
+        k_BSGD = rope(k_BSGD, pos.cos_BSR, pos.sin_BSR)
+        scale = self.Dh**-0.5
+        if reference:
+            p = pos.position_ids_BS
+            o_BSHD = attention_reference(q_BSHD, k_BSGD, v_BSGD, p, p, scale=scale)[0]
+        else:
+            o_BSHD = attention(q_BSHD, k_BSGD, v_BSGD, pos, scale=scale)
+        return self.o_proj(o_BSHD.reshape(B, S, self.H * self.Dh))
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU; gate and up projections fused into one GEMM (gate | up halves)."""
+
+    def __init__(self, D: int, F: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(D, 2 * F, bias=False)
+        self.down_proj = nn.Linear(F, D, bias=False)
+
+    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
+        swiglu = pith_ops.swiglu_reference if reference else pith_ops.swiglu
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(D, E, bias=False)  # the router
+        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate | up halves
+        self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
+        # Aux-loss-free balancing: added to the scores for top-k selection only; the trainer updates it.
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+
+    def route(self, x_TD: Tensor) -> Routing:
+        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        probs_TE = logits_TE.softmax(-1)
+        expert_ids_TK = torch.topk(probs_TE.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        weights_TK = probs_TE.gather(1, expert_ids_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        return Routing(x_TD, expert_ids_TK, weights_TK, probs_TE, logits_TE)
+
+    def experts(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
+        h_N2F = pith_ops.grouped_gemm(x_ND, self.w_gate_up, group_ends_E)
+        return pith_ops.grouped_gemm(pith_ops.swiglu(h_N2F), self.w_down, group_ends_E)
+
+    def reference(self, x_BSD: Tensor) -> Tensor:
+        """Routing, then each expert over its tokens in a loop, weighted sum in fp32."""
+        x_TD = x_BSD.flatten(0, 1)
+        r = self.route(x_TD)
+        out_TD = torch.zeros_like(x_TD, dtype=torch.float32)
+        for e in range(self.w_gate_up.shape[0]):
+            t, k = (r.expert_ids_TK == e).nonzero(as_tuple=True)
+            y = pith_ops.swiglu_reference(x_TD[t] @ self.w_gate_up[e]) @ self.w_down[e]
+            out_TD = out_TD.index_add(0, t, y.float() * r.weights_TK[t, k, None])
+        return out_TD.to(x_BSD.dtype).view_as(x_BSD)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: Config, i: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out:
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), pos)
+        x_BSD = self.post_attention_layernorm(h_BSD)
+        if isinstance(self.mlp, MLP):
+            return Stage1Out(h_BSD + self.mlp(x_BSD), None)
+        return Stage1Out(h_BSD, self.mlp.route(x_BSD.flatten(0, 1)))
+
+    def stage3(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
+        return self.mlp.experts(x_ND, group_ends_E)
+
+    def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        return h_BSD + pith_ops.moe_unpermute(y_ND, slots_TK, weights_TK).view_as(h_BSD)
+
+    def reference_forward(self, h_BSD: Tensor, pos: Positions) -> Tensor:
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD, True), pos, True)
+        x_BSD = self.post_attention_layernorm(h_BSD, True)
+        mlp_BSD = self.mlp(x_BSD, True) if isinstance(self.mlp, MLP) else self.mlp.reference(x_BSD)
+        return h_BSD + mlp_BSD
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def prologue(self, input_ids_BS: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids_BS)
+
+    def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions:
+        # Angles in fp64: fp32 position * frequency loses ~1e-3 rad at positions near 32K.
+        Dh = self.cfg.head_dim
+        dev = position_ids_BS.device
+        inv_freq_R = self.cfg.rope_theta ** (-torch.arange(0, Dh, 2, device=dev, dtype=torch.float64) / Dh)
+        angle_BSR = position_ids_BS.double()[..., None] * inv_freq_R
+        return Positions(position_ids_BS, angle_BSR.cos().float(), angle_BSR.sin().float(), cp_group)
+
+    def epilogue(self, h_BSD: Tensor) -> Tensor:
+        return self.norm(h_BSD)
+
+    def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
+        pos = self.positions(default_position_ids(input_ids_BS))
+        h_BSD = self.embed_tokens(input_ids_BS)
+        for layer in self.layers:
+            h_BSD = layer.reference_forward(h_BSD, pos)
+        return self.lm_head(self.norm(h_BSD, True))
+
+
+@torch.no_grad()
+def init_weights(model: Model, seed: int) -> None:
+    """Norm weights 1, expert_bias 0, every other weight N(0, initializer_range), reproducible from seed."""
+    std = model.cfg.initializer_range
+    device = model.lm_head.weight.device
+    if device.type == "meta":
+        raise ValueError("the model is on the meta device: materialise it (model.to_empty(device=...)) first")
+    generator = torch.Generator(device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std, generator=generator)
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.expert_bias.zero_()
+
+
+def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
+    """Hugging Face names/layouts (per-expert [out, in] weights) -> ours (stacked [E, in, out])."""
+    out = {}
+    for k, v in sd.items():
+        name = k.removeprefix("model.")
+        if ".experts." not in name and not name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            out[name] = v
+    for i in range(cfg.num_hidden_layers):
+        hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.mlp."
+        if not cfg.is_moe(i):
+            gate, up = sd[hf + "gate_proj.weight"], sd[hf + "up_proj.weight"]
+            out[ours + "gate_up_proj.weight"] = torch.cat((gate, up))
+            continue
+        experts = [f"{hf}experts.{e}." for e in range(cfg.num_experts)]
+        out[ours + "w_gate_up"] = torch.stack(
+            [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in experts]
+        )
+        out[ours + "w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in experts])
+        out[ours + "expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32)
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
+    """Ours -> Hugging Face. A nonzero expert_bias is an error: HF Qwen3-MoE has no selection bias."""
+    out = {}
+    F_ = cfg.moe_intermediate_size
+    for k, v in sd.items():
+        prefix = k.rpartition(".")[0] + "."
+        if k.endswith("expert_bias"):
+            if not v.is_meta and bool(v.any()):
+                raise ValueError(f"{k} is nonzero: HF Qwen3-MoE has no routing bias to export it to")
+        elif k.endswith("mlp.w_gate_up"):
+            for e in range(v.shape[0]):
+                out[f"model.{prefix}experts.{e}.gate_proj.weight"] = v[e, :, :F_].T
+                out[f"model.{prefix}experts.{e}.up_proj.weight"] = v[e, :, F_:].T
+        elif k.endswith("mlp.w_down"):
+            for e in range(v.shape[0]):
+                out[f"model.{prefix}experts.{e}.down_proj.weight"] = v[e].T
+        elif k.endswith("mlp.gate_up_proj.weight"):
+            gate, up = v.chunk(2)
+            out[f"model.{prefix.removesuffix('gate_up_proj.')}gate_proj.weight"] = gate
+            out[f"model.{prefix.removesuffix('gate_up_proj.')}up_proj.weight"] = up
+        elif k == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out[k] = v
+        else:
+            out["model." + k] = v
+    return out
+
+
+# For tests: dense, MoE, MoE (mlp_only_layers); tests also vary decoder_sparse_step.
+TINY = Config(
+    vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+    norm_topk_prob=True, mlp_only_layers=(0,), rope_theta=10_000.0, max_position_embeddings=512,
+)  # fmt: skip
+# The trainer's default: ~4M parameters, byte-level vocabulary (256 bytes + 4 special tokens).
+TINY_MOE = Config(
+    vocab_size=260, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
+    norm_topk_prob=True, rope_theta=10_000.0, max_position_embeddings=2048,
+)  # fmt: skip
+QWEN3_30B_A3B = Config(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1_000_000.0, max_position_embeddings=40960,
+)  # fmt: skip
