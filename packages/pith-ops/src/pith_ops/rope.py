@@ -1,22 +1,155 @@
-"""Rotary position embedding (TEMPORARY: reference only until the Triton kernel lands)."""
+"""Rotary position embedding, fused forward and backward: half-split or interleaved pairs, partial rotary.
+
+Shape legend: B batch, S sequence, H heads, D head dim, R rotated pairs per head (2R <= D; the last
+D - 2R dims pass through unchanged). cos_BSR / sin_BSR may have batch 1 (shared by the batch).
+
+Memory-bound: one program per (token, block of heads) loads that token's cos/sin once and reuses it
+for every head, reads x once and writes the output once. The backward is the same kernel rotating
+by -angle (the rotation's transpose), so it costs what the forward costs. x and dy may be strided
+views (e.g. q sliced from a fused qkv projection): only the last dim must be contiguous.
+"""
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
+
+from pith_ops._common import FLOAT_DTYPES, check, use_triton
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    S,
+    H,
+    D,
+    R,
+    stride_xb,
+    stride_xs,
+    stride_xh,
+    stride_cb,
+    stride_cs,
+    stride_sb,
+    stride_ss,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    INVERSE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    b, s = token // S, token % S
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    cos = tl.load(cos_ptr + b * stride_cb + s * stride_cs + r, mask=r < R, other=0.0)
+    sin = tl.load(sin_ptr + b * stride_sb + s * stride_ss + r, mask=r < R, other=0.0)
+    cos, sin = cos.to(tl.float32)[None, :], sin.to(tl.float32)[None, :]
+    if INVERSE:
+        sin = -sin
+    x_head = x_ptr + b * stride_xb + s * stride_xs + heads[:, None] * stride_xh
+    out_head = out_ptr + token * H * D + heads[:, None] * D
+    if INTERLEAVED:
+        # Pairs (2i, 2i+1): one contiguous load of the 2R rotated dims, de-interleaved in registers.
+        c = tl.arange(0, 2 * BLOCK_R)
+        mask = (heads[:, None] < H) & (c[None, :] < 2 * R)
+        x = tl.load(x_head + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_R, 2)))
+        out = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        tl.store(out_head + c[None, :], tl.reshape(out, (BLOCK_H, 2 * BLOCK_R)), mask=mask)
+    else:
+        mask = (heads[:, None] < H) & (r[None, :] < R)
+        x1 = tl.load(x_head + r[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_head + R + r[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_head + r[None, :], x1 * cos - x2 * sin, mask=mask)
+        tl.store(out_head + R + r[None, :], x2 * cos + x1 * sin, mask=mask)
+    if BLOCK_REST > 0:
+        c = 2 * R + tl.arange(0, BLOCK_REST)
+        mask = (heads[:, None] < H) & (c[None, :] < D)
+        tl.store(out_head + c[None, :], tl.load(x_head + c[None, :], mask=mask), mask=mask)
+
+
+def _launch(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool, inverse: bool) -> Tensor:
+    # Any strides but a unit last one are read in place (an expanded cos has batch stride 0).
+    x_BSHD, cos_BSR, sin_BSR = (
+        t if t.stride(-1) == 1 else t.contiguous() for t in (x_BSHD, cos_BSR, sin_BSR)
+    )
+    B, S, H, D = x_BSHD.shape
+    R = cos_BSR.shape[-1]
+    out = torch.empty(B, S, H, D, device=x_BSHD.device, dtype=x_BSHD.dtype)
+    if out.numel() == 0:
+        return out
+    BLOCK_R = triton.next_power_of_2(R)
+    BLOCK_REST = triton.next_power_of_2(D - 2 * R) if D > 2 * R else 0
+    # Up to ~4096 elements per program: all 32 heads of a 128-dim q token in one program.
+    BLOCK_H = min(triton.next_power_of_2(H), max(1, 4096 // triton.next_power_of_2(D)))
+    warps = min(8, max(1, BLOCK_H * triton.next_power_of_2(D) // 512))
+    # A batch-1 cos/sin is shared by the whole batch.
+    cb, sb = (t.stride(0) if t.shape[0] > 1 else 0 for t in (cos_BSR, sin_BSR))
+    _rope_kernel[(B * S, triton.cdiv(H, BLOCK_H))](
+        x_BSHD, cos_BSR, sin_BSR, out, S, H, D, R,
+        x_BSHD.stride(0), x_BSHD.stride(1), x_BSHD.stride(2), cb, cos_BSR.stride(1), sb, sin_BSR.stride(1),
+        BLOCK_H, BLOCK_R, BLOCK_REST, interleaved, inverse, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("pith::rope", mutates_args=())
+def _rope_op(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool, inverse: bool) -> Tensor:
+    """Rotate by +angle (inverse=False) or -angle (inverse=True: the backward of the forward)."""
+    if not use_triton(x_BSHD):
+        return apply_rope_reference(x_BSHD, cos_BSR, -sin_BSR if inverse else sin_BSR, interleaved)
+    return _launch(x_BSHD, cos_BSR, sin_BSR, interleaved, inverse)
+
+
+@_rope_op.register_fake
+def _(x_BSHD, cos_BSR, sin_BSR, interleaved, inverse):
+    return x_BSHD.new_empty(x_BSHD.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, cos_BSR, sin_BSR, ctx.interleaved, ctx.inverse = inputs
+    ctx.save_for_backward(cos_BSR, sin_BSR)
+
+
+def _backward(ctx, dy_BSHD):
+    cos_BSR, sin_BSR = ctx.saved_tensors
+    return _rope_op(dy_BSHD, cos_BSR, sin_BSR, ctx.interleaved, not ctx.inverse), None, None, None, None
+
+
+_rope_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def apply_rope(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool = False) -> Tensor:
+    """Rotate the first 2R dims of each head (see apply_rope_reference); fused Triton forward and
+    backward (gradient for x only; cos and sin are constants)."""
+    check("x_BSHD", x_BSHD, ndim=4, dtypes=FLOAT_DTYPES)
+    check("cos_BSR", cos_BSR, ndim=3, dtypes=FLOAT_DTYPES, device=x_BSHD.device)
+    check("sin_BSR", sin_BSR, ndim=3, dtypes=FLOAT_DTYPES, device=x_BSHD.device)
+    B, S, H, D = x_BSHD.shape
+    R = cos_BSR.shape[-1]
+    if sin_BSR.shape != cos_BSR.shape or cos_BSR.shape[:2] not in ((B, S), (1, S)) or not 0 < 2 * R <= D:
+        raise ValueError(
+            f"cos_BSR, sin_BSR: expected equal shapes ({B} or 1, {S}, R) with 0 < 2R <= {D} for x of "
+            f"shape {tuple(x_BSHD.shape)}, got {tuple(cos_BSR.shape)} and {tuple(sin_BSR.shape)}"
+        )
+    return _rope_op(x_BSHD, cos_BSR, sin_BSR, interleaved, False)
 
 
 def apply_rope_reference(
     x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool = False
 ) -> Tensor:
     """Rotate the first 2R dims of each head (R = cos.shape[-1]); the rest pass through.
-    Half-split pairs (i, i+R); interleaved pairs (2i, 2i+1). Computed in fp32, out in x.dtype."""
+    Half-split pairs (i, i+R); interleaved pairs (2i, 2i+1). Computed in fp32 (float64 for float64
+    input), out in x.dtype."""
     R = cos_BSR.shape[-1]
-    xf = x_BSHD.float()
+    acc = torch.promote_types(x_BSHD.dtype, torch.float32)
+    xf = x_BSHD.to(acc)
     rot, rest = xf[..., : 2 * R], xf[..., 2 * R :]
-    cos, sin = cos_BSR[:, :, None, :].float(), sin_BSR[:, :, None, :].float()
+    cos, sin = cos_BSR[:, :, None, :].to(acc), sin_BSR[:, :, None, :].to(acc)
     x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :R], rot[..., R:])
     o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     out = torch.stack((o1, o2), dim=-1).flatten(-2) if interleaved else torch.cat((o1, o2), dim=-1)
     return torch.cat((out, rest), dim=-1).to(x_BSHD.dtype)
-
-
-apply_rope = apply_rope_reference
