@@ -3,18 +3,19 @@
 Model-module convention (qwen3_moe.py, deepseek_v2.py and gpt_oss.py all follow it; this file relies
 on it and on nothing else of theirs):
 - a module docstring listing the architectural choices;
-- `@dataclass(frozen=True) class Config` with a comment per field, a ClassVar `model_type` (the HF
-  model_type, a key of MODULES below), a field `tie_word_embeddings`, validation in __post_init__,
-  `Config.from_hf(d) -> Config` (ValueError naming any unsupported field or value; only fields that do
-  not affect the math are ignored, and they are listed explicitly) and `Config.to_hf() -> dict` (with
-  "model_type" and "architectures", loadable by transformers);
+- `@dataclass(frozen=True) class Config` with a comment per field, a field `tie_word_embeddings`,
+  validation in __post_init__, `Config.from_hf(d) -> Config` (ValueError naming any unsupported
+  field or value; only fields that do not affect the math are ignored, and they are listed
+  explicitly) and `Config.to_hf() -> dict` (with "model_type", a key of MODULES below, and
+  "architectures"; transformers loads it);
 - the nn.Modules, then `class Model(nn.Module)`: `Model(cfg)` builds on the current default device
   (so `with torch.device("meta")` allocates nothing), keeps `cfg` as `model.cfg`, and implements
-  pith_engine.contract.MoEModel (layers, lm_head, embed_tokens, prologue / positions / epilogue /
+  pith_engine.contract.MoEModel (layers, lm_head, prologue / positions / epilogue /
   reference_forward; layers implement DecoderLayer). Expert weights are Parameters [E_held, ...]:
   w_gate_up [E, D, 2F] (gate | up halves, the [E, in, out] layout pith_ops.grouped_gemm takes) and
   w_down [E, F, D]; stage3 uses whatever experts the module holds. Routers compute logits in fp32 and
-  hold a buffer `expert_bias` [E] (zeros) added to the scores for top-k selection only;
+  hold a persistent buffer `expert_bias` [E] (zeros; fp32; checkpoints carry it) added to the
+  scores for top-k selection only (not to the combine weights); the trainer updates it;
 - `init_weights(model, seed)`, the one initialiser (on a materialised model);
 - `from_hf_state_dict(sd, cfg)` / `to_hf_state_dict(sd, cfg)`: HF names and layouts <-> ours. Both
   work on meta tensors: loading checks the file's names and shapes against
@@ -39,7 +40,7 @@ MODULES: dict[str, ModuleType] = {
 
 
 def module_of(cfg) -> ModuleType:
-    return MODULES[cfg.model_type]
+    return MODULES[cfg.to_hf()["model_type"]]
 
 
 def config_from_hf(d: dict):
@@ -90,10 +91,24 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device
     check_tensors(hf_sd, module.to_hf_state_dict(model.state_dict(), cfg), str(path))
     hf_sd = {k: v.to(device, dtype) for k, v in hf_sd.items()}
     sd = {k: v.to(device) for k, v in module.from_hf_state_dict(hf_sd, cfg).items()}
-    model.load_state_dict(sd, strict=True, assign=True)
-    if cfg.tie_word_embeddings:  # assign=True gives each module its own Parameter; share it again
-        model.lm_head.weight = model.embed_tokens.weight
+    load_assign(model, sd)
     return model
+
+
+def load_assign(model: nn.Module, sd: dict[str, Tensor]) -> None:
+    """Strict load_state_dict(assign=True) onto a meta model, keeping tied parameters tied (assign
+    alone gives each module its own Parameter, silently untying lm_head from the embedding)."""
+    first: dict[int, str] = {}
+    ties = []  # (name, name of the parameter it shares)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties.append((name, first[id(p)]))
+        else:
+            first[id(p)] = name
+    model.load_state_dict(sd, strict=True, assign=True)
+    for name, source in ties:
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner).register_parameter(leaf, model.get_parameter(source))
 
 
 def save_pretrained(model: nn.Module, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
