@@ -1,0 +1,269 @@
+"""Context parallelism: ring attention over a zigzag split of the sequence.
+
+Layout. A sequence of length L is cut into 2*cp chunks and rank r keeps chunks r and 2cp-1-r, one
+early and one late, so the causal work is the same on every rank (cp=2, L=8: rank 0 holds
+positions 0 1 6 7, rank 1 holds 2 3 4 5). The local sequence is [chunk r, chunk 2cp-1-r].
+
+Forward. K/V and their positions travel around the ring: at step s rank r holds the block of rank
+(r - s) mod cp, sending it on while it computes with it. Which (query chunk, key chunk) pairs can
+see each other follows from the chunk indices alone (causal: key chunk <= query chunk; with a
+sliding window W, not all W+ positions back), so fully masked pairs are skipped without a host
+sync; inside a computed pair the mask comes from the positions. Partial results (out, lse) are
+merged by log-sum-exp in fp32. Sinks (GPT-OSS) join only the final denominator, once, after the
+merge: out * exp(lse - logaddexp(lse, sink)) = out * sigmoid(lse - sink).
+
+Backward. The ring runs again: K/V travel as in the forward and dK/dV accumulators follow one step
+behind (so their transfer overlaps the next block's compute), arriving back at their owner after cp
+shifts. With out = sum_b w_b out_b, w_b = exp(lse_b - lse) (lse merged, sinks included), a block's
+outputs receive d out_b = dout * w_b and d lse_b = w_b * (dout.out_b - dout.out); each block is
+recomputed and backpropagated with those, which is exact. Sinks: d sink = -sum exp(sink - lse) dout.out.
+
+Block kernel: on CUDA flex_attention (compiled; mask_mod from positions, GQA, Dqk != Dv, returns lse),
+elsewhere `attention_reference`, the specification.
+
+Shape legend: B batch, S local sequence (two chunks of C), L full sequence, H heads (Hq query,
+Hk key/value), D head dims (Dqk, Dv).
+"""
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+from pith_engine.attention import attention_reference
+from pith_engine.contract import Positions
+
+
+def _check_zigzag(seq_len: int, cp_size: int, cp_rank: int) -> None:
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"expected cp_size >= 1 and 0 <= cp_rank < cp_size, got {cp_size=} {cp_rank=}")
+    if seq_len % (2 * cp_size):
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp_size} (context parallelism "
+            f"cuts it into 2*cp equal chunks)"
+        )
+
+
+def zigzag_split(t: Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> Tensor:
+    """This rank's share of `t` along `dim`: chunks cp_rank and 2*cp_size-1-cp_rank of 2*cp_size."""
+    _check_zigzag(t.shape[dim], cp_size, cp_rank)
+    chunks = t.chunk(2 * cp_size, dim)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim)
+
+
+def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> Tensor:
+    """Global position ids (int64, [seq_len // cp_size]) of the tokens this rank keeps."""
+    return zigzag_split(torch.arange(seq_len, device=device), cp_size, cp_rank, 0)
+
+
+def zigzag_merge(parts: list[Tensor], dim: int = 1) -> Tensor:
+    """Inverse of zigzag_split: every rank's share, in rank order -> the full tensor."""
+    halves = [p.chunk(2, dim) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
+
+
+def ring_schedule(cp_size: int, cp_rank: int, chunk_len: int, window: int | None) -> list[list[tuple]]:
+    """For each ring step, the work with the visiting block: (local query chunk 0 or 1, key rows
+    slice of the block) for every query chunk that can see any of the block's keys."""
+    q_chunks = (cp_rank, 2 * cp_size - 1 - cp_rank)
+    steps = []
+    for s in range(cp_size):
+        src = (cp_rank - s) % cp_size
+        k_chunks = (src, 2 * cp_size - 1 - src)
+        pairs = []
+        for i, a in enumerate(q_chunks):
+            # the closest pair of chunk a and earlier chunk b is (a - b - 1) * chunk_len + 1 apart
+            seen = [
+                j
+                for j, b in enumerate(k_chunks)
+                if b <= a and (window is None or (a - b - 1) * chunk_len + 1 < window)
+            ]
+            if seen:
+                pairs.append((i, slice(seen[0] * chunk_len, (seen[-1] + 1) * chunk_len)))
+        steps.append(pairs)
+    return steps
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
+
+
+def _block_attention(
+    q: Tensor, k: Tensor, v: Tensor, pos_q_BS: Tensor, pos_k_BS: Tensor, scale: float, window: int | None
+) -> tuple[Tensor, Tensor]:
+    """q over one range of keys -> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32)."""
+    # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
+    if not (q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16):
+        return attention_reference(q, k, v, pos_q_BS, pos_k_BS, scale=scale, window=window)
+
+    def visible(b, h, qi, ki):
+        dist_ = pos_q_BS[b, qi] - pos_k_BS[b, ki]
+        return (dist_ >= 0) & (dist_ < window) if window is not None else dist_ >= 0
+
+    block_mask = create_block_mask(visible, q.shape[0], None, q.shape[1], k.shape[1], device=q.device)
+    out, aux = _compiled_flex_attention()(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=True,
+        return_aux=AuxRequest(lse=True),
+    )
+    return out.transpose(1, 2), aux.lse
+
+
+def _block_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos_q_BS: Tensor,
+    pos_k_BS: Tensor,
+    dout: Tensor,
+    lse_BHS: Tensor,
+    dot_BHS: Tensor,
+    scale: float,
+    window: int | None,
+) -> tuple[Tensor, ...]:
+    """Grads (dq, dk, dv) of one block's share of the merged output (see the module docstring);
+    lse_BHS is the merged lse, dot_BHS = rowsum(dout * out) of the merged output."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        out_b, lse_b = _block_attention(q, k, v, pos_q_BS, pos_k_BS, scale, window)
+    w_BHS = torch.exp(lse_b.detach() - lse_BHS)  # 0 where the block hid every key from a query
+    dout = dout.float()
+    d_out_b = (dout * w_BHS.transpose(1, 2)[..., None]).to(out_b.dtype)
+    d_lse_b = w_BHS * ((dout * out_b.detach().float()).sum(-1).transpose(1, 2) - dot_BHS)
+    return torch.autograd.grad((out_b, lse_b), (q, k, v), (d_out_b, d_lse_b))
+
+
+def _ring_shift(tensors: tuple[Tensor, ...], group: ProcessGroup) -> Callable[[], tuple[Tensor, ...]]:
+    """Start sending `tensors` to the next rank of the ring and receiving the previous rank's;
+    returns a function that waits and hands back what arrived."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size == 1:
+        return lambda: tensors
+    nxt = dist.get_global_rank(group, (rank + 1) % size)
+    prv = dist.get_global_rank(group, (rank - 1) % size)
+    sent = [t.contiguous() for t in tensors]
+    received = tuple(torch.empty_like(t) for t in sent)
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in sent]
+    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in received]
+    works = dist.batch_isend_irecv(ops)
+
+    def finish() -> tuple[Tensor, ...]:
+        for w in works:
+            w.wait()
+        return received
+
+    return finish
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Log-sum-exp merge of two partial results over disjoint keys (lse_a finite), in fp32."""
+    if out_a is None:
+        return out_b.float(), lse_b
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a, w_b = (torch.exp(x - lse).transpose(1, 2)[..., None] for x in (lse_a, lse_b))
+    return out_a * w_a + out_b.float() * w_b, lse
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks_H, pos_BS, scale, window, group):
+        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        C = q.shape[1] // 2
+        schedule = ring_schedule(cp_size, cp_rank, C, window)
+        out_parts, lse_parts = [None, None], [None, None]  # per local query chunk
+        blk = (k, v, pos_BS)
+        for s, pairs in enumerate(schedule):
+            arriving = _ring_shift(blk, group) if s + 1 < cp_size else None
+            k_blk, v_blk, pos_blk = blk
+            for i, ks in pairs:  # step 0 (own block) covers both chunks, so the merges see finite lse
+                qs = slice(i * C, (i + 1) * C)
+                o, l = _block_attention(
+                    q[:, qs], k_blk[:, ks], v_blk[:, ks], pos_BS[:, qs], pos_blk[:, ks], scale, window
+                )
+                out_parts[i], lse_parts[i] = _merge(out_parts[i], lse_parts[i], o, l)
+            if arriving is not None:
+                blk = arriving()
+        out, lse_BHS = torch.cat(out_parts, 1), torch.cat(lse_parts, 2)
+        if sinks_H is not None:
+            with_sink = torch.logaddexp(lse_BHS, sinks_H.float()[None, :, None])
+            out = out * torch.exp(lse_BHS - with_sink).transpose(1, 2)[..., None]
+            lse_BHS = with_sink
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, sinks_H, pos_BS, out, lse_BHS)
+        ctx.scale, ctx.window, ctx.group, ctx.schedule = scale, window, group, schedule
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, sinks_H, pos_BS, out, lse_BHS = ctx.saved_tensors
+        scale, window, group, schedule = ctx.scale, ctx.window, ctx.group, ctx.schedule
+        C = q.shape[1] // 2
+        dot_BHS = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        blk, dkv_arriving = (k, v, pos_BS), None
+        for s, pairs in enumerate(schedule):
+            arriving = _ring_shift(blk, group) if s + 1 < len(schedule) else None
+            k_blk, v_blk, pos_blk = blk
+            dk_blk = torch.zeros_like(k_blk, dtype=torch.float32)
+            dv_blk = torch.zeros_like(v_blk, dtype=torch.float32)
+            for i, ks in pairs:
+                qs = slice(i * C, (i + 1) * C)
+                gq, gk, gv = _block_backward(
+                    q[:, qs], k_blk[:, ks], v_blk[:, ks], pos_BS[:, qs], pos_blk[:, ks],
+                    dout[:, qs], lse_BHS[..., qs], dot_BHS[..., qs], scale, window,
+                )  # fmt: skip
+                dq[:, qs] += gq
+                dk_blk[:, ks] += gk
+                dv_blk[:, ks] += gv
+            if dkv_arriving is not None:  # what earlier ranks accumulated for this same block
+                dk_prev, dv_prev = dkv_arriving()
+                dk_blk += dk_prev
+                dv_blk += dv_prev
+            dkv_arriving = _ring_shift((dk_blk, dv_blk), group)
+            if arriving is not None:
+                blk = arriving()
+        dk, dv = dkv_arriving()  # after cp shifts each block's accumulator is back at its owner
+        dsinks = None
+        if sinks_H is not None:
+            dsinks = -(torch.exp(sinks_H.float()[None, :, None] - lse_BHS) * dot_BHS).sum((0, 2))
+            dsinks = dsinks.to(sinks_H.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Positions,
+    *,
+    scale: float,
+    window: int | None = None,
+    sinks_H: Tensor | None = None,
+) -> Tensor:
+    """Causal attention of this rank's zigzag share of the sequence over the whole sequence, ring
+    over `pos.cp_group`. q [B, S, Hq, Dqk], k [B, S, Hk, Dqk], v [B, S, Hk, Dv] hold the local tokens
+    in zigzag order and pos.position_ids_BS their global positions (zigzag_positions); -> [B, S, Hq, Dv]."""
+    B, S, Hq, Dqk = q.shape
+    if k.shape[:2] != (B, S) or k.shape[3] != Dqk or v.shape[:3] != k.shape[:3] or Hq % k.shape[2]:
+        raise ValueError(
+            f"expected q [B, S, Hq, Dqk], k [B, S, Hk, Dqk], v [B, S, Hk, Dv] with Hq a multiple of Hk, "
+            f"got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
+        )
+    if tuple(pos.position_ids_BS.shape) != (B, S):
+        raise ValueError(f"expected position ids [B, S] = {[B, S]}, got {list(pos.position_ids_BS.shape)}")
+    if S % 2:
+        raise ValueError(f"expected an even local sequence length (two zigzag chunks), got {S}")
+    if window is not None and window < 1:
+        raise ValueError(f"expected a sliding window of at least 1, got {window}")
+    if sinks_H is not None and tuple(sinks_H.shape) != (Hq,):
+        raise ValueError(f"expected sinks of shape [{Hq}] (one per query head), got {list(sinks_H.shape)}")
+    return _RingAttention.apply(q, k, v, sinks_H, pos.position_ids_BS, scale, window, pos.cp_group)
