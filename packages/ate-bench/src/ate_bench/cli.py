@@ -1,0 +1,149 @@
+"""The `ate-bench` command line: run, report, compare, metrics, inspect, tasks."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ate_bench.agents import make_agent
+from ate_bench.frameworks import load_framework
+from ate_bench.gpu import SCOPES
+from ate_bench.inspect_repo import format_table, inspect_tree
+from ate_bench.report import compare, write_report
+from ate_bench.runner import run_suite
+from ate_bench.tasks import load_tasks, select_tasks
+from ate_bench.transcript import transcript_metrics
+
+
+def cmd_run(args) -> int:
+    framework = load_framework(args.framework)
+    tasks = select_tasks(load_tasks(), [t for arg in args.tasks for t in arg.split(",") if t])
+    agent = make_agent(args.agent_name or args.agent, args.agent_command, args.model)
+    records = run_suite(
+        framework, tasks, agent, Path(args.run_dir), args.repeats, args.timeout, args.judge, args.gpu_scope
+    )
+    verdicts = [r["grade"]["verdict"] for r in records]
+    print(
+        f"{len(records)} attempts in {args.run_dir}: "
+        + ", ".join(f"{v} {verdicts.count(v)}" for v in sorted(set(verdicts)))
+    )
+    return 0
+
+
+def cmd_report(args) -> int:
+    questions = {t.id: (t.prompt, t.grading.get("reference", "")) for t in load_tasks()}
+    summary = write_report(Path(args.run_dir), Path(args.out or args.run_dir), questions)
+    print((Path(summary["out_dir"]) / "report.md").read_text())
+    print(
+        f"wrote report.md, report.csv, report.png and grading-sheet.csv "
+        f"({summary['sheet_rows']} Q&A rows) in {summary['out_dir']}"
+    )
+    return 0
+
+
+def cmd_compare(args) -> int:
+    text, _ = compare(Path(args.run_dir), args.baseline)
+    print(text)
+    return 0
+
+
+def cmd_metrics(args) -> int:
+    path = Path(args.transcript)
+    metrics = transcript_metrics(path)
+    metrics.pop("final_text")
+    gpu_file = path.parent / "gpu.json"  # written by `ate-bench run` beside the transcript
+    metrics["active_gpu_time_s"] = (
+        json.loads(gpu_file.read_text())["active_gpu_time_s"] if gpu_file.is_file() else None
+    )
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    report = inspect_tree(Path(args.path))
+    print(
+        json.dumps(report, indent=2) if args.json else format_table(report), end="" if not args.json else "\n"
+    )
+    return 0
+
+
+def cmd_tasks(args) -> int:
+    for task in load_tasks():
+        print(f"{task.id:<26}{task.category:<10}{task.time_limit_s:>7.0f}s  {task.title}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ate-bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the tasks with one agent on one framework (resumes)")
+    run.add_argument("--framework", required=True, help="framework TOML (see frameworks/)")
+    run.add_argument(
+        "--tasks",
+        action="append",
+        default=[],
+        help="task ids, id prefixes or categories (qa, operate, feature); comma-separated or repeated; "
+        "default all",
+    )
+    run.add_argument("--agent", default="claude", help="claude or codex (ignored with --agent-command)")
+    run.add_argument(
+        "--agent-command", help="generic agent: shell template using {prompt_file}, {worktree}, {read_only}"
+    )
+    run.add_argument(
+        "--agent-name", help="name of the agent in results (default: the --agent value, or 'generic')"
+    )
+    run.add_argument("--model", help="model passed to the claude / codex CLI")
+    run.add_argument("--repeats", type=int, default=3)
+    run.add_argument("--run-dir", default="ate-runs", help="where attempts, worktrees and results go")
+    run.add_argument(
+        "--timeout", type=float, help="per-attempt wall-clock limit in seconds (default: per category)"
+    )
+    run.add_argument(
+        "--judge", help="judge for new-feature tasks: shell template using {prompt_file}, {worktree}"
+    )
+    run.add_argument(
+        "--gpu-scope",
+        choices=SCOPES,
+        default="attempt",
+        help="count GPUs running the attempt's processes, or all busy GPUs",
+    )
+    run.set_defaults(handler=cmd_run)
+
+    report = sub.add_parser(
+        "report", help="medians per task and framework: Markdown, CSV, PNG, grading sheet"
+    )
+    report.add_argument("run_dir")
+    report.add_argument("--out", help="output directory (default: the run directory)")
+    report.set_defaults(handler=cmd_report)
+
+    comp = sub.add_parser("compare", help="relative differences between frameworks")
+    comp.add_argument("run_dir")
+    comp.add_argument("--baseline", help="framework the others are compared with (default: first by name)")
+    comp.set_defaults(handler=cmd_compare)
+
+    metrics = sub.add_parser("metrics", help="metrics of one transcript, as JSON")
+    metrics.add_argument("transcript")
+    metrics.set_defaults(handler=cmd_metrics)
+
+    insp = sub.add_parser("inspect", help="agent-native figures of a checkout")
+    insp.add_argument("path")
+    insp.add_argument("--json", action="store_true")
+    insp.set_defaults(handler=cmd_inspect)
+
+    tasks = sub.add_parser("tasks", help="list the tasks")
+    tasks.set_defaults(handler=cmd_tasks)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ValueError as error:
+        print(f"ate-bench: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

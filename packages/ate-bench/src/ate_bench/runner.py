@@ -1,0 +1,233 @@
+"""`ate-bench run`: every (task, repeat) attempt of one agent on one framework.
+
+Layout of a run directory:
+    RUN/<framework>/<agent>/<task id>/attempt-<n>/
+        worktree/            a git worktree of the framework at the pinned commit (the agent's cwd)
+        worktree/ate-artifacts/  where operate / feature tasks leave their artifacts
+        prompt.md            the exact prompt given
+        transcript.jsonl     the agent's stdout
+        agent.stderr
+        result.json          status, metrics, GPU time and grade; written last, atomically
+
+An attempt with a result.json is finished and never rerun (runs resume); a directory without one
+is the remains of an interrupted attempt and is started afresh. The user's checkout is only read:
+it must be clean (no modified or untracked files), and the run directory must lie outside it.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from ate_bench.gpu import GpuSampler
+from ate_bench.grading import grade_attempt
+from ate_bench.transcript import transcript_metrics
+
+KILL_GRACE_S = 5.0  # SIGTERM first, so a training job can release the GPU cleanly; then SIGKILL
+
+
+def git(*args: str, cwd: Path) -> str:
+    done = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ValueError(f"git {' '.join(args)} in {cwd} failed: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def resolve_source(framework) -> str:
+    """The full sha attempts check out; refuses a checkout with local changes."""
+    if not framework.path.is_dir():
+        raise ValueError(f"expected the {framework.name} checkout at {framework.path}, got no such directory")
+    top = Path(git("rev-parse", "--show-toplevel", cwd=framework.path)).resolve()
+    if top != framework.path.resolve():
+        raise ValueError(
+            f"expected {framework.path} to be the root of a git checkout, got one rooted at {top}"
+        )
+    dirty = git("status", "--porcelain", "--untracked-files=normal", cwd=framework.path)
+    if dirty:
+        listed = ", ".join(line[3:] for line in dirty.splitlines()[:5])
+        raise ValueError(
+            f"expected a clean {framework.name} checkout at {framework.path}, got local changes "
+            f"({listed}{', ...' if len(dirty.splitlines()) > 5 else ''}); commit or stash them first"
+        )
+    return git("rev-parse", "--verify", f"{framework.commit}^{{commit}}", cwd=framework.path)
+
+
+def remove_worktree(source: Path, worktree: Path) -> None:
+    if worktree.exists():
+        subprocess.run(
+            ["git", "-C", str(source), "worktree", "remove", "--force", str(worktree)], capture_output=True
+        )
+        shutil.rmtree(worktree, ignore_errors=True)
+    subprocess.run(["git", "-C", str(source), "worktree", "prune"], capture_output=True)
+
+
+def create_worktree(source: Path, sha: str, worktree: Path) -> None:
+    remove_worktree(source, worktree)
+    worktree.parent.mkdir(parents=True, exist_ok=True)
+    git("worktree", "add", "--detach", str(worktree), sha, cwd=source)
+
+
+def processes() -> list[tuple[int, int, int, int]]:
+    """(pid, ppid, process group, session) of every visible process (Linux /proc)."""
+    table = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, pgrp, session
+        if fields[0] == "Z":  # already dead, waiting to be reaped: nothing left to kill
+            continue
+        table.append((int(entry.name), int(fields[1]), int(fields[2]), int(fields[3])))
+    return table
+
+
+def attempt_processes(leader: int) -> set[int]:
+    """The agent's session and process group plus all its descendants (which may have left both)."""
+    table = processes()
+    found = {pid for pid, _, group, session in table if leader in (group, session)}
+    children = {}
+    for pid, ppid, _, _ in table:
+        children.setdefault(ppid, []).append(pid)
+    stack = [leader]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found - {os.getpid()}
+
+
+def signal_all(pids: set[int], leader: int, sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, sig)
+
+
+def kill_attempt(proc: subprocess.Popen) -> None:
+    """End the agent and everything it started."""
+    targets = attempt_processes(proc.pid)
+    signal_all(targets, proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE_S
+    while time.monotonic() < deadline and (proc.poll() is None or attempt_processes(proc.pid) - {proc.pid}):
+        time.sleep(0.05)
+    signal_all(targets | attempt_processes(proc.pid), proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def run_attempt(
+    task, framework, sha, agent, attempt_dir: Path, timeout_s, judge=None, gpu_scope="attempt", nvml=None
+):
+    """Run one attempt to completion (or timeout), grade it, write result.json; returns the record."""
+    worktree = attempt_dir / "worktree"
+    create_worktree(framework.path, sha, worktree)
+    (worktree / "ate-artifacts").mkdir(exist_ok=True)
+    prompt = task.prompt + "\n" + framework.notes_for_agent()
+    prompt_file = attempt_dir / "prompt.md"
+    prompt_file.write_text(prompt)
+    command = agent.command(prompt, task.read_only, worktree, prompt_file)
+    env = os.environ | framework.env | {"ATE_ARTIFACTS": str(worktree / "ate-artifacts")}
+    transcript = attempt_dir / "transcript.jsonl"
+    sampler = GpuSampler(nvml=nvml, scope=gpu_scope).start()
+    started = time.monotonic()
+    with open(transcript, "wb") as out, open(attempt_dir / "agent.stderr", "wb") as err:
+        proc = subprocess.Popen(
+            command,
+            shell=isinstance(command, str),
+            cwd=worktree,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,  # its own session and process group: one signal reaches all of it
+        )
+        sampler.set_session(proc.pid)
+        try:
+            exit_code = proc.wait(timeout=timeout_s)
+            status = "finished"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        kill_attempt(proc)  # on timeout the agent; otherwise whatever it left running
+        exit_code = proc.returncode
+    wall_s = time.monotonic() - started
+    sampler.stop()
+    metrics = transcript_metrics(transcript)
+    final_text = metrics.pop("final_text")
+    metrics["active_gpu_time_s"] = sampler.active_gpu_time_s
+    if status == "finished" and exit_code != 0:
+        status = "agent_error"
+    try:
+        grade = grade_attempt(task, worktree, final_text, attempt_dir, sha, judge)
+    except (OSError, ValueError, subprocess.CalledProcessError) as error:
+        grade = {"verdict": "ERROR", "error": repr(error)}
+    write_json(attempt_dir / "gpu.json", sampler.summary())
+    record = {
+        "framework": framework.name,
+        "agent": agent.name,
+        "task": task.id,
+        "category": task.category,
+        "repeat": int(attempt_dir.name.rsplit("-", 1)[1]),
+        "commit": sha,
+        "status": status,
+        "exit_code": exit_code,
+        "wall_s": wall_s,
+        "time_limit_s": timeout_s,
+        "metrics": metrics,
+        "grade": grade,
+    }
+    write_json(attempt_dir / "result.json", record)
+    return record
+
+
+def run_suite(
+    framework, tasks, agent, run_dir: Path, repeats=3, timeout_s=None, judge=None, gpu_scope="attempt",
+    nvml=None, log=print,
+) -> list[dict]:  # fmt: skip
+    """All attempts of `tasks` x `repeats`; finished ones are loaded, not rerun."""
+    if repeats < 1:
+        raise ValueError(f"expected repeats >= 1, got {repeats}")
+    if timeout_s is not None and timeout_s <= 0:
+        raise ValueError(f"expected a positive timeout in seconds, got {timeout_s}")
+    missing = {t.id: sorted(set(t.requires_staged) - set(framework.staged_data)) for t in tasks}
+    missing = {k: v for k, v in missing.items() if v}
+    if missing:
+        raise ValueError(
+            f"expected [staged_data] entries in the {framework.name} TOML, got none for {missing}"
+        )
+    run_dir = Path(run_dir).resolve()
+    if run_dir.is_relative_to(framework.path.resolve()):
+        raise ValueError(f"expected the run directory outside the checkout {framework.path}, got {run_dir}")
+    sha = resolve_source(framework)
+    records = []
+    for task in tasks:
+        for repeat in range(1, repeats + 1):
+            attempt_dir = run_dir / framework.name / agent.name / task.id / f"attempt-{repeat}"
+            result_file = attempt_dir / "result.json"
+            if result_file.is_file():
+                records.append(json.loads(result_file.read_text()))
+                log(f"{task.id} attempt {repeat}: done before, kept")
+                continue
+            if attempt_dir.exists():
+                remove_worktree(framework.path, attempt_dir / "worktree")
+                shutil.rmtree(attempt_dir)
+            attempt_dir.mkdir(parents=True)
+            limit = timeout_s or task.time_limit_s
+            log(f"{task.id} attempt {repeat}: running (limit {limit:.0f}s)")
+            record = run_attempt(task, framework, sha, agent, attempt_dir, limit, judge, gpu_scope, nvml)
+            log(f"{task.id} attempt {repeat}: {record['status']}, {record['grade']['verdict']}")
+            records.append(record)
+    return records
