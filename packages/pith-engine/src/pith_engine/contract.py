@@ -54,6 +54,11 @@ class Stage1Out(NamedTuple):
 class DecoderLayer(Protocol):
     """One decoder layer, dense or MoE, in the five-stage form."""
 
+    # The routed experts: a module holding only their weights, each [E_held, ...], that stage3 calls
+    # (module call, so FSDP's hooks run); None for a dense layer. The engine slices it to a rank's
+    # experts under EP and shards it over dp x cp, apart from the rest of the layer.
+    experts: nn.Module | None
+
     def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out: ...
 
     def stage3(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:

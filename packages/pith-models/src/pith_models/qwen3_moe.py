@@ -184,14 +184,26 @@ class MLP(nn.Module):
         return self.down_proj(swiglu(self.gate_up_proj(x)))
 
 
+class Experts(nn.Module):
+    """The routed experts, stage 3; a module of their own so the engine can shard them apart."""
+
+    def __init__(self, E: int, D: int, F: int):
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate | up halves
+        self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
+
+    def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
+        h_N2F = pith_ops.grouped_gemm(x_ND, self.w_gate_up, group_ends_E)
+        return pith_ops.grouped_gemm(pith_ops.swiglu(h_N2F), self.w_down, group_ends_E)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(D, E, bias=False)  # the router
-        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate | up halves
-        self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
+        self.experts = Experts(E, D, F)
         # Aux-loss-free balancing: added to the scores for top-k selection only; the trainer updates it.
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
 
@@ -204,18 +216,15 @@ class MoE(nn.Module):
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
         return Routing(x_TD, expert_ids_TK, weights_TK, probs_TE, logits_TE)
 
-    def experts(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
-        h_N2F = pith_ops.grouped_gemm(x_ND, self.w_gate_up, group_ends_E)
-        return pith_ops.grouped_gemm(pith_ops.swiglu(h_N2F), self.w_down, group_ends_E)
-
     def reference(self, x_BSD: Tensor) -> Tensor:
         """Routing, then each expert over its tokens in a loop, weighted sum in fp32."""
         x_TD = x_BSD.flatten(0, 1)
         r = self.route(x_TD)
         out_TD = torch.zeros_like(x_TD, dtype=torch.float32)
-        for e in range(self.w_gate_up.shape[0]):
+        w_gate_up, w_down = self.experts.w_gate_up, self.experts.w_down
+        for e in range(w_gate_up.shape[0]):
             t, k = (r.expert_ids_TK == e).nonzero(as_tuple=True)
-            y = pith_ops.swiglu_reference(x_TD[t] @ self.w_gate_up[e]) @ self.w_down[e]
+            y = pith_ops.swiglu_reference(x_TD[t] @ w_gate_up[e]) @ w_down[e]
             out_TD = out_TD.index_add(0, t, y.float() * r.weights_TK[t, k, None])
         return out_TD.to(x_BSD.dtype).view_as(x_BSD)
 
@@ -227,6 +236,10 @@ class Layer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    @property
+    def experts(self) -> Experts | None:
+        return self.mlp.experts if isinstance(self.mlp, MoE) else None
 
     def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out:
         h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), pos)
@@ -313,10 +326,10 @@ def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
             out[ours + "gate_up_proj.weight"] = torch.cat((gate, up))
             continue
         experts = [f"{hf}experts.{e}." for e in range(cfg.num_experts)]
-        out[ours + "w_gate_up"] = torch.stack(
+        out[ours + "experts.w_gate_up"] = torch.stack(
             [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in experts]
         )
-        out[ours + "w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in experts])
+        out[ours + "experts.w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in experts])
         out[ours + "expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32)
     if cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["embed_tokens.weight"]
@@ -332,13 +345,13 @@ def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
         if k.endswith("expert_bias"):
             if not v.is_meta and bool(v.any()):
                 raise ValueError(f"{k} is nonzero: HF Qwen3-MoE has no routing bias to export it to")
-        elif k.endswith("mlp.w_gate_up"):
+        elif k.endswith("mlp.experts.w_gate_up"):
             for e in range(v.shape[0]):
-                out[f"model.{prefix}experts.{e}.gate_proj.weight"] = v[e, :, :F_].T
-                out[f"model.{prefix}experts.{e}.up_proj.weight"] = v[e, :, F_:].T
-        elif k.endswith("mlp.w_down"):
+                out[f"model.{prefix}{e}.gate_proj.weight"] = v[e, :, :F_].T
+                out[f"model.{prefix}{e}.up_proj.weight"] = v[e, :, F_:].T
+        elif k.endswith("mlp.experts.w_down"):
             for e in range(v.shape[0]):
-                out[f"model.{prefix}experts.{e}.down_proj.weight"] = v[e].T
+                out[f"model.{prefix}{e}.down_proj.weight"] = v[e].T
         elif k.endswith("mlp.gate_up_proj.weight"):
             gate, up = v.chunk(2)
             out[f"model.{prefix.removesuffix('gate_up_proj.')}gate_proj.weight"] = gate
