@@ -79,7 +79,7 @@ def _blocks(N: int, D: int) -> tuple[int, int, int]:
 
 def _forward(x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool) -> Tensor:
     x_ND = x_ND.contiguous()
-    y_ND = torch.empty_like(x_ND)
+    y_ND = x_ND.new_empty(x_ND.shape)
     N, D = x_ND.shape
     if N == 0:
         return y_ND
@@ -95,7 +95,7 @@ def _backward_launch(
 ) -> tuple[Tensor, Tensor]:
     x_ND, dy_ND = x_ND.contiguous(), dy_ND.contiguous()
     N, D = x_ND.shape
-    dx_ND = torch.empty_like(x_ND)
+    dx_ND = x_ND.new_empty(x_ND.shape)
     ROWS, BLOCK_D, warps = _blocks(N, D)
     sms = torch.cuda.get_device_properties(x_ND.device).multi_processor_count if x_ND.is_cuda else 1
     P = max(1, min(triton.cdiv(N, ROWS), 4 * sms))
@@ -110,13 +110,13 @@ def _backward_launch(
 @torch.library.custom_op("pith::rms_norm", mutates_args=())
 def _rms_norm_op(x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool) -> Tensor:
     if not use_triton(x_ND):
-        return rms_norm_reference(x_ND, weight_D, eps, unit_offset)
+        return rms_norm_reference(x_ND, weight_D, eps, unit_offset).contiguous()
     return _forward(x_ND, weight_D, eps, unit_offset)
 
 
 @_rms_norm_op.register_fake
 def _(x_ND, weight_D, eps, unit_offset):
-    return torch.empty_like(x_ND)
+    return x_ND.new_empty(x_ND.shape)
 
 
 @torch.library.custom_op("pith::rms_norm_backward", mutates_args=())
@@ -125,13 +125,13 @@ def _rms_norm_backward_op(
 ) -> tuple[Tensor, Tensor]:
     if not use_triton(x_ND):
         _, vjp = torch.func.vjp(lambda x, w: rms_norm_reference(x, w, eps, unit_offset), x_ND, weight_D)
-        return vjp(dy_ND)
+        return tuple(g.contiguous() for g in vjp(dy_ND))
     return _backward_launch(dy_ND, x_ND, weight_D, eps, unit_offset)
 
 
 @_rms_norm_backward_op.register_fake
 def _(dy_ND, x_ND, weight_D, eps, unit_offset):
-    return torch.empty_like(x_ND), torch.empty_like(weight_D)
+    return x_ND.new_empty(x_ND.shape), weight_D.new_empty(weight_D.shape)
 
 
 def _setup_context(ctx, inputs, output):

@@ -100,7 +100,9 @@ def _launch(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool,
 def _rope_op(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool, inverse: bool) -> Tensor:
     """Rotate by +angle (inverse=False) or -angle (inverse=True: the backward of the forward)."""
     if not use_triton(x_BSHD):
-        return apply_rope_reference(x_BSHD, cos_BSR, -sin_BSR if inverse else sin_BSR, interleaved)
+        return apply_rope_reference(
+            x_BSHD, cos_BSR, -sin_BSR if inverse else sin_BSR, interleaved
+        ).contiguous()
     return _launch(x_BSHD, cos_BSR, sin_BSR, interleaved, inverse)
 
 

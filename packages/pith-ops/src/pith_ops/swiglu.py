@@ -70,7 +70,7 @@ def _swiglu_kernel(
 def _launch(x_N2F: Tensor, dy_NF: Tensor | None, oss: bool, alpha: float, limit: float) -> Tensor:
     x_N2F = x_N2F.contiguous()
     N, F = x_N2F.shape[0], x_N2F.shape[1] // 2
-    out = torch.empty_like(x_N2F) if dy_NF is not None else x_N2F.new_empty(N, F)
+    out = x_N2F.new_empty(N, 2 * F if dy_NF is not None else F)
     if N == 0:
         return out
     # 256 columns x 8 rows = 2048 elements per program: F=768 splits into 3 unmasked column blocks.
@@ -91,7 +91,7 @@ def _reference(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
 @torch.library.custom_op("pith::swiglu", mutates_args=())
 def _swiglu_op(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
     if not use_triton(x_N2F):
-        return _reference(x_N2F, oss, alpha, limit)
+        return _reference(x_N2F, oss, alpha, limit).contiguous()
     return _launch(x_N2F, None, oss, alpha, limit)
 
 
@@ -104,13 +104,13 @@ def _(x_N2F, oss, alpha, limit):
 def _swiglu_backward_op(dy_NF: Tensor, x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
     if not use_triton(x_N2F):
         _, vjp = torch.func.vjp(lambda x: _reference(x, oss, alpha, limit), x_N2F)
-        return vjp(dy_NF)[0]
+        return vjp(dy_NF)[0].contiguous()
     return _launch(x_N2F, dy_NF, oss, alpha, limit)
 
 
 @_swiglu_backward_op.register_fake
 def _(dy_NF, x_N2F, oss, alpha, limit):
-    return torch.empty_like(x_N2F)
+    return x_N2F.new_empty(x_N2F.shape)
 
 
 def _setup_context(ctx, inputs, output):
