@@ -56,9 +56,10 @@ def answer_identifiers(answer: str) -> set[str]:
     so a file name does not count as a named identifier."""
     text = CITATION.sub(" ", answer)
     names = {w for span in CODE_SPAN.findall(text) for w in WORD.findall(CITATION.sub(" ", span))}
-    for match in WORD.finditer(CODE_SPAN.sub(" ", text)):
+    prose = CODE_SPAN.sub(" ", text)
+    for match in WORD.finditer(prose):
         word = match.group()
-        follows = text[match.end() : match.end() + 1]
+        follows = prose[match.end() : match.end() + 1]
         if "_" in word.strip("_") or re.search(r"[a-z][A-Z]", word) or follows == "(":
             names.add(word)
     return {n for n in names if len(n) >= 3 and n.lower() not in STOPWORDS}

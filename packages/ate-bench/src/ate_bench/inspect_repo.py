@@ -1,7 +1,8 @@
 """`ate-bench inspect PATH`: the agent-native principles, measured on any checkout.
 
 - Lines of code by language: non-blank lines of the files git knows (tracked plus untracked,
-  not ignored) or, outside git, of every file not under a hidden/build/venv directory.
+  not ignored) or, outside git, of every file; either way not under a hidden, build or venv
+  directory.
 - Tokens to read all source: characters of the code files divided by 4 (a common rule of thumb
   for English-heavy code with BPE tokenizers; real counts vary by roughly +-20%), and whether
   that fits a 200K and a 1M token context. Documentation and config files are listed by language
@@ -46,6 +47,10 @@ PATTERN_KINDS = (
 CONTEXTS = {"fits_200k": 200_000, "fits_1m": 1_000_000}
 
 
+def skipped(directories) -> bool:
+    return any(d.startswith(".") or d in SKIP_DIRS for d in directories)
+
+
 def list_files(root: Path) -> list[Path]:
     done = subprocess.run(
         ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
@@ -53,10 +58,10 @@ def list_files(root: Path) -> list[Path]:
     )
     if done.returncode == 0:
         names = sorted({n for n in done.stdout.decode(errors="replace").split("\0") if n})
-        return [root / n for n in names if (root / n).is_file()]
+        return [root / n for n in names if not skipped(Path(n).parts[:-1]) and (root / n).is_file()]
     files = []
     for folder, dirs, names in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
+        dirs[:] = sorted(d for d in dirs if not skipped([d]))
         files += [Path(folder) / n for n in sorted(names)]
     return files
 

@@ -1,0 +1,107 @@
+"""The NVML sampler against a fake NVML module, and once against the real one (gpu marker)."""
+
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+from ate_bench.gpu import GpuSampler
+
+
+class FakeNvml:
+    """Just the pynvml calls the sampler makes. GPU i reports `utilisation[i]` and runs
+    `pids[i]`."""
+
+    def __init__(self, utilisation, pids, fail_init=False):
+        self.utilisation, self.pids, self.fail_init = utilisation, pids, fail_init
+        self.shutdowns = 0
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlShutdown(self):
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self):
+        return len(self.utilisation)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return SimpleNamespace(gpu=self.utilisation[handle], memory=0)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        return [SimpleNamespace(pid=p, usedGpuMemory=1 << 20) for p in self.pids[handle]]
+
+
+@pytest.fixture
+def attempt_process():
+    """A process in a session of its own, like an agent started by the runner."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_busy_gpu_running_the_attempt_counts(attempt_process):
+    nvml = FakeNvml(utilisation=[0, 87], pids=[[], [attempt_process.pid]])
+    started = time.monotonic()
+    sampler = GpuSampler(session_id=attempt_process.pid, nvml=nvml, interval_s=0.02).start()
+    time.sleep(0.4)
+    active = sampler.stop()
+    assert 0.25 < active <= time.monotonic() - started
+    assert sampler.gpus_used == {1} and nvml.shutdowns == 1
+
+
+def test_busy_gpu_of_another_process_does_not_count(attempt_process):
+    import os
+
+    nvml = FakeNvml(utilisation=[100], pids=[[os.getpid()]])  # pytest's process: another session
+    sampler = GpuSampler(session_id=attempt_process.pid, nvml=nvml, interval_s=0.02).start()
+    time.sleep(0.2)
+    assert sampler.stop() == 0.0 and sampler.samples > 3
+
+
+def test_scope_all_counts_any_busy_gpu():
+    nvml = FakeNvml(utilisation=[50], pids=[[999_999_999]])  # a host pid invisible from here
+    sampler = GpuSampler(nvml=nvml, interval_s=0.02, scope="all").start()
+    time.sleep(0.2)
+    assert sampler.stop() > 0.1
+
+
+def test_idle_gpu_counts_zero(attempt_process):
+    nvml = FakeNvml(utilisation=[0], pids=[[attempt_process.pid]])
+    sampler = GpuSampler(session_id=attempt_process.pid, nvml=nvml, interval_s=0.02).start()
+    time.sleep(0.15)
+    assert sampler.stop() == 0.0
+
+
+def test_no_gpu_gives_none():
+    assert GpuSampler(nvml=FakeNvml([], [])).start().stop() is None
+    assert GpuSampler(nvml=FakeNvml([10], [[]], fail_init=True)).start().stop() is None
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="scope"):
+        GpuSampler(nvml=FakeNvml([], []), scope="some")
+    with pytest.raises(ValueError, match="interval"):
+        GpuSampler(nvml=FakeNvml([], []), interval_s=0)
+
+
+@pytest.mark.gpu
+def test_real_nvml_measures_a_busy_gpu_for_about_a_second():
+    import torch
+
+    sampler = GpuSampler(scope="all", interval_s=0.05).start()
+    assert sampler.active_gpu_time_s is not None, "NVML found no GPU"
+    a = torch.randn(8192, 8192, device="cuda")
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+    active = sampler.stop()
+    print(f"real NVML: {active:.2f}s active of ~1s busy, {sampler.samples} samples, GPUs {sampler.gpus_used}")
+    assert 0.5 < active < 1.5
