@@ -51,3 +51,19 @@ def header(title: str) -> None:
     c = ceilings()
     ceil = f"copy {c['copy_GBps']:.0f} GB/s, bf16 matmul {c['bf16_TFLOPs']:.0f} TFLOP/s"
     print(f"\n== {title} on {c['card']}: {ceil}")
+
+
+def report_fwd_bwd(name: str, fns: dict, args: tuple, *, fwd_bytes: float, bwd_bytes: float) -> None:
+    """Two rows for the first entry of fns (the op): forward (no_grad) and forward+backward (gradients
+    for the args that require grad, against a random output gradient), the other entries (eager
+    reference, torch.compile of it, ...) timed on the same args as baselines."""
+    wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    op, *others = fns
+    dy = torch.randn_like(fns[op](*args))
+    with torch.no_grad():
+        fwd = {k: median_ms(lambda f=f: f(*args)) for k, f in fns.items()}
+    both = {k: median_ms(lambda f=f: torch.autograd.grad(f(*args), wrt, dy)) for k, f in fns.items()}
+    report(f"{name} fwd", fwd[op], bytes_moved=fwd_bytes, baselines={k: fwd[k] for k in others})
+    report(
+        f"{name} fwd+bwd", both[op], bytes_moved=fwd_bytes + bwd_bytes, baselines={k: both[k] for k in others}
+    )
