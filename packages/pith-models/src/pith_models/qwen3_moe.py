@@ -364,10 +364,10 @@ def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
     return out
 
 
-# For tests: dense, MoE, MoE (mlp_only_layers); tests also vary decoder_sparse_step.
+# For tests: a dense layer (mlp_only_layers), then a MoE layer; tests also vary decoder_sparse_step.
 TINY = Config(
-    vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+    vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
     norm_topk_prob=True, mlp_only_layers=(0,), rope_theta=10_000.0, max_position_embeddings=512,
 )  # fmt: skip
 # The trainer's default: ~4M parameters, byte-level vocabulary (256 bytes + 4 special tokens).
