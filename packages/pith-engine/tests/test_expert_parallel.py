@@ -1,0 +1,101 @@
+"""Expert-parallel dispatch/combine over 4 gloo processes (EP groups of 2 and of 4) reproduce the
+local stages 2-5 computed in float64: the layer output and the gradients of x, of the routing weights
+and of the experts' weights; a token is sent once per destination rank, not once per expert.
+
+Run as a script, this file is one rank of that test.
+"""
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pith_ops
+import pytest
+import torch
+import torch.distributed as dist
+from pith_engine.contract import Routing
+from pith_engine.expert_parallel import ExpertParallel
+
+D = 8
+# (name, experts, top-k, tokens on rank r, align, routing): "skewed" sends every token to the first
+# EP rank's experts, so the other ranks receive nothing and send back nothing.
+CASES = [
+    ("top2", 8, 2, lambda r: 5 + r, 1, "random"),
+    ("top3_align4", 8, 3, lambda r: 4, 4, "random"),
+    ("every_expert", 4, 4, lambda r: 3, 1, "random"),
+    ("one_token", 8, 2, lambda r: 1, 1, "random"),
+    ("skewed", 8, 2, lambda r: 6, 2, "skewed"),
+]
+
+
+def _routing(E: int, K: int, T: int, kind: str, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    x = torch.randn(T, D, generator=g, dtype=torch.float64)
+    pool = 2 if kind == "skewed" else E  # skewed: only experts 0 and 1
+    ids = torch.stack([torch.randperm(pool, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K)
+    w = torch.rand(T, K, generator=g, dtype=torch.float64)
+    return x, ids.long(), w
+
+
+def _check_case(group, E: int, K: int, tokens, align: int, kind: str) -> None:
+    R, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(7)
+    w_EDD = torch.randn(E, D, D, generator=g, dtype=torch.float64) / D**0.5  # same on every rank
+    data = [_routing(E, K, tokens(q), kind, g) for q in range(R)]
+    x64, ids, wt64 = data[r]
+    dout64 = torch.randn(x64.shape, generator=torch.Generator().manual_seed(100 + r), dtype=torch.float64)
+
+    # float64 reference, every expert local: out[t] = sum_k w[t, k] * x[t] @ W[ids[t, k]].
+    leaves64 = [t.clone().requires_grad_() for t in (x64, wt64, w_EDD)]
+    ref = torch.einsum("tk,td,tkde->te", leaves64[1], leaves64[0], leaves64[2][ids])
+    ref_grads = torch.autograd.grad(ref, leaves64, dout64)
+    dw_experts_sum = ref_grads[2].clone()
+    dist.all_reduce(dw_experts_sum, group=group)  # an expert's gradient sums every rank's tokens
+
+    El = E // R
+    held = slice(r * El, (r + 1) * El)
+    leaves = [t.float().requires_grad_() for t in (x64, wt64, w_EDD[held])]
+    comm = ExpertParallel(group, E, align)
+    probs = torch.zeros(ids.shape[0], E)  # only its width (E) matters to dispatch
+    x_ND, ends, handle = comm.dispatch(Routing(leaves[0], ids, leaves[1], probs, probs))
+    rows, slots, weights = comm.combine(pith_ops.grouped_gemm(x_ND, leaves[2], ends), handle)
+    out = pith_ops.moe_unpermute(rows, slots, weights)
+    grads = torch.autograd.grad(out, leaves, dout64.float())
+
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), ref.detach(), **tol)
+    torch.testing.assert_close(grads[0].double(), ref_grads[0], **tol)
+    torch.testing.assert_close(grads[1].double(), ref_grads[1], **tol)
+    torch.testing.assert_close(grads[2].double(), dw_experts_sum[held], **tol)
+    # Deduplicated: one row per (token, destination rank holding any of its experts).
+    destinations = {(t, int(e) // El) for t in range(ids.shape[0]) for e in ids[t]}
+    assert sum(handle.send_rows) == len(destinations), (handle.send_rows, len(destinations))
+
+
+def _worker(world: int, rank: int, tmp: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    groups = {"ep2": pairs[rank // 2], "ep4": dist.group.WORLD}
+    for gname, group in groups.items():
+        for name, *spec in CASES:
+            try:
+                _check_case(group, *spec)
+            except AssertionError as e:
+                raise AssertionError(f"{gname} case {name} rank {rank}: {e}") from None
+    try:
+        ExpertParallel(dist.group.WORLD, 6)
+        raise AssertionError("6 experts over ep=4 was accepted")
+    except ValueError as e:
+        assert "6 experts" in str(e) and "ep=4" in str(e), e
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_expert_parallel_dispatch_combine_match_local_experts_in_float64(run_ranks, tmp_path):
+    run_ranks(__file__, 4, tmp_path)
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
