@@ -3,10 +3,11 @@
 Shape legend: B batch, S sequence, H heads, D head dim, R rotated pairs per head (2R <= D; the last
 D - 2R dims pass through unchanged). cos_BSR / sin_BSR may have batch 1 (shared by the batch).
 
-Memory-bound: one program per (token, block of heads) loads that token's cos/sin once and reuses it
-for every head, reads x once and writes the output once. The backward is the same kernel rotating
-by -angle (the rotation's transpose), so it costs what the forward costs. x and dy may be strided
-views (e.g. q sliced from a fused qkv projection): only the last dim must be contiguous.
+Memory-bound: a program takes a block of tokens x a block of heads (~4096 elements), loads each
+token's cos/sin once and reuses it for every head, reads x once and writes the output once. The
+backward is the same kernel rotating by -angle (the rotation's transpose), so it costs what the
+forward costs. x and dy may be strided views (e.g. q sliced from a fused qkv projection): only the
+last dim must be contiguous.
 """
 
 import torch
@@ -23,6 +24,7 @@ def _rope_kernel(
     cos_ptr,
     sin_ptr,
     out_ptr,
+    T,
     S,
     H,
     D,
@@ -34,41 +36,46 @@ def _rope_kernel(
     stride_cs,
     stride_sb,
     stride_ss,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_REST: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     INVERSE: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    b, s = token // S, token % S
+    """One [BLOCK_T tokens, BLOCK_H heads, head dim] tile; cos/sin loaded once per token."""
+    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    b, s = tokens // S, tokens % S
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     r = tl.arange(0, BLOCK_R)
-    cos = tl.load(cos_ptr + b * stride_cb + s * stride_cs + r, mask=r < R, other=0.0)
-    sin = tl.load(sin_ptr + b * stride_sb + s * stride_ss + r, mask=r < R, other=0.0)
-    cos, sin = cos.to(tl.float32)[None, :], sin.to(tl.float32)[None, :]
+    cs_mask = (tokens[:, None] < T) & (r[None, :] < R)
+    cos = tl.load(cos_ptr + (b * stride_cb + s * stride_cs)[:, None] + r[None, :], mask=cs_mask, other=0.0)
+    sin = tl.load(sin_ptr + (b * stride_sb + s * stride_ss)[:, None] + r[None, :], mask=cs_mask, other=0.0)
+    cos, sin = cos.to(tl.float32)[:, None, :], sin.to(tl.float32)[:, None, :]
     if INVERSE:
         sin = -sin
-    x_head = x_ptr + b * stride_xb + s * stride_xs + heads[:, None] * stride_xh
-    out_head = out_ptr + token * H * D + heads[:, None] * D
+    x_head = x_ptr + (b * stride_xb + s * stride_xs)[:, None, None] + heads[None, :, None] * stride_xh
+    out_head = out_ptr + (tokens * H * D)[:, None, None] + heads[None, :, None] * D
+    head_mask = (tokens[:, None, None] < T) & (heads[None, :, None] < H)
     if INTERLEAVED:
         # Pairs (2i, 2i+1): one contiguous load of the 2R rotated dims, de-interleaved in registers.
-        c = tl.arange(0, 2 * BLOCK_R)
-        mask = (heads[:, None] < H) & (c[None, :] < 2 * R)
-        x = tl.load(x_head + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_R, 2)))
+        c = tl.arange(0, 2 * BLOCK_R)[None, None, :]
+        mask = head_mask & (c < 2 * R)
+        x = tl.load(x_head + c, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, BLOCK_R, 2)))
         out = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-        tl.store(out_head + c[None, :], tl.reshape(out, (BLOCK_H, 2 * BLOCK_R)), mask=mask)
+        tl.store(out_head + c, tl.reshape(out, (BLOCK_T, BLOCK_H, 2 * BLOCK_R)), mask=mask)
     else:
-        mask = (heads[:, None] < H) & (r[None, :] < R)
-        x1 = tl.load(x_head + r[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_head + R + r[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_head + r[None, :], x1 * cos - x2 * sin, mask=mask)
-        tl.store(out_head + R + r[None, :], x2 * cos + x1 * sin, mask=mask)
+        c = r[None, None, :]
+        mask = head_mask & (c < R)
+        x1 = tl.load(x_head + c, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_head + R + c, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_head + c, x1 * cos - x2 * sin, mask=mask)
+        tl.store(out_head + R + c, x2 * cos + x1 * sin, mask=mask)
     if BLOCK_REST > 0:
-        c = 2 * R + tl.arange(0, BLOCK_REST)
-        mask = (heads[:, None] < H) & (c[None, :] < D)
-        tl.store(out_head + c[None, :], tl.load(x_head + c[None, :], mask=mask), mask=mask)
+        c = 2 * R + tl.arange(0, BLOCK_REST)[None, None, :]
+        mask = head_mask & (c < D)
+        tl.store(out_head + c, tl.load(x_head + c, mask=mask), mask=mask)
 
 
 def _launch(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool, inverse: bool) -> Tensor:
@@ -81,17 +88,19 @@ def _launch(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool,
     out = torch.empty(B, S, H, D, device=x_BSHD.device, dtype=x_BSHD.dtype)
     if out.numel() == 0:
         return out
+    # ~4096 elements per program: all 32 heads of one 128-dim q token, or 8 tokens of a 4-head k.
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_H = min(triton.next_power_of_2(H), max(1, 4096 // BLOCK_D))
+    BLOCK_T = min(triton.next_power_of_2(B * S), max(1, 4096 // (BLOCK_H * BLOCK_D)))
     BLOCK_R = triton.next_power_of_2(R)
     BLOCK_REST = triton.next_power_of_2(D - 2 * R) if D > 2 * R else 0
-    # Up to ~4096 elements per program: all 32 heads of a 128-dim q token in one program.
-    BLOCK_H = min(triton.next_power_of_2(H), max(1, 4096 // triton.next_power_of_2(D)))
-    warps = min(8, max(1, BLOCK_H * triton.next_power_of_2(D) // 512))
+    warps = min(8, max(1, BLOCK_T * BLOCK_H * BLOCK_D // 512))
     # A batch-1 cos/sin is shared by the whole batch.
     cb, sb = (t.stride(0) if t.shape[0] > 1 else 0 for t in (cos_BSR, sin_BSR))
-    _rope_kernel[(B * S, triton.cdiv(H, BLOCK_H))](
-        x_BSHD, cos_BSR, sin_BSR, out, S, H, D, R,
+    _rope_kernel[(triton.cdiv(B * S, BLOCK_T), triton.cdiv(H, BLOCK_H))](
+        x_BSHD, cos_BSR, sin_BSR, out, B * S, S, H, D, R,
         x_BSHD.stride(0), x_BSHD.stride(1), x_BSHD.stride(2), cb, cos_BSR.stride(1), sb, sin_BSR.stride(1),
-        BLOCK_H, BLOCK_R, BLOCK_REST, interleaved, inverse, num_warps=warps,
+        BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_REST, interleaved, inverse, num_warps=warps,
     )  # fmt: skip
     return out
 
