@@ -3,38 +3,9 @@
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 from ate_bench.gpu import GpuSampler
-
-
-class FakeNvml:
-    """Just the pynvml calls the sampler makes. GPU i reports `utilisation[i]` and runs
-    `pids[i]`."""
-
-    def __init__(self, utilisation, pids, fail_init=False):
-        self.utilisation, self.pids, self.fail_init = utilisation, pids, fail_init
-        self.shutdowns = 0
-
-    def nvmlInit(self):
-        if self.fail_init:
-            raise RuntimeError("NVML Shared Library Not Found")
-
-    def nvmlShutdown(self):
-        self.shutdowns += 1
-
-    def nvmlDeviceGetCount(self):
-        return len(self.utilisation)
-
-    def nvmlDeviceGetHandleByIndex(self, index):
-        return index
-
-    def nvmlDeviceGetUtilizationRates(self, handle):
-        return SimpleNamespace(gpu=self.utilisation[handle], memory=0)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle):
-        return [SimpleNamespace(pid=p, usedGpuMemory=1 << 20) for p in self.pids[handle]]
 
 
 @pytest.fixture
@@ -46,7 +17,7 @@ def attempt_process():
     proc.wait()
 
 
-def test_busy_gpu_running_the_attempt_counts(attempt_process):
+def test_busy_gpu_running_the_attempt_counts(attempt_process, FakeNvml):
     nvml = FakeNvml(utilisation=[0, 87], pids=[[], [attempt_process.pid]])
     started = time.monotonic()
     sampler = GpuSampler(session_id=attempt_process.pid, nvml=nvml, interval_s=0.02).start()
@@ -56,7 +27,7 @@ def test_busy_gpu_running_the_attempt_counts(attempt_process):
     assert sampler.gpus_used == {1} and nvml.shutdowns == 1
 
 
-def test_busy_gpu_of_another_process_does_not_count(attempt_process):
+def test_busy_gpu_of_another_process_does_not_count(attempt_process, FakeNvml):
     import os
 
     nvml = FakeNvml(utilisation=[100], pids=[[os.getpid()]])  # pytest's process: another session
@@ -65,26 +36,26 @@ def test_busy_gpu_of_another_process_does_not_count(attempt_process):
     assert sampler.stop() == 0.0 and sampler.samples > 3
 
 
-def test_scope_all_counts_any_busy_gpu():
+def test_scope_all_counts_any_busy_gpu(FakeNvml):
     nvml = FakeNvml(utilisation=[50], pids=[[999_999_999]])  # a host pid invisible from here
     sampler = GpuSampler(nvml=nvml, interval_s=0.02, scope="all").start()
     time.sleep(0.2)
     assert sampler.stop() > 0.1
 
 
-def test_idle_gpu_counts_zero(attempt_process):
+def test_idle_gpu_counts_zero(attempt_process, FakeNvml):
     nvml = FakeNvml(utilisation=[0], pids=[[attempt_process.pid]])
     sampler = GpuSampler(session_id=attempt_process.pid, nvml=nvml, interval_s=0.02).start()
     time.sleep(0.15)
     assert sampler.stop() == 0.0
 
 
-def test_no_gpu_gives_none():
+def test_no_gpu_gives_none(FakeNvml):
     assert GpuSampler(nvml=FakeNvml([], [])).start().stop() is None
     assert GpuSampler(nvml=FakeNvml([10], [[]], fail_init=True)).start().stop() is None
 
 
-def test_bad_arguments_are_rejected():
+def test_bad_arguments_are_rejected(FakeNvml):
     with pytest.raises(ValueError, match="scope"):
         GpuSampler(nvml=FakeNvml([], []), scope="some")
     with pytest.raises(ValueError, match="interval"):

@@ -69,7 +69,7 @@ class Generic:
 def make_agent(name: str, command: str | None = None, model: str | None = None):
     """The adapter for `--agent NAME` (claude, codex) or a generic `--agent-command TEMPLATE`."""
     if command:
-        return Generic(command, name=name or "generic")
+        return Generic(command, name=name)
     if name == "claude":
         return ClaudeCode(model=model)
     if name == "codex":

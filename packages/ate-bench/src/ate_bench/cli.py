@@ -18,7 +18,8 @@ from ate_bench.transcript import transcript_metrics
 def cmd_run(args) -> int:
     framework = load_framework(args.framework)
     tasks = select_tasks(load_tasks(), [t for arg in args.tasks for t in arg.split(",") if t])
-    agent = make_agent(args.agent_name or args.agent, args.agent_command, args.model)
+    name = args.agent_name or ("generic" if args.agent_command else args.agent)
+    agent = make_agent(name, args.agent_command, args.model)
     records = run_suite(
         framework, tasks, agent, Path(args.run_dir), args.repeats, args.timeout, args.judge, args.gpu_scope
     )

@@ -95,13 +95,13 @@ def attempt_processes(leader: int) -> set[int]:
     children = {}
     for pid, ppid, _, _ in table:
         children.setdefault(ppid, []).append(pid)
-    stack = [leader]
+    stack, seen = [leader], {leader}
     while stack:
         for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
+            if child not in seen:
+                seen.add(child)
                 stack.append(child)
-    return found - {os.getpid()}
+    return (found | seen) - {os.getpid()}
 
 
 def signal_all(pids: set[int], leader: int, sig: int) -> None:
