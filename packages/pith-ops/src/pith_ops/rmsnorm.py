@@ -158,8 +158,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -
             f"weight: expected shape ({x.shape[-1] if x.ndim else 'D'},) matching the last dim of x "
             f"(non-empty), got {tuple(weight.shape)} for x of shape {tuple(x.shape)}"
         )
-    if not eps >= 0:
-        raise ValueError(f"eps: expected a non-negative float, got {eps}")
+    if not eps > 0:  # eps > 0 also keeps the kernels' masked padding rows finite
+        raise ValueError(f"eps: expected a positive float, got {eps}")
     D = x.shape[-1]
     return _rms_norm_op(x.reshape(-1, D), weight, float(eps), unit_offset).view(x.shape)
 
