@@ -183,7 +183,7 @@ def inspect_tree(path: Path) -> dict:
     tokens = source_chars // CHARS_PER_TOKEN
     skills = sorted(p.parent.name for p in root.glob("skills/*/SKILL.md"))
     return {
-        "path": str(root),
+        "path": str(path),
         "languages": dict(sorted(languages.items(), key=lambda kv: -kv[1]["lines"])),
         "source_lines": source_lines,
         "source_chars": source_chars,
@@ -222,4 +222,4 @@ def format_table(report: dict, max_locations: int = 8) -> str:
         lines.append(f"  {kind:<24}{len(found):>5}  {shown}")
     if report["unparsed_python"]:
         lines.append(f"  (not parsed: {', '.join(report['unparsed_python'])})")
-    return "\n".join(lines) + "\n"
+    return "\n".join(line.rstrip() for line in lines) + "\n"
