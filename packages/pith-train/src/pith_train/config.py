@@ -1,0 +1,220 @@
+"""The run configuration: nested dataclasses, read from TOML, then `--section.key=value` overrides.
+
+Every key has a default, so `pith-train pretrain` with no arguments is a complete run (tiny-moe on
+the built-in corpus). Unknown sections or keys, values of the wrong type, and inconsistent numbers
+raise ValueError before anything is built or computed.
+"""
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ModelConfig:
+    # A name in pith_models.MODELS, a Hugging Face model directory, or a Pith checkpoint directory
+    # (e.g. from `pith-train convert`): the weights come from the directory.
+    name: str = "tiny-moe"
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # a dataset made by `pith-train prepare-data`; "" = built-in corpus, made in RUN_DIR/data
+    tokenizer: str = "byte"  # "byte" or a tokenizer.json; must be the one the dataset was made with
+    seq_len: int = 256  # tokens per training sequence
+    val_windows: int = 16  # sequences held out at the end of the dataset for the validation loss
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300  # optimizer steps
+    global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int = 8  # sequences per forward/backward on one data rank (gradient accumulation)
+    lr: float = 3e-3  # peak learning rate
+    seed: int = 0  # weight init and data order
+    device: str = "auto"  # auto (cuda when there is one) | cpu | cuda
+    compile: bool = True  # torch.compile(fullgraph=True) the non-expert stages; used on CUDA only
+    lbl_coef: float = 1e-3  # global-batch load-balancing loss coefficient (0 = off)
+    z_loss_coef: float = 0.0  # router z-loss coefficient (0 = off)
+    bias_rate: float = 1e-3  # aux-loss-free balancing: expert-bias step after each update (0 = off)
+
+
+@dataclass
+class OptimConfig:
+    schedule: str = "cosine"  # cosine (linear warmup, cosine decay) | wsd (warmup, stable, decay)
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1  # final lr as a fraction of train.lr
+    decay_fraction: float = 0.2  # wsd: fraction of the steps spent in the final linear decay
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm (0 = no clipping)
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1  # pipeline stages
+    dp: int = 1  # data-parallel (FSDP) ranks
+    cp: int = 1  # context-parallel ranks (share sequences, split them along time)
+    ep: int = 1  # expert-parallel ranks (take different data, like dp)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # steps between checkpoints (0 = only at the end); one is always written at the end
+    keep: int = 2  # how many of the latest checkpoints to keep
+    resume: bool = True  # continue from the latest checkpoint in RUN_DIR/checkpoints when there is one
+
+
+@dataclass
+class LogConfig:
+    progress: bool = True  # progress bar
+    eval_every: int = 100  # steps between validation losses (0 = only at the end)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that take different sequences (CP ranks share theirs)."""
+        return self.parallel.dp * self.parallel.ep
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.train.global_batch // (self.train.micro_batch * self.data_ranks)
+
+
+def _typed(where: str, value, kind: type):
+    """`value` as `kind` (ints are accepted as floats), or ValueError."""
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise ValueError(f"{where}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _parse_text(where: str, text: str, kind: type):
+    """A command-line string as `kind`."""
+    if kind is str:
+        return text
+    if kind is bool:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"{where}: expected true or false, got {text!r}")
+        return text.lower() == "true"
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{where}: expected {kind.__name__}, got {text!r}") from None
+
+
+def _field_types(section) -> dict[str, type]:
+    return {f.name: f.type for f in dataclasses.fields(section)}
+
+
+def _set(cfg: Config, section: str, key: str, value, where: str) -> None:
+    sections = _field_types(cfg)
+    if section not in sections:
+        raise ValueError(f"{where}: unknown section [{section}]; sections are {sorted(sections)}")
+    target = getattr(cfg, section)
+    keys = _field_types(target)
+    if key not in keys:
+        raise ValueError(f"{where}: unknown key {section}.{key}; [{section}] has {sorted(keys)}")
+    kind = keys[key]
+    value = _parse_text(where, value, kind) if isinstance(value, str) and kind is not str else value
+    setattr(target, key, _typed(where, value, kind))
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file, then `section.key=value` overrides (leading dashes optional)."""
+    cfg = Config()
+    if path:
+        if not Path(path).is_file():
+            raise ValueError(f"config file {path!r} does not exist")
+        with open(path, "rb") as f:
+            try:
+                doc = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"{path}: not valid TOML: {e}") from None
+        for section, table in doc.items():
+            if not isinstance(table, dict):
+                raise ValueError(f"{path}: top-level key {section!r} must be a [section], got a value")
+            for key, value in table.items():
+                _set(cfg, section, key, value, f"{path}: {section}.{key}")
+    for item in overrides:
+        name, eq, text = item.lstrip("-").partition("=")
+        section, dot, key = name.partition(".")
+        if not eq or not dot:
+            raise ValueError(f"override {item!r}: expected --section.key=value")
+        _set(cfg, section, key, text, f"override {item!r}")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Numbers that must agree with each other; ValueError naming them."""
+    t, o, p = cfg.train, cfg.optim, cfg.parallel
+    positive = {
+        "train.steps": t.steps,
+        "train.global_batch": t.global_batch,
+        "train.micro_batch": t.micro_batch,
+        "data.seq_len": cfg.data.seq_len,
+        "data.val_windows": cfg.data.val_windows,
+        "checkpoint.keep": cfg.checkpoint.keep,
+        "parallel.pp": p.pp,
+        "parallel.dp": p.dp,
+        "parallel.cp": p.cp,
+        "parallel.ep": p.ep,
+    }
+    for name, v in positive.items():
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    for name, v in {"checkpoint.every": cfg.checkpoint.every, "log.eval_every": cfg.log.eval_every}.items():
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    per_step = t.micro_batch * cfg.data_ranks
+    if t.global_batch % per_step:
+        raise ValueError(
+            f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch={t.micro_batch}"
+            f" x data ranks (dp*ep={cfg.data_ranks}) = {per_step}"
+        )
+    if o.schedule not in ("cosine", "wsd"):
+        raise ValueError(f"optim.schedule: expected 'cosine' or 'wsd', got {o.schedule!r}")
+    if t.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"train.device: expected auto, cpu or cuda, got {t.device!r}")
+    if not 0 <= o.min_lr_ratio <= 1 or not 0 <= o.decay_fraction <= 1:
+        raise ValueError(
+            f"optim.min_lr_ratio={o.min_lr_ratio} and optim.decay_fraction={o.decay_fraction}"
+            " must be in [0, 1]"
+        )
+    if o.warmup_steps < 0 or t.lr <= 0:
+        raise ValueError(f"optim.warmup_steps={o.warmup_steps} must be >= 0 and train.lr={t.lr} > 0")
+    if p.pp * p.dp * p.cp * p.ep != 1:
+        raise ValueError(
+            f"parallel layout pp={p.pp} dp={p.dp} cp={p.cp} ep={p.ep} needs the parallel engine,"
+            " which is not wired into pith-train yet; use the default 1 for each"
+        )
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML that load_config reads back to an equal Config."""
+    lines = []
+    for section in dataclasses.fields(cfg):
+        lines.append(f"[{section.name}]")
+        for key, value in dataclasses.asdict(getattr(cfg, section.name)).items():
+            # JSON strings, numbers and lowercase booleans are valid TOML values.
+            lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""The packed dataset (made by prepare.py) and the loader of training windows.
+
+Training reads windows of seq_len + 1 tokens with stride seq_len (window i starts at i * seq_len):
+inputs are the first seq_len tokens, labels the last seq_len. The last `val_windows` windows are the
+validation split; the others are shuffled per epoch by a permutation seeded with (seed, epoch).
+
+Data layout contract (the parallel engine relies on it): the sequences of optimizer step s are
+positions [cursor, cursor + G) of the shuffled order (cursor = sequences consumed before the step);
+micro-batch j of the step is its sequences [j*m*R, (j+1)*m*R) with m = micro_batch and R = data
+ranks, whatever the layout; data rank r holds the contiguous slice [j*m*R + r*m, j*m*R + (r+1)*m).
+
+Shape legend: B sequences, S sequence length.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pith_train.prepare import ByteTokenizer, HFTokenizer
+
+
+class PackedDataset:
+    def __init__(self, path: str):
+        meta_path = Path(path) / "meta.json"
+        if not meta_path.is_file():
+            raise ValueError(f"data.path {path!r}: no prepared dataset there (run `pith-train prepare-data`)")
+        self.path = path
+        self.meta = json.loads(meta_path.read_text())
+        n = self.meta["num_tokens"]
+        self.tokens = np.memmap(Path(path) / "tokens.bin", dtype=self.meta["dtype"], mode="r", shape=(n,))
+        self.doc_ends = np.fromfile(Path(path) / "doc_ends.bin", dtype=np.int64)
+
+    def check_tokenizer(self, tok: ByteTokenizer | HFTokenizer) -> None:
+        m = self.meta
+        if m["tokenizer_hash"] != tok.hash:
+            raise ValueError(
+                f"dataset {self.path} was made with tokenizer {m['tokenizer']} (hash {m['tokenizer_hash']}),"
+                f" but data.tokenizer is {tok.name} (hash {tok.hash})"
+            )
+
+    def check_vocab(self, model_vocab: int) -> None:
+        """Every token id must have a row in the model's embedding."""
+        if self.meta["vocab_size"] > model_vocab:
+            raise ValueError(
+                f"dataset {self.path} has vocab size {self.meta['vocab_size']} (tokenizer"
+                f" {self.meta['tokenizer']}), more than the model's {model_vocab}"
+            )
+
+
+class WindowLoader:
+    """Fixed windows of a PackedDataset; which sequences a step gets depends only on (seed, cursor)."""
+
+    def __init__(self, ds: PackedDataset, seq_len: int, val_windows: int, seed: int):
+        self.tokens, self.S, self.seed = ds.tokens, seq_len, seed
+        total = (len(ds.tokens) - 1) // seq_len
+        self.num_train = total - val_windows
+        if self.num_train < 1:
+            raise ValueError(
+                f"dataset {ds.path} has {len(ds.tokens)} tokens: {total} windows of data.seq_len={seq_len},"
+                f" not more than data.val_windows={val_windows}"
+            )
+        self.val_ids = np.arange(self.num_train, total)
+        self._epoch, self._order = -1, None
+
+    def _window(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = np.stack([self.tokens[i * self.S : i * self.S + self.S + 1] for i in ids]).astype(np.int64)
+        t_BS1 = torch.from_numpy(rows)
+        return t_BS1[:, :-1], t_BS1[:, 1:]
+
+    def _train_id(self, k: int) -> int:
+        epoch, i = divmod(k, self.num_train)
+        if epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch, self._order = epoch, rng.permutation(self.num_train)
+        return int(self._order[i])
+
+    def step_batch(
+        self, cursor: int, global_batch: int, micro_batch: int, rank: int = 0, ranks: int = 1
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (inputs_BS, labels_BS) for each micro-batch of the step starting at `cursor`."""
+        out = []
+        for j in range(global_batch // (micro_batch * ranks)):
+            first = cursor + (j * ranks + rank) * micro_batch
+            out.append(self._window(np.array([self._train_id(k) for k in range(first, first + micro_batch)])))
+        return out
+
+    def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1):
+        """This rank's contiguous share of the validation windows (remainder dropped), in micro-batches."""
+        n = len(self.val_ids) // ranks
+        mine = self.val_ids[rank * n : (rank + 1) * n]
+        for j in range(0, n, micro_batch):
+            yield self._window(mine[j : j + micro_batch])

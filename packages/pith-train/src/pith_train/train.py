@@ -1,0 +1,317 @@
+"""`pretrain`: build the model and data from a Config, then the training loop.
+
+The loss of an optimizer step is sum(cross-entropy over every label token of the global batch) /
+(label tokens in the global batch), plus the MoE auxiliary losses averaged over its micro-batches.
+Each data rank back-propagates its share of that number (its tokens' cross-entropy over the global
+count, its share of the aux terms), so the shares add up to the single-process loss: gradients must be
+SUMMED over data ranks (not averaged) for any layout to reproduce single-process training.
+
+Shape legend: B sequences, S sequence length, T = B*S tokens, D hidden, E experts, K top-k.
+"""
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pith_models
+import pith_ops
+import torch
+import torch.distributed as dist
+from pith_engine import checkpoint, executor
+from pith_engine.contract import Routing
+from pith_engine.executor import ExpertComm, LocalExperts
+from pith_models import deepseek_v2
+from pith_models.hf import config_from_hf
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from tqdm import tqdm
+
+from pith_train import config as config_mod
+from pith_train.config import Config
+from pith_train.data import PackedDataset, WindowLoader
+from pith_train.metrics import MetricsLog, peak_flops
+from pith_train.optim import build_optimizer, lr_at
+from pith_train.prepare import load_tokenizer, prepare, stdlib_corpus
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Layout:
+    """Where this process sits in the parallel layout: the single-process values by default."""
+
+    rank: int = 0  # global rank; rank 0 prints, writes metrics and checkpoint metadata
+    world: int = 1
+    data_rank: int = 0  # which contiguous slice of each micro-batch this process holds
+    data_ranks: int = 1  # ranks taking different sequences (dp * ep)
+    data_group: ProcessGroup | None = None  # sums loss terms, token and expert counts over data ranks
+    comm: ExpertComm = field(default_factory=LocalExperts)  # stages 2 and 4
+
+
+def _all_sum(t: Tensor, group: ProcessGroup | None) -> Tensor:
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+class CompiledStages:
+    """The model seen through torch.compile(fullgraph=True) of its non-expert stage functions.
+
+    Expert GEMMs (stage 3) stay eager: they run the grouped-GEMM kernel on data-dependent group sizes.
+    The executor only calls prologue / positions / layers' stages / epilogue, which this provides.
+    """
+
+    class Layer:
+        def __init__(self, layer: nn.Module):
+            self.stage1 = torch.compile(layer.stage1, fullgraph=True)
+            self.stage3 = layer.stage3
+            self.stage5 = torch.compile(layer.stage5, fullgraph=True)
+
+    def __init__(self, model: nn.Module):
+        self.layers = [self.Layer(layer) for layer in model.layers]
+        self.lm_head = model.lm_head
+        self.positions = model.positions
+        self.prologue = torch.compile(model.prologue, fullgraph=True)
+        self.epilogue = torch.compile(model.epilogue, fullgraph=True)
+
+
+def moe_aux(routings: list[Routing], cfg: Config, tokens: int, group: ProcessGroup | None):
+    """This rank's share of (load-balancing loss + z-loss) of one micro-batch, and expert counts [L, E].
+
+    Global-batch load balancing, per MoE layer: E * sum_e f_e * P_e with f_e the fraction of the
+    micro-batch's routed (token, k) entries that chose expert e, counted over every data rank, and P_e
+    the router probability of e averaged over the micro-batch's `tokens` (all ranks). Each rank sums
+    only its own tokens' probabilities, so the ranks' shares add up to the whole. The z-loss is the
+    mean over tokens of logsumexp(router logits)^2. Both are averaged over the MoE layers.
+    """
+    counts_LE = torch.stack(
+        [torch.bincount(r.expert_ids_TK.flatten(), minlength=r.probs_TE.shape[1]) for r in routings]
+    ).float()
+    _all_sum(counts_LE, group)
+    lbl = z = torch.zeros((), device=counts_LE.device)
+    for r, counts_E in zip(routings, counts_LE):
+        E, K = r.probs_TE.shape[1], r.expert_ids_TK.shape[1]
+        if cfg.train.lbl_coef:
+            lbl = lbl + E * (counts_E / (tokens * K) * r.probs_TE.sum(0) / tokens).sum()
+        if cfg.train.z_loss_coef:
+            z = z + (torch.logsumexp(r.logits_TE.float(), dim=-1) ** 2).sum() / tokens
+    aux = (cfg.train.lbl_coef * lbl + cfg.train.z_loss_coef * z) / max(1, len(routings))
+    return aux, counts_LE
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * N_active + 6 * L * S * H * (Dqk + Dv).
+
+    N_active counts the matmul weights one token goes through: every parameter except the embedding
+    lookup and vectors (norm scales, biases), with a stacked expert weight counted at K/E of its size
+    (K of E experts per token; from the model config). The factor 6 is 2 FLOPs per multiply-add,
+    times 3 for the forward plus a backward of twice its cost. The attention term is the score
+    (Dqk) and value (Dv) matmuls over the full S x S matrix per layer, ignoring causal masking, the
+    PaLM / TorchTitan convention (a causal kernel does about half of it).
+    """
+    c = model.cfg
+    experts = checkpoint.expert_param_names(model)
+    lookup_only = model.embed_tokens.weight is not model.lm_head.weight
+    active = 0.0
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or (lookup_only and p is model.embed_tokens.weight):
+            continue
+        active += p.numel() * (c.num_experts_per_tok / p.shape[0] if name in experts else 1)
+    # MLA (DeepSeek-V2) has distinct q/k and v head dims; the other families one head_dim.
+    qk, v = (c.qk_head_dim, c.v_head_dim) if isinstance(c, deepseek_v2.Config) else (c.head_dim, c.head_dim)
+    return 6 * active + 6 * c.num_hidden_layers * seq_len * c.num_attention_heads * (qk + v)
+
+
+def model_config(name: str):
+    """The model config for model.name: a name in pith_models.MODELS, or a directory's config.json."""
+    if name in pith_models.MODELS:
+        return pith_models.MODELS[name]
+    path = Path(name)
+    if not path.is_dir():
+        raise ValueError(
+            f"model.name {name!r}: not a known model ({sorted(pith_models.MODELS)}) nor a directory"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.name {name!r}: a model directory needs a config.json, and it has none")
+    return config_from_hf(json.loads((path / "config.json").read_text()))
+
+
+def build_model(name: str, device: torch.device, seed: int) -> nn.Module:
+    """A zoo model (initialised from seed), a Hugging Face directory, or a Pith checkpoint's weights."""
+    cfg = model_config(name)
+    if name in pith_models.MODELS:
+        return pith_models.build(cfg, device, seed)
+    if not (Path(name) / ".metadata").is_file():
+        return pith_models.from_pretrained(name, device=str(device))
+    model = pith_models.build(cfg, device, seed)
+    checkpoint.load(Path(name), model)
+    return model
+
+
+def open_data(cfg: Config, run_dir: Path, layout: Layout) -> PackedDataset:
+    """The configured dataset; the built-in corpus is prepared into RUN_DIR/data on first use."""
+    tok = load_tokenizer(cfg.data.tokenizer)
+    path = Path(cfg.data.path) if cfg.data.path else run_dir / "data"
+    if not cfg.data.path and not (path / "meta.json").is_file():
+        if layout.rank == 0:
+            prepare(stdlib_corpus(), str(path), cfg.data.tokenizer, progress=cfg.log.progress)
+        if dist.is_initialized():
+            dist.barrier()
+    if not path.exists():
+        raise ValueError(f"data.path {str(path)!r} does not exist")
+    ds = PackedDataset(str(path))
+    ds.check_tokenizer(tok)
+    return ds
+
+
+def _device(cfg: Config) -> torch.device:
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device is cuda, but torch sees no CUDA device")
+    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+def pretrain(
+    cfg: Config, run_dir: str | Path, layout: Layout | None = None, stop_at: int | None = None
+) -> dict:
+    """Train per `cfg` in `run_dir`, resuming from its latest checkpoint; stop after step `stop_at` if given.
+
+    Returns a summary: final step, last loss, validation loss, and the run's paths.
+    """
+    layout = layout or Layout()
+    run_dir = Path(run_dir)
+    main = layout.rank == 0
+    ckpt_root = run_dir / "checkpoints"
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+    # -- inputs, checked before any training compute
+    model_cfg = model_config(cfg.model.name)
+    ds = open_data(cfg, run_dir, layout)
+    ds.check_vocab(model_cfg.vocab_size)
+    loader = WindowLoader(ds, cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed)
+    device = _device(cfg)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model.name, device, cfg.train.seed).float()
+    optimizer = build_optimizer(model, cfg)
+    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
+    step, cursor = 0, 0
+    found = checkpoint.checkpoints(ckpt_root) if cfg.checkpoint.resume else []
+    if found:
+        checkpoint.load(found[-1], model, optimizer)
+        state = json.loads((found[-1] / "trainer.json").read_text())
+        step, cursor = state["step"], state["cursor"]
+    stages = CompiledStages(model) if cfg.train.compile and device.type == "cuda" else model
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+    flops = flops_per_token(model, cfg.data.seq_len)
+    peak, peak_source = peak_flops(device)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=main)
+    G, S, M = cfg.train.global_batch, cfg.data.seq_len, cfg.micro_batches
+    micro_tokens = cfg.train.micro_batch * S * layout.data_ranks  # tokens of one micro-batch, all ranks
+    last = min(cfg.train.steps, stop_at or cfg.train.steps)
+    bar = tqdm(total=cfg.train.steps, initial=step, disable=not (main and cfg.log.progress), unit="step")
+    if main:
+        bar.write(f"{cfg.model.name} on {device}, from step {step}; peak {peak:.3g} FLOP/s ({peak_source})")
+
+    def evaluate() -> float:
+        total = torch.zeros(2, device=device)
+        with torch.no_grad(), autocast:
+            for inputs_BS, labels_BS in loader.val_batches(
+                cfg.train.micro_batch, layout.data_rank, layout.data_ranks
+            ):
+                h_BSD, _ = executor.forward(stages, inputs_BS.to(device), layout.comm)
+                labels_T = labels_BS.to(device).flatten()
+                ce = pith_ops.linear_cross_entropy(
+                    h_BSD.flatten(0, 1), model.lm_head.weight, labels_T, IGNORE_INDEX, "sum"
+                )
+                total += torch.stack([ce.float(), (labels_T != IGNORE_INDEX).sum().float()])
+        total = _all_sum(total, layout.data_group)
+        return (total[0] / total[1]).item()
+
+    def save(step: int) -> Path:
+        files = {
+            "trainer.json": json.dumps({"step": step, "cursor": cursor}),
+            "config.json": json.dumps(model.cfg.to_hf(), indent=1),
+        }
+        path = checkpoint.save(ckpt_root / f"step_{step:06d}", model, optimizer, files)
+        checkpoint.prune(ckpt_root, cfg.checkpoint.keep)
+        return path
+
+    record = {}
+    while step < last:
+        start = time.perf_counter()
+        micro = loader.step_batch(cursor, G, cfg.train.micro_batch, layout.data_rank, layout.data_ranks)
+        label_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro)
+        label_tokens = int(_all_sum(torch.tensor(label_tokens, device=device), layout.data_group))
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        sums = torch.zeros(2, device=device)  # (cross-entropy sum, aux share)
+        counts_LE = 0
+        for inputs_BS, labels_BS in micro:
+            with autocast:
+                h_BSD, routings = executor.forward(stages, inputs_BS.to(device), layout.comm)
+                labels_T = labels_BS.to(device).flatten()
+                ce = pith_ops.linear_cross_entropy(
+                    h_BSD.flatten(0, 1), model.lm_head.weight, labels_T, IGNORE_INDEX, "sum"
+                )
+            aux, counts = (
+                moe_aux(routings, cfg, micro_tokens, layout.data_group)
+                if routings
+                else (torch.zeros((), device=device), 0)
+            )
+            (ce.float() / label_tokens + aux / M).backward()
+            sums += torch.stack([ce.detach().float(), aux.detach() / M])
+            counts_LE = counts_LE + counts
+        sums = _all_sum(sums, layout.data_group)
+        loss, aux_loss = (sums[0] / label_tokens).item(), sums[1].item()
+        if not math.isfinite(loss + aux_loss):
+            good = checkpoint.checkpoints(ckpt_root)
+            raise FloatingPointError(
+                f"loss is {loss} (aux {aux_loss}) at step {step + 1}; stopped before updating the weights."
+                f" Last good checkpoint: {good[-1] if good else 'none'}"
+            )
+        clip = cfg.optim.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cfg.train.bias_rate and biases:
+            # Aux-loss-free balancing (DeepSeek-V3): raise the selection bias of under-loaded experts.
+            with torch.no_grad():
+                for b, counts_E in zip(biases, counts_LE):
+                    b += cfg.train.bias_rate * torch.sign(counts_E.mean() - counts_E)
+        step, cursor = step + 1, cursor + G
+        seconds = time.perf_counter() - start
+        tokens_per_s = G * S / seconds
+        load = (counts_LE.amax(1) / counts_LE.mean(1)).tolist() if biases else []
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "mfu": flops * tokens_per_s / (peak * layout.world),
+            "grad_norm": grad_norm,
+            "aux": aux_loss,
+            "expert_load_max_over_mean": load,
+        }
+        if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == cfg.train.steps:
+            record["val_loss"] = evaluate()
+        metrics.write(**record)
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{record['mfu']:.1%}",
+            load=f"{max(load, default=1):.2f}",
+        )  # fmt: skip
+        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
+            save(step)
+    bar.close()
+    return {
+        "step": step,
+        "loss": record.get("loss"),
+        "val_loss": record.get("val_loss"),
+        "run_dir": str(run_dir),
+        "metrics": str(run_dir / "metrics.jsonl"),
+        "checkpoints": str(ckpt_root),
+    }
