@@ -1,7 +1,318 @@
-"""Group token rows by expert and back (TEMPORARY: reference only until the Triton kernels land)."""
+"""Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute).
+
+Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows (T*K, plus per-expert
+padding when align > 1), B index-building blocks.
+
+Index building runs on the device with no host sync: a histogram per block of routed (t, k) entries
+(Triton), a cumulative sum over blocks (torch), then a kernel that gives each entry its slot
+(expert start + entries of that expert in earlier blocks + earlier entries in its block) and writes
+the inverse map row -> entry. Rows are then gathered, so every output row is written once and padding
+rows get their zeros without a separate fill of the whole output.
+
+Expert ids outside [0, E) are checked only for CPU tensors: on CUDA the check would cost a host
+sync per call, so there they are the caller's contract (the router's top-k cannot produce them).
+moe_unpermute requires that no row of y is referenced by two (t, k) entries (true for the slots
+moe_permute returns); its backward writes each row's gradient once through the inverse map.
+"""
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
+
+from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, check, use_triton
+
+INDEX_BLOCK = 128  # routed entries per index-building program; the in-block rank is a 128x128 compare
+
+
+@triton.jit
+def _histogram_kernel(ids_ptr, hist_BE_ptr, TK, E, BLOCK: tl.constexpr, BINS: tl.constexpr):
+    b = tl.program_id(0)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    # Entries past the end land in bin E, which is never stored (BINS > E).
+    ids = tl.load(ids_ptr + offs, mask=offs < TK, other=E).to(tl.int32)
+    hist = tl.histogram(ids, BINS)
+    bins = tl.arange(0, BINS)
+    tl.store(hist_BE_ptr + b * E + bins, hist, mask=bins < E)
+
+
+@triton.jit
+def _slots_kernel(
+    ids_ptr, hist_BE_ptr, cum_BE_ptr, slots_ptr, inv_ptr, ends_ptr, TK, E, NB, align,
+    BLOCK: tl.constexpr, E_P2: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    experts = tl.arange(0, E_P2)
+    # Per-expert totals are the last row of the inclusive cumulative histogram.
+    counts = tl.load(cum_BE_ptr + (NB - 1) * E + experts, mask=experts < E, other=0)
+    padded = (counts + align - 1) // align * align
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    if b == 0:
+        tl.store(ends_ptr + experts, ends, mask=experts < E)
+
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < TK
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    start = tl.sum(tl.where(ids[:, None] == experts[None, :], starts[None, :], 0), axis=1)
+    # Entries of the same expert in earlier blocks: exclusive cumulative histogram.
+    before = tl.load(cum_BE_ptr + b * E + ids, mask=valid, other=0) - tl.load(
+        hist_BE_ptr + b * E + ids, mask=valid, other=0
+    )
+    j = tl.arange(0, BLOCK)
+    earlier = (ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None]) & valid[None, :]
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    slot = start + before + rank
+    tl.store(slots_ptr + offs, slot.to(tl.int64), mask=valid)
+    tl.store(inv_ptr + slot, offs, mask=valid)
+
+
+@triton.jit
+def _gather_rows_kernel(
+    src_TD_ptr, inv_N_ptr, w_ptr, y_ND_ptr, out_ND_ptr, dw_ptr, N, D, K,
+    HAS_W: tl.constexpr, HAS_Y: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out[n] = w[e] * src[e // K], e = inv[n] (zero row if e < 0); HAS_Y: dw[e] = <src[e // K], y[n]>."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    entry = tl.load(inv_N_ptr + rows, mask=rows < N, other=-1)
+    hit = entry >= 0
+    token = tl.where(hit, entry // K, 0).to(tl.int64)
+    if HAS_W:
+        scale = tl.load(w_ptr + entry, mask=hit, other=0).to(tl.float32)
+    else:
+        scale = hit.to(tl.float32)
+    dot = tl.zeros([ROWS], dtype=tl.float32)
+    rows64 = rows.to(tl.int64)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        col_ok = cols[None, :] < D
+        src = tl.load(src_TD_ptr + token[:, None] * D + cols[None, :], mask=hit[:, None] & col_ok, other=0)
+        src = src.to(tl.float32)
+        tl.store(
+            out_ND_ptr + rows64[:, None] * D + cols[None, :],
+            scale[:, None] * src,
+            mask=(rows[:, None] < N) & col_ok,
+        )
+        if HAS_Y:
+            y = tl.load(y_ND_ptr + rows64[:, None] * D + cols[None, :], mask=hit[:, None] & col_ok, other=0)
+            dot += tl.sum(src * y.to(tl.float32), axis=1)
+    if HAS_Y:
+        tl.store(dw_ptr + entry, dot, mask=hit)
+
+
+@triton.jit
+def _combine_kernel(
+    y_ND_ptr, slots_TK_ptr, w_TK_ptr, out_TD_ptr, T, D, K,
+    HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out[t] = sum_k w[t, k] * y[slots[t, k]] in fp32 (slots < 0 skipped; w = 1 without HAS_W)."""
+    tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tok_ok = tokens < T
+    col_ok = cols[None, :] < D
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for k in range(K):
+        slot = tl.load(slots_TK_ptr + tokens * K + k, mask=tok_ok, other=-1).to(tl.int64)
+        hit = slot >= 0
+        if HAS_W:
+            w = tl.load(w_TK_ptr + tokens * K + k, mask=hit, other=0).to(tl.float32)
+        else:
+            w = hit.to(tl.float32)
+        y = tl.load(y_ND_ptr + slot[:, None] * D + cols[None, :], mask=hit[:, None] & col_ok, other=0)
+        acc += w[:, None] * y.to(tl.float32)
+    out_off = tokens.to(tl.int64)[:, None] * D + cols[None, :]
+    tl.store(out_TD_ptr + out_off, acc, mask=tok_ok[:, None] & col_ok)
+
+
+def _row_blocks(D: int) -> tuple[int, int]:
+    """(rows per program, columns per step): ~4K elements per step keeps registers low at any D."""
+    block_d = min(triton.next_power_of_2(max(D, 1)), 1024)
+    return max(4096 // block_d, 1), block_d
+
+
+def _gather_rows(src_TD, inv_N, K, w=None, y_ND=None, out_dtype=None):
+    N, D = inv_N.shape[0], src_TD.shape[1]
+    out = torch.empty(N, D, dtype=out_dtype or src_TD.dtype, device=src_TD.device)
+    dw = (
+        torch.zeros(src_TD.shape[0] * K, dtype=torch.float32, device=src_TD.device)
+        if y_ND is not None
+        else None
+    )
+    rows, block_d = _row_blocks(D)
+    _gather_rows_kernel[(triton.cdiv(N, rows),)](
+        src_TD, inv_N, w if w is not None else inv_N, y_ND if y_ND is not None else out, out,
+        dw if dw is not None else out, N, D, K,
+        HAS_W=w is not None, HAS_Y=y_ND is not None, ROWS=rows, BLOCK_D=block_d,
+    )  # fmt: skip
+    return out, dw
+
+
+def _combine(y_ND, slots_TK, w_TK=None):
+    T, K = slots_TK.shape
+    D = y_ND.shape[1]
+    out = torch.empty(T, D, dtype=y_ND.dtype, device=y_ND.device)
+    rows, block_d = _row_blocks(D)
+    grid = (triton.cdiv(T, rows), triton.cdiv(D, block_d))
+    _combine_kernel[grid](
+        y_ND, slots_TK, w_TK if w_TK is not None else slots_TK, out, T, D, K,
+        HAS_W=w_TK is not None, ROWS=rows, BLOCK_D=block_d,
+    )  # fmt: skip
+    return out
+
+
+def _static_rows(T: int, K: int, num_experts: int, align: int) -> int:
+    return T * K + num_experts * (align - 1) if align > 1 else T * K
+
+
+# --- moe_permute ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("pith::moe_permute", mutates_args=())
+def _permute_op(
+    x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    T, K = expert_ids_TK.shape
+    TK, E, dev = T * K, num_experts, x_TD.device
+    N = _static_rows(T, K, E, align)
+    ids = expert_ids_TK.contiguous().view(-1)
+    nb = triton.cdiv(TK, INDEX_BLOCK)
+    hist_BE = torch.empty(nb, E, dtype=torch.int32, device=dev)
+    ends = torch.zeros(E, dtype=torch.int32, device=dev)
+    slots = torch.empty(TK, dtype=torch.int64, device=dev)
+    inv = torch.full((N,), -1, dtype=torch.int32, device=dev)
+    if TK:
+        _histogram_kernel[(nb,)](ids, hist_BE, TK, E, BLOCK=INDEX_BLOCK, BINS=triton.next_power_of_2(E + 1))
+        cum_BE = torch.cumsum(hist_BE, 0, dtype=torch.int32)
+        _slots_kernel[(nb,)](
+            ids, hist_BE, cum_BE, slots, inv, ends, TK, E, nb, align,
+            BLOCK=INDEX_BLOCK, E_P2=triton.next_power_of_2(E),
+        )  # fmt: skip
+    x_ND, _ = _gather_rows(x_TD, inv, K)
+    return x_ND, slots.view(T, K), ends
+
+
+@_permute_op.register_fake
+def _(x_TD, expert_ids_TK, num_experts, align):
+    T, K = expert_ids_TK.shape
+    N = _static_rows(T, K, num_experts, align)
+    return (
+        x_TD.new_empty(N, x_TD.shape[1]),
+        expert_ids_TK.new_empty(T, K, dtype=torch.int64),
+        expert_ids_TK.new_empty(num_experts, dtype=torch.int32),
+    )
+
+
+def _permute_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+@torch.library.custom_op("pith::moe_permute_backward", mutates_args=())
+def _permute_backward_op(dx_ND: Tensor, slots_TK: Tensor) -> Tensor:
+    # Each token's K copies sum back: the unweighted combine.
+    return _combine(dx_ND, slots_TK)
+
+
+@_permute_backward_op.register_fake
+def _(dx_ND, slots_TK):
+    return dx_ND.new_empty(slots_TK.shape[0], dx_ND.shape[1])
+
+
+def _permute_backward(ctx, dx_ND, _dslots, _dends):
+    (slots_TK,) = ctx.saved_tensors
+    return _permute_backward_op(dx_ND.contiguous(), slots_TK), None, None, None
+
+
+_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+def moe_permute(
+    x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int = 1
+) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (x_ND, slots_TK int64, group_ends_E int32); see moe_permute_reference for the layout."""
+    check("x_TD", x_TD, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
+    check("expert_ids_TK", expert_ids_TK, ndim=2, dtypes=INDEX_DTYPES, device=x_TD.device)
+    if expert_ids_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(
+            f"expert_ids_TK: expected {x_TD.shape[0]} rows (one per token), got {expert_ids_TK.shape[0]}"
+        )
+    if not 1 <= num_experts <= 4096:
+        raise ValueError(f"num_experts: expected 1..4096, got {num_experts}")
+    if align < 1:
+        raise ValueError(f"align: expected a positive row multiple, got {align}")
+    if not expert_ids_TK.is_cuda and expert_ids_TK.numel():
+        lo, hi = int(expert_ids_TK.min()), int(expert_ids_TK.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert_ids_TK: expected ids in [0, {num_experts}), got ids in [{lo}, {hi}]")
+    if not use_triton(x_TD):
+        return moe_permute_reference(x_TD, expert_ids_TK, num_experts, align)
+    return _permute_op(x_TD, expert_ids_TK, num_experts, align)
+
+
+# --- moe_unpermute -------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("pith::moe_unpermute", mutates_args=())
+def _unpermute_op(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
+    return _combine(y_ND, slots_TK.contiguous(), weights_TK.contiguous())
+
+
+@_unpermute_op.register_fake
+def _(y_ND, slots_TK, weights_TK):
+    return y_ND.new_empty(slots_TK.shape[0], y_ND.shape[1])
+
+
+@torch.library.custom_op("pith::moe_unpermute_backward", mutates_args=())
+def _unpermute_backward_op(
+    dout_TD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor
+) -> tuple[Tensor, Tensor]:
+    N, K = y_ND.shape[0], slots_TK.shape[1]
+    flat = slots_TK.reshape(-1)
+    # Row N is a sink for slots < 0, so the inverse map is built without a boolean mask (a sync).
+    inv = torch.full((N + 1,), -1, dtype=torch.int32, device=y_ND.device)
+    inv.scatter_(
+        0,
+        torch.where(flat < 0, N, flat).long(),
+        torch.arange(flat.numel(), dtype=torch.int32, device=y_ND.device),
+    )
+    dy, dw = _gather_rows(dout_TD, inv[:N], K, w=weights_TK.contiguous(), y_ND=y_ND, out_dtype=y_ND.dtype)
+    return dy, dw.view(slots_TK.shape).to(weights_TK.dtype)
+
+
+@_unpermute_backward_op.register_fake
+def _(dout_TD, y_ND, slots_TK, weights_TK):
+    return torch.empty_like(y_ND), torch.empty_like(weights_TK)
+
+
+def _unpermute_setup(ctx, inputs, output):
+    y_ND, slots_TK, weights_TK = inputs
+    ctx.save_for_backward(y_ND, slots_TK, weights_TK)
+
+
+def _unpermute_backward(ctx, dout_TD):
+    y_ND, slots_TK, weights_TK = ctx.saved_tensors
+    dy, dw = _unpermute_backward_op(dout_TD.contiguous(), y_ND, slots_TK, weights_TK)
+    return dy, None, dw
+
+
+_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
+    """out_TD = sum_k weights[t, k] * y[slots[t, k]] (fp32 sum, y's dtype; slots < 0 contribute nothing)."""
+    check("y_ND", y_ND, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
+    check("slots_TK", slots_TK, ndim=2, dtypes=INDEX_DTYPES, device=y_ND.device)
+    check("weights_TK", weights_TK, ndim=2, dtypes=FLOAT_DTYPES, device=y_ND.device)
+    if weights_TK.shape != slots_TK.shape:
+        raise ValueError(
+            f"weights_TK: expected shape {tuple(slots_TK.shape)} (slots_TK's), got {tuple(weights_TK.shape)}"
+        )
+    if not use_triton(y_ND):
+        return moe_unpermute_reference(y_ND, slots_TK, weights_TK)
+    return _unpermute_op(y_ND, slots_TK, weights_TK)
+
+
+# --- specification -------------------------------------------------------------------------------
 
 
 def moe_permute_reference(
@@ -23,19 +334,15 @@ def moe_permute_reference(
     rank_in_expert = torch.arange(T * K, device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
     slots = torch.empty_like(flat)
     slots[order] = starts[flat[order]] + rank_in_expert
-    N = T * K + num_experts * (align - 1) if align > 1 else T * K
-    x_ND = x_TD.new_zeros(N, x_TD.shape[1])
+    x_ND = x_TD.new_zeros(_static_rows(T, K, num_experts, align), x_TD.shape[1])
     x_ND[slots] = x_TD.repeat_interleave(K, dim=0)
     return x_ND, slots.view(T, K), ends.to(torch.int32)
 
 
 def moe_unpermute_reference(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
     """out[t] = sum_k weights[t, k] * y[slots[t, k]] (slots < 0 contribute nothing), fp32 sum, y's dtype."""
+    acc = torch.promote_types(y_ND.dtype, torch.float32)  # float64 stays float64 for the tests
     valid = slots_TK >= 0
-    rows = y_ND[slots_TK.clamp(min=0)].float()  # [T, K, D]
-    w = torch.where(valid, weights_TK.float(), 0.0)
+    rows = y_ND[slots_TK.clamp(min=0)].to(acc)  # [T, K, D]
+    w = torch.where(valid, weights_TK.to(acc), 0.0)
     return (rows * w[..., None]).sum(1).to(y_ND.dtype)
-
-
-moe_permute = moe_permute_reference
-moe_unpermute = moe_unpermute_reference
