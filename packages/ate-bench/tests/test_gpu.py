@@ -64,15 +64,22 @@ def test_bad_arguments_are_rejected(FakeNvml):
 
 @pytest.mark.gpu
 def test_real_nvml_measures_a_busy_gpu_for_about_a_second():
+    import os
+
     import torch
 
-    sampler = GpuSampler(scope="all", interval_s=0.05).start()
-    assert sampler.active_gpu_time_s is not None, "NVML found no GPU"
+    any_gpu = GpuSampler(scope="all", interval_s=0.05).start()
+    assert any_gpu.active_gpu_time_s is not None, "NVML found no GPU"
+    ours = GpuSampler(session_id=os.getsid(0), interval_s=0.05).start()  # this process's session
     a = torch.randn(8192, 8192, device="cuda")
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
         a = (a @ a).clamp_(-1, 1)
         torch.cuda.synchronize()
-    active = sampler.stop()
-    print(f"real NVML: {active:.2f}s active of ~1s busy, {sampler.samples} samples, GPUs {sampler.gpus_used}")
+    active, attributed = any_gpu.stop(), ours.stop()
+    # `attributed` is ~1 s where NVML reports pids of this pid namespace, 0 in containers that
+    # report host pids (then run with --gpu-scope all): printed, not asserted.
+    gpus = sorted(any_gpu.gpus_used)
+    print(f"real NVML: {active:.2f}s busy of ~1s ({any_gpu.samples} samples, GPUs {gpus}); ", end="")
+    print(f"attributed to this process's session: {attributed:.2f}s")
     assert 0.5 < active < 1.5

@@ -3,11 +3,14 @@ reader (cross-checked against numpy's writer), the loss-curve check and the judg
 
 import json
 import math
+import subprocess
 
 import numpy as np
 import pytest
 from ate_bench.grading import (
+    MAX_NEW_FILE_BYTES,
     answer_identifiers,
+    attempt_diff,
     check_citations,
     check_loss_curve,
     check_routing_trace,
@@ -229,3 +232,20 @@ def test_judge_protocol(tmp_path):
     assert failing["ok"] is False
     partial = run_judge("echo 'RULE 1: PASS'", prompt, tmp_path, 2, 30)
     assert partial["ok"] is None and "rules [1]" in partial["error"]
+
+
+def test_attempt_diff_shows_edits_and_small_new_files_only(tmp_path):
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "model.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "base"], check=True)
+    base = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "model.py").write_text("x = 2\n")
+    (tmp_path / "moba.py").write_text("def moba_attention():\n    pass\n")
+    (tmp_path / "ckpt.bin").write_bytes(b"\0" * (MAX_NEW_FILE_BYTES + 1))
+    (tmp_path / "ate-artifacts").mkdir()
+    (tmp_path / "ate-artifacts" / "loss.jsonl").write_text("{}\n")
+    diff = attempt_diff(tmp_path, base)
+    assert "+x = 2" in diff and "+def moba_attention():" in diff
+    assert "new file not shown, over" in diff and "ckpt.bin" in diff and "loss.jsonl" not in diff

@@ -40,6 +40,8 @@ STEP_LINE = r"(?:step|iteration|iter)\s*[:=#]?\s*0*{step}(?![\d.])"
 LOSS_VALUE = re.compile(rf"loss\s*[:=]?\s*({NUMBER})", re.IGNORECASE)
 NPZ_NAME = re.compile(r"step-\d{8}\.npz")
 KERNEL_HEADER = ["kernel_name", "total_time_ms", "instances", "mean_time_ms"]
+MAX_NEW_FILE_BYTES = 512 * 1024
+MAX_DIFF_CHARS = 400_000  # ~100K tokens: what a judge can be given in one prompt
 RULE_VERDICT = re.compile(r"RULE\s*(\d+)\s*:\s*(PASS|FAIL)", re.IGNORECASE)
 
 
@@ -280,12 +282,30 @@ ARTIFACT_CHECKS = {
 
 
 def attempt_diff(worktree: Path, base_commit: str) -> str:
-    """Everything the agent changed, untracked files included, artifacts excluded."""
+    """What the agent changed against the pinned commit: tracked files and new files up to
+    MAX_NEW_FILE_BYTES (checkpoints and logs an agent leaves lying around are named, not shown);
+    artifacts excluded; cut at MAX_DIFF_CHARS."""
     git = ["git", "-C", str(worktree)]
-    subprocess.run([*git, "add", "-A", "--", ".", ":(exclude)ate-artifacts"], check=True, capture_output=True)
-    return subprocess.run(
-        [*git, "diff", "--cached", base_commit], check=True, capture_output=True, text=True
-    ).stdout
+    listed = subprocess.run(
+        [*git, "ls-files", "-z", "--others", "--exclude-standard"], check=True, capture_output=True
+    )
+    new_files = [
+        n
+        for n in listed.stdout.decode(errors="replace").split("\0")
+        if n and not n.startswith("ate-artifacts/")
+    ]
+    small = [n for n in new_files if (worktree / n).lstat().st_size <= MAX_NEW_FILE_BYTES]
+    if small:  # intent-to-add, so `git diff` shows them as new files without staging their content
+        names = "\0".join(small).encode()
+        add = [*git, "add", "-N", "--pathspec-from-file=-", "--pathspec-file-nul"]
+        subprocess.run(add, input=names, check=True, capture_output=True)
+    diff = subprocess.run(
+        [*git, "diff", base_commit, "--", ".", ":(exclude)ate-artifacts"], check=True, capture_output=True
+    ).stdout.decode(errors="replace")
+    if len(diff) > MAX_DIFF_CHARS:
+        diff = diff[:MAX_DIFF_CHARS] + f"\n[diff cut at {MAX_DIFF_CHARS} characters]\n"
+    large = sorted(set(new_files) - set(small))
+    return diff + "".join(f"\n[new file not shown, over {MAX_NEW_FILE_BYTES} bytes: {n}]" for n in large)
 
 
 def judge_prompt(title: str, rules: list[str], diff: str) -> str:

@@ -23,6 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ate_bench.agents import ClaudeCode, Codex
 from ate_bench.gpu import GpuSampler
 from ate_bench.grading import grade_attempt
 from ate_bench.transcript import transcript_metrics
@@ -211,6 +212,8 @@ def run_suite(
     run_dir = Path(run_dir).resolve()
     if run_dir.is_relative_to(framework.path.resolve()):
         raise ValueError(f"expected the run directory outside the checkout {framework.path}, got {run_dir}")
+    if isinstance(agent, ClaudeCode | Codex) and shutil.which(agent.executable) is None:
+        raise ValueError(f"expected the {agent.name} CLI {agent.executable!r} on PATH, got none")
     sha = resolve_source(framework)
     records = []
     for task in tasks:
