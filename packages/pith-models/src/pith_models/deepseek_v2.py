@@ -1,0 +1,507 @@
+"""DeepSeek-V2 and DeepSeek-V2-Lite in the five-stage layer form.
+
+Architectural choices (those of transformers' DeepseekV2 and of DeepSeek's original code):
+- pre-norm decoder: h += attn(rms_norm(h)); h += mlp(rms_norm(h)); final rms_norm, then lm_head;
+  no biases anywhere;
+- multi-head latent attention (MLA): queries from q_proj, or with a query LoRA (q_lora_rank set)
+  from q_b_proj(rms_norm(q_a_proj(x))); keys and values from a compressed latent: kv_a_proj_with_mqa
+  maps x to kv_lora_rank latent dims plus qk_rope_head_dim rotary dims shared by every head, and
+  kv_b_proj expands rms_norm(latent) to each head's key "nope" part and value. The q/k head dim is
+  nope + rope and differs from v_head_dim. The two LoRA norms use eps 1e-6 whatever rms_norm_eps
+  says, as upstream builds them;
+- decoupled RoPE: only the rope part of q and k is rotated, on interleaved pairs (2i, 2i+1) (the
+  complex-number form of the upstream code: pith_ops.apply_rope(interleaved=True));
+- YaRN rope scaling or none: inverse frequencies blended between interpolation and extrapolation,
+  cos and sin multiplied by the YaRN attention factor, and the softmax scale qk_head_dim**-0.5
+  multiplied by mscale(factor, mscale_all_dim)**2 when mscale_all_dim is set;
+- layer i is MoE when i >= first_k_dense_replace and i % moe_layer_freq == 0, else a dense SwiGLU
+  MLP of width intermediate_size (DeepSeek's rule; transformers 5 ignores moe_layer_freq, and every
+  released checkpoint has it 1);
+- MoE: router logits in fp32, softmax over the routed experts, top-k "greedy", or
+  "group_limited_greedy" (experts in n_group groups, a group ranked by its best expert, only the
+  topk_group best groups eligible); the aux-loss-free `expert_bias` is added to the scores for the
+  selection only. Combine weights: the chosen probabilities times routed_scaling_factor, or, with
+  norm_topk_prob and top-k > 1, the chosen probabilities renormalised to sum 1 and not scaled
+  (DeepSeek's code; transformers 5 ignores norm_topk_prob, every released checkpoint has it false);
+- shared experts: one SwiGLU MLP of width n_shared_experts * moe_intermediate_size, in stage 1.
+
+Shape legend: B batch, S sequence, T = B*S tokens, D hidden, H heads, C q/k head dim (nope + rope),
+N nope dims, P rope dims, R = P/2 rotary pairs, A v head dim, L kv_lora_rank, E experts (E_held:
+those this module holds), G expert groups, F expert width, K top-k, V vocabulary.
+"""
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
+
+import pith_ops
+import torch
+import torch.nn.functional as F
+from pith_engine.attention import attention, attention_reference
+from pith_engine.contract import Positions, Routing, Stage1Out, default_position_ids
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+LORA_NORM_EPS = 1e-6  # upstream builds q_a_layernorm / kv_a_layernorm with the default eps
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN rope scaling, named as in the Hugging Face rope parameters."""
+
+    factor: float  # context extension factor
+    original_max_position_embeddings: int  # pretraining context length
+    beta_fast: float = 32.0  # rotations bounding the extrapolated (high-frequency) band
+    beta_slow: float = 1.0  # rotations bounding the interpolated (low-frequency) band
+    mscale: float | None = None  # cos/sin factor numerator: mscale(factor, mscale) / mscale(factor, all)
+    mscale_all_dim: float | None = None  # its denominator; also the softmax-scale correction
+    attention_factor: float | None = None  # explicit cos/sin factor, overriding the mscales
+    truncate: bool = True  # round the blend range to whole dims
+
+
+@dataclass(frozen=True)
+class Config:
+    model_type: ClassVar[str] = "deepseek_v2"  # the Hugging Face model_type (key of pith_models.hf.MODULES)
+
+    vocab_size: int  # V
+    hidden_size: int  # D
+    intermediate_size: int  # width of the dense SwiGLU layers
+    moe_intermediate_size: int  # F, width of one routed (and of one shared) expert
+    num_hidden_layers: int
+    num_attention_heads: int  # H
+    q_lora_rank: int | None  # rank of the query LoRA; None: a plain q_proj (V2-Lite)
+    kv_lora_rank: int  # L, width of the compressed key/value latent
+    qk_nope_head_dim: int  # N, q/k dims per head without rotary embedding
+    qk_rope_head_dim: int  # P, q/k dims per head with rotary embedding (k's shared by the heads)
+    v_head_dim: int  # A, value dims per head
+    n_routed_experts: int  # E
+    n_shared_experts: int  # shared experts, run as one MLP of width n_shared_experts * F
+    num_experts_per_tok: int  # K
+    first_k_dense_replace: int = 0  # the first layers are dense ...
+    moe_layer_freq: int = 1  # ... and the others are MoE when their index is a multiple of this
+    topk_method: str = "greedy"  # "greedy" or "group_limited_greedy"
+    n_group: int | None = None  # G, expert groups of group_limited_greedy
+    topk_group: int | None = None  # groups a token may route into under group_limited_greedy
+    norm_topk_prob: bool = False  # renormalise the chosen probabilities (then no routed scaling)
+    routed_scaling_factor: float = 1.0  # multiplies the combine weights when not renormalised
+    rms_norm_eps: float = 1e-6  # eps of the block and final RMSNorms
+    rope_theta: float = 10_000.0  # RoPE base
+    yarn: Yarn | None = None  # YaRN rope scaling; None: plain RoPE
+    tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight
+    max_position_embeddings: int = 4096  # context length (only YaRN's default factor reads it)
+    initializer_range: float = 0.02  # std of init_weights' normal draws
+
+    @property
+    def qk_head_dim(self) -> int:  # C
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def __post_init__(self):
+        if self.topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(
+                f"topk_method must be 'greedy' or 'group_limited_greedy', got {self.topk_method!r}"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+        if self.moe_layer_freq < 1:
+            raise ValueError(f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+        E, K = self.n_routed_experts, self.num_experts_per_tok
+        if not 1 <= K <= E:
+            raise ValueError(f"num_experts_per_tok must be in [1, n_routed_experts={E}], got {K}")
+        if self.topk_method == "group_limited_greedy":
+            G, TG = self.n_group, self.topk_group
+            if G is None or TG is None or E % G or not 1 <= TG <= G or K > TG * (E // G):
+                raise ValueError(
+                    "group_limited_greedy needs n_group dividing n_routed_experts, "
+                    "1 <= topk_group <= n_group and num_experts_per_tok <= topk_group * "
+                    "(n_routed_experts / n_group); got "
+                    f"n_routed_experts={E}, n_group={G}, topk_group={TG}, num_experts_per_tok={K}"
+                )
+
+    def is_moe(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Config":
+        """From a Hugging Face config.json dict (transformers 4.x or 5.x spelling, or DeepSeek's own)."""
+        d = dict(d)
+        model_type = d.pop("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            raise ValueError(f"expected model_type {cls.model_type!r}, got {model_type!r}")
+        heads, kv_heads = d["num_attention_heads"], d.pop("num_key_value_heads", None)
+        if kv_heads not in (None, heads):
+            raise ValueError(
+                f"config field num_key_value_heads: MLA expands keys for every head, so it must equal "
+                f"num_attention_heads ({heads}), got {kv_heads}"
+            )
+        d["rope_theta"], d["yarn"] = _rope_from_hf(d)
+        for key, allowed in _FIXED.items():
+            if key in d and d.pop(key) != allowed:
+                raise ValueError(f"config field {key}: only {allowed!r} is supported")
+        for key in _IGNORED:
+            d.pop(key, None)
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unsupported deepseek_v2 config fields: {unknown}")
+        return cls(**d)
+
+    def to_hf(self) -> dict:
+        d = asdict(self)
+        yarn = d.pop("yarn")
+        rope = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
+        if yarn is not None:
+            rope = {**rope, "rope_type": "yarn", **{k: v for k, v in yarn.items() if v is not None}}
+        return {
+            "model_type": self.model_type,
+            "architectures": ["DeepseekV2ForCausalLM"],
+            **d,
+            **_FIXED,
+            "num_key_value_heads": self.num_attention_heads,
+            "rope_parameters": rope,
+        }
+
+
+# Fields whose other values would change the math and are not implemented: the value we support.
+_FIXED = {
+    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+    "scoring_func": "softmax",
+}  # fmt: skip
+# Fields that do not change the forward math (generation, HF bookkeeping, derived head dims, loss and
+# parallelism knobs of DeepSeek's code that the trainer and engine own here).
+_IGNORED = (
+    "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "bos_token_id",
+    "eos_token_id", "pad_token_id", "output_router_logits", "router_aux_loss_coef", "aux_loss_alpha",
+    "seq_aux", "ep_size", "pretraining_tp", "auto_map", "_name_or_path", "head_dim", "qk_head_dim",
+)  # fmt: skip
+
+
+def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
+    """Pop rope_parameters (transformers 5) or rope_scaling + rope_theta (4.x, DeepSeek) -> (theta, yarn)."""
+    rope = dict(d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {})
+    theta = float(rope.pop("rope_theta", d.pop("rope_theta", 10_000.0)))
+    d.pop("rope_scaling", None)
+    rope_type = rope.pop("rope_type", rope.get("type", "default"))
+    rope.pop("type", None)
+    if rope_type == "default" and not rope:
+        return theta, None
+    if rope_type != "yarn":
+        raise ValueError(f"rope type {rope_type!r} is not supported by deepseek_v2 (only default and yarn)")
+    unknown = sorted(set(rope) - {f.name for f in fields(Yarn)})
+    if unknown:
+        raise ValueError(f"unsupported yarn rope parameters for deepseek_v2: {unknown}")
+    rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+    if rope.get("factor") is None:  # transformers' rule: the context extension actually configured
+        rope["factor"] = d["max_position_embeddings"] / rope["original_max_position_embeddings"]
+    return theta, Yarn(**{k: v for k, v in rope.items() if v is not None})
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(cfg: Config, device: torch.device) -> tuple[Tensor, float]:
+    """-> (inverse frequencies [R] fp64, factor multiplying cos and sin), YaRN applied when set."""
+    P, y = cfg.qk_rope_head_dim, cfg.yarn
+    inv_freq_R = cfg.rope_theta ** (-torch.arange(0, P, 2, device=device, dtype=torch.float64) / P)
+    if y is None:
+        return inv_freq_R, 1.0
+
+    def dim_of(rotations: float) -> float:  # the (fractional) dim completing `rotations` turns in context
+        wavelengths = y.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return P * math.log(wavelengths) / (2 * math.log(cfg.rope_theta))
+
+    low, high = dim_of(y.beta_fast), dim_of(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, P - 1)
+    high = high + 0.001 if low == high else high
+    ramp_R = ((torch.arange(P // 2, device=device, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    # High-frequency dims (ramp 0) keep their frequency; low-frequency ones (ramp 1) are interpolated.
+    inv_freq_R = inv_freq_R * (1 - ramp_R) + inv_freq_R / y.factor * ramp_R
+    if y.attention_factor is not None:
+        factor = y.attention_factor
+    elif y.mscale and y.mscale_all_dim:
+        factor = yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
+    else:
+        factor = yarn_mscale(y.factor)
+    return inv_freq_R, factor
+
+
+def softmax_scale(cfg: Config) -> float:
+    scale = cfg.qk_head_dim**-0.5
+    if cfg.yarn is not None and cfg.yarn.mscale_all_dim:
+        scale *= yarn_mscale(cfg.yarn.factor, cfg.yarn.mscale_all_dim) ** 2
+    return scale
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
+        norm = pith_ops.rms_norm_reference if reference else pith_ops.rms_norm
+        return norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Multi-head latent attention."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        D, H, C, L = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim, cfg.kv_lora_rank
+        P = cfg.qk_rope_head_dim
+        self.cfg = cfg
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * C, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * C, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, L + P, bias=False)
+        self.kv_a_layernorm = RMSNorm(L, LORA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(L, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, D, bias=False)
+        self.scale = softmax_scale(cfg)
+
+    def forward(self, x_BSD: Tensor, pos: Positions, reference: bool = False) -> Tensor:
+        cfg, (B, S, _) = self.cfg, x_BSD.shape
+        H, N, P, A = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        L = cfg.kv_lora_rank
+        rope = pith_ops.apply_rope_reference if reference else pith_ops.apply_rope
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x_BSD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD), reference))
+        q_nope_BSHN, q_rope_BSHP = q.view(B, S, H, N + P).split([N, P], dim=-1)
+        latent_BSL, k_rope_BSP = self.kv_a_proj_with_mqa(x_BSD).split([L, P], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent_BSL, reference))
+        k_nope_BSHN, v_BSHA = kv.view(B, S, H, N + A).split([N, A], dim=-1)
+        q_rope_BSHP = rope(q_rope_BSHP, pos.cos_BSR, pos.sin_BSR, interleaved=True)
+        k_rope_BS1P = rope(k_rope_BSP[:, :, None], pos.cos_BSR, pos.sin_BSR, interleaved=True)
+        q_BSHC = torch.cat((q_nope_BSHN, q_rope_BSHP), dim=-1)
+        k_BSHC = torch.cat((k_nope_BSHN, k_rope_BS1P.expand(B, S, H, P)), dim=-1)
+        if reference:
+            p = pos.position_ids_BS
+            o_BSHA = attention_reference(q_BSHC, k_BSHC, v_BSHA, p, p, scale=self.scale)[0]
+        else:
+            o_BSHA = attention(q_BSHC, k_BSHC, v_BSHA, pos, scale=self.scale)
+        return self.o_proj(o_BSHA.reshape(B, S, H * A))
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU; gate and up projections fused into one GEMM (gate | up halves)."""
+
+    def __init__(self, D: int, F: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(D, 2 * F, bias=False)
+        self.down_proj = nn.Linear(F, D, bias=False)
+
+    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
+        swiglu = pith_ops.swiglu_reference if reference else pith_ops.swiglu
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+
+class Experts(nn.Module):
+    """The routed experts, stage 3; a module of their own so the engine can shard them apart."""
+
+    def __init__(self, E: int, D: int, F: int):
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate | up halves
+        self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
+
+    def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
+        h_N2F = pith_ops.grouped_gemm(x_ND, self.w_gate_up, group_ends_E)
+        return pith_ops.grouped_gemm(pith_ops.swiglu(h_N2F), self.w_down, group_ends_E)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.cfg = cfg
+        self.gate = nn.Linear(D, E, bias=False)  # the router
+        self.experts = Experts(E, D, F)
+        self.shared_experts = MLP(D, cfg.n_shared_experts * F)
+        # Aux-loss-free balancing: added to the scores for top-k selection only; the trainer updates it.
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+
+    def route(self, x_TD: Tensor) -> Routing:
+        cfg = self.cfg
+        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        probs_TE = logits_TE.softmax(-1)
+        select_TE = probs_TE.detach() + self.expert_bias
+        if cfg.topk_method == "group_limited_greedy":
+            select_TGX = select_TE.unflatten(-1, (cfg.n_group, -1))
+            groups_TG = select_TGX.amax(-1).topk(cfg.topk_group, dim=-1).indices
+            keep_TG = torch.zeros_like(select_TGX[..., 0], dtype=torch.bool).scatter_(1, groups_TG, True)
+            select_TE = select_TGX.masked_fill(~keep_TG[..., None], float("-inf")).flatten(1)
+        expert_ids_TK = select_TE.topk(cfg.num_experts_per_tok, dim=-1).indices
+        weights_TK = probs_TE.gather(1, expert_ids_TK)
+        if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        else:
+            weights_TK = weights_TK * cfg.routed_scaling_factor
+        return Routing(x_TD, expert_ids_TK, weights_TK, probs_TE, logits_TE)
+
+    def reference(self, x_BSD: Tensor) -> Tensor:
+        """Shared experts, routing, then each routed expert over its tokens in a loop (fp32 sum)."""
+        x_TD = x_BSD.flatten(0, 1)
+        r = self.route(x_TD)
+        out_TD = torch.zeros_like(x_TD, dtype=torch.float32)
+        w_gate_up, w_down = self.experts.w_gate_up, self.experts.w_down
+        for e in range(w_gate_up.shape[0]):
+            t, k = (r.expert_ids_TK == e).nonzero(as_tuple=True)
+            y = pith_ops.swiglu_reference(x_TD[t] @ w_gate_up[e]) @ w_down[e]
+            out_TD = out_TD.index_add(0, t, y.float() * r.weights_TK[t, k, None])
+        return self.shared_experts(x_BSD, True) + out_TD.to(x_BSD.dtype).view_as(x_BSD)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: Config, i: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    @property
+    def experts(self) -> Experts | None:
+        return self.mlp.experts if isinstance(self.mlp, MoE) else None
+
+    def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out:
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), pos)
+        x_BSD = self.post_attention_layernorm(h_BSD)
+        if isinstance(self.mlp, MLP):
+            return Stage1Out(h_BSD + self.mlp(x_BSD), None)
+        return Stage1Out(h_BSD + self.mlp.shared_experts(x_BSD), self.mlp.route(x_BSD.flatten(0, 1)))
+
+    def stage3(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
+        return self.mlp.experts(x_ND, group_ends_E)
+
+    def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        return h_BSD + pith_ops.moe_unpermute(y_ND, slots_TK, weights_TK).view_as(h_BSD)
+
+    def reference_forward(self, h_BSD: Tensor, pos: Positions) -> Tensor:
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD, True), pos, True)
+        x_BSD = self.post_attention_layernorm(h_BSD, True)
+        mlp_BSD = self.mlp(x_BSD, True) if isinstance(self.mlp, MLP) else self.mlp.reference(x_BSD)
+        return h_BSD + mlp_BSD
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def prologue(self, input_ids_BS: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids_BS)
+
+    def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions:
+        # Angles in fp64: fp32 position * frequency loses ~1e-3 rad at positions near 32K.
+        inv_freq_R, factor = rope_frequencies(self.cfg, position_ids_BS.device)
+        angle_BSR = position_ids_BS.double()[..., None] * inv_freq_R
+        cos_BSR, sin_BSR = (angle_BSR.cos() * factor).float(), (angle_BSR.sin() * factor).float()
+        return Positions(position_ids_BS, cos_BSR, sin_BSR, cp_group)
+
+    def epilogue(self, h_BSD: Tensor) -> Tensor:
+        return self.norm(h_BSD)
+
+    def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
+        pos = self.positions(default_position_ids(input_ids_BS))
+        h_BSD = self.embed_tokens(input_ids_BS)
+        for layer in self.layers:
+            h_BSD = layer.reference_forward(h_BSD, pos)
+        return self.lm_head(self.norm(h_BSD, True))
+
+
+@torch.no_grad()
+def init_weights(model: Model, seed: int) -> None:
+    """Norm weights 1, expert_bias 0, every other weight N(0, initializer_range), reproducible from seed."""
+    std = model.cfg.initializer_range
+    device = model.lm_head.weight.device
+    if device.type == "meta":
+        raise ValueError("the model is on the meta device: materialise it (model.to_empty(device=...)) first")
+    generator = torch.Generator(device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std, generator=generator)
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.expert_bias.zero_()
+
+
+def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
+    """Hugging Face names/layouts (per-expert [out, in] weights, separate gate and up) -> ours."""
+    out = {k.removeprefix("model."): v for k, v in sd.items() if ".experts." not in k}
+    for i in range(cfg.num_hidden_layers):
+        hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.mlp."
+        dense = "" if not cfg.is_moe(i) else "shared_experts."
+        gate, up = out.pop(f"{ours}{dense}gate_proj.weight"), out.pop(f"{ours}{dense}up_proj.weight")
+        out[f"{ours}{dense}gate_up_proj.weight"] = torch.cat((gate, up))
+        if not cfg.is_moe(i):
+            continue
+        experts = [f"{hf}experts.{e}." for e in range(cfg.n_routed_experts)]
+        out[ours + "experts.w_gate_up"] = torch.stack(
+            [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in experts]
+        )
+        out[ours + "experts.w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in experts])
+        out[ours + "expert_bias"] = torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
+    """Ours -> Hugging Face. A nonzero expert_bias is an error: DeepSeek-V2 has no selection bias."""
+    out = {}
+    F_ = cfg.moe_intermediate_size
+    for k, v in sd.items():
+        prefix = k.rpartition(".")[0] + "."
+        if k.endswith("expert_bias"):
+            if not v.is_meta and bool(v.any()):
+                raise ValueError(f"{k} is nonzero: HF DeepSeek-V2 has no routing bias to export it to")
+        elif k.endswith("mlp.experts.w_gate_up"):
+            for e in range(v.shape[0]):
+                out[f"model.{prefix}{e}.gate_proj.weight"] = v[e, :, :F_].T
+                out[f"model.{prefix}{e}.up_proj.weight"] = v[e, :, F_:].T
+        elif k.endswith("mlp.experts.w_down"):
+            for e in range(v.shape[0]):
+                out[f"model.{prefix}{e}.down_proj.weight"] = v[e].T
+        elif k.endswith("gate_up_proj.weight"):
+            gate, up = v.chunk(2)
+            out[f"model.{prefix.removesuffix('gate_up_proj.')}gate_proj.weight"] = gate
+            out[f"model.{prefix.removesuffix('gate_up_proj.')}up_proj.weight"] = up
+        elif k == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out[k] = v
+        else:
+            out["model." + k] = v
+    return out
+
+
+# For tests: a dense layer then two MoE layers; query LoRA, group-limited routing and YaRN are on
+# here, and the tests switch them off one by one.
+TINY = Config(
+    vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=12, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3, first_k_dense_replace=1,
+    topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+    yarn=Yarn(factor=4.0, original_max_position_embeddings=32, mscale=0.9, mscale_all_dim=0.7),
+    max_position_embeddings=128,
+)  # fmt: skip
+DEEPSEEK_V2_LITE = Config(
+    vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+    first_k_dense_replace=1, rope_theta=10_000.0, max_position_embeddings=163840,
+    yarn=Yarn(factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707),
+)  # fmt: skip
