@@ -1,0 +1,413 @@
+"""GPT-OSS (openai/gpt-oss-20b, gpt-oss-120b) in the five-stage layer form.
+
+Architectural choices (those of transformers' GptOss):
+- pre-norm decoder: h += attn(rms_norm(h)); h += moe(rms_norm(h)); final rms_norm, then lm_head;
+  every layer is MoE;
+- grouped-query attention with biases on q, k, v and o; head_dim independent of hidden_size / heads;
+  scale head_dim**-0.5; a learned sink logit per head that joins every softmax denominator (trained:
+  it gets gradients); layers alternate sliding-window (key visible when pos_q - pos_k < sliding_window)
+  and full causal attention as layer_types says;
+- RoPE over the whole head dim, half-split pairs (i, i + head_dim/2), with YaRN scaling: inverse
+  frequencies blended between interpolation and extrapolation, cos and sin multiplied by the YaRN
+  attention factor 0.1 * ln(factor) + 1;
+- router: a linear layer with bias, logits in fp32, top-k over the logits (plus the aux-loss-free
+  `expert_bias`, for the selection only), combine weights = softmax over the k chosen logits;
+- experts: clamped SwiGLU with interleaved gate/up columns (gate = even columns clamped above at
+  swiglu_limit, up = odd columns clamped to +-swiglu_limit; gate * sigmoid(swiglu_alpha * gate) *
+  (up + 1), pith_ops.swiglu_oss) and a bias after each projection: a grouped GEMM plus a per-row
+  bias gathered by the row's expert.
+
+Shape legend: B batch, S sequence, T = B*S tokens, D hidden, H query heads, G key/value heads,
+Dh head dim, R = Dh/2 rotary pairs, E experts (E_held: those this module holds), F expert width,
+K top-k, N rows grouped by expert, V vocabulary.
+"""
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
+
+import pith_ops
+import torch
+import torch.nn.functional as F
+from pith_engine.attention import attention, attention_reference
+from pith_engine.contract import Positions, Routing, Stage1Out, default_position_ids
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN rope scaling, named as in the Hugging Face rope parameters (GPT-OSS uses no mscale)."""
+
+    factor: float = 32.0  # context extension factor
+    original_max_position_embeddings: int = 4096  # pretraining context length
+    beta_fast: float = 32.0  # rotations bounding the extrapolated (high-frequency) band
+    beta_slow: float = 1.0  # rotations bounding the interpolated (low-frequency) band
+    truncate: bool = False  # round the blend range to whole dims (GPT-OSS: no)
+
+
+@dataclass(frozen=True)
+class Config:
+    model_type: ClassVar[str] = "gpt_oss"  # the Hugging Face model_type (key of pith_models.hf.MODULES)
+
+    vocab_size: int  # V
+    hidden_size: int  # D
+    intermediate_size: int  # F, width of one expert
+    num_hidden_layers: int
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # G; H must be a multiple of G
+    head_dim: int  # Dh (even)
+    num_local_experts: int  # E
+    num_experts_per_tok: int  # K
+    sliding_window: int  # keys visible to a query of a sliding layer: pos_q - pos_k < sliding_window
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention"; () alternates
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 150_000.0  # RoPE base
+    yarn: Yarn | None = Yarn()  # YaRN rope scaling; None: plain RoPE
+    swiglu_alpha: float = 1.702  # sigmoid gain of the clamped SwiGLU
+    swiglu_limit: float = 7.0  # clamp of gate (above) and up (both sides)
+    tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight
+    max_position_embeddings: int = 131072  # context the checkpoint was trained for (no effect on the math)
+    initializer_range: float = 0.02  # std of init_weights' normal draws
+
+    def __post_init__(self):
+        L = self.num_hidden_layers
+        if not self.layer_types:  # transformers' default: sliding, full, sliding, ...
+            object.__setattr__(self, "layer_types", tuple(SLIDING if i % 2 == 0 else FULL for i in range(L)))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != L or not set(self.layer_types) <= {SLIDING, FULL}:
+            raise ValueError(
+                f"layer_types must hold num_hidden_layers={L} entries of {SLIDING!r} or {FULL!r}, "
+                f"got {list(self.layer_types)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 1 <= self.num_experts_per_tok <= self.num_local_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_local_experts={self.num_local_experts}], "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Config":
+        """From a Hugging Face config.json dict (transformers 4.5x or 5.x spelling)."""
+        d = dict(d)
+        model_type = d.pop("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            raise ValueError(f"expected model_type {cls.model_type!r}, got {model_type!r}")
+        if "quantization_config" in d:
+            raise ValueError(
+                "config field quantization_config: quantized (MXFP4) checkpoints are not supported; "
+                "load a dequantized (bf16) checkpoint"
+            )
+        d["rope_theta"], d["yarn"] = _rope_from_hf(d)
+        for key, allowed in _FIXED.items():
+            if key in d and d.pop(key) != allowed:
+                raise ValueError(f"config field {key}: only {allowed!r} is supported")
+        for key in _IGNORED:
+            d.pop(key, None)
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unsupported gpt_oss config fields: {unknown}")
+        return cls(**{**d, "layer_types": tuple(d.get("layer_types") or ())})
+
+    def to_hf(self) -> dict:
+        d = asdict(self)
+        yarn = d.pop("yarn")
+        rope = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
+        if yarn is not None:
+            rope = {**rope, "rope_type": "yarn", **yarn}
+        return {
+            "model_type": self.model_type,
+            "architectures": ["GptOssForCausalLM"],
+            **d,
+            **_FIXED,
+            "layer_types": list(self.layer_types),
+            "rope_parameters": rope,
+        }
+
+
+# Fields whose other values would change the math and are not implemented: the value we support.
+_FIXED = {"attention_bias": True, "attention_dropout": 0.0}
+# Fields that do not change the forward math: generation, HF bookkeeping, loss knobs the trainer owns,
+# hidden_act (transformers' GPT-OSS always applies the clamped SwiGLU), and the original release's
+# duplicates of other fields (experts_per_token, initial_context_length).
+_IGNORED = (
+    "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "bos_token_id",
+    "eos_token_id", "pad_token_id", "output_router_logits", "router_aux_loss_coef", "hidden_act",
+    "experts_per_token", "initial_context_length", "_name_or_path",
+)  # fmt: skip
+
+
+def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
+    """Pop rope_parameters (transformers 5) or rope_scaling + rope_theta (4.x) -> (theta, yarn).
+    Neither present means transformers' GPT-OSS default, the Yarn() defaults here."""
+    if "rope_parameters" not in d and "rope_scaling" not in d:
+        return float(d.pop("rope_theta", 150_000.0)), Yarn()
+    rope = dict(d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {})
+    theta = float(rope.pop("rope_theta", d.pop("rope_theta", 150_000.0)))
+    d.pop("rope_scaling", None)
+    rope_type = rope.pop("rope_type", rope.get("type", "default"))
+    rope.pop("type", None)
+    if rope_type == "default" and not rope:
+        return theta, None
+    if rope_type != "yarn":
+        raise ValueError(f"rope type {rope_type!r} is not supported by gpt_oss (only default and yarn)")
+    unknown = sorted(set(rope) - {f.name for f in fields(Yarn)})
+    if unknown:
+        raise ValueError(f"unsupported yarn rope parameters for gpt_oss: {unknown}")
+    # transformers' yarn defaults when a key is absent: truncate True, the model's context length.
+    rope.setdefault("truncate", True)
+    rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 131072))
+    return theta, Yarn(**{k: v for k, v in rope.items() if v is not None})
+
+
+def rope_frequencies(cfg: Config, device: torch.device) -> tuple[Tensor, float]:
+    """-> (inverse frequencies [R] fp64, factor multiplying cos and sin), YaRN applied when set."""
+    Dh, y = cfg.head_dim, cfg.yarn
+    inv_freq_R = cfg.rope_theta ** (-torch.arange(0, Dh, 2, device=device, dtype=torch.float64) / Dh)
+    if y is None:
+        return inv_freq_R, 1.0
+
+    def dim_of(rotations: float) -> float:  # the (fractional) dim completing `rotations` turns in context
+        wavelengths = y.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return Dh * math.log(wavelengths) / (2 * math.log(cfg.rope_theta))
+
+    low, high = dim_of(y.beta_fast), dim_of(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, Dh - 1)
+    high = high + 0.001 if low == high else high
+    ramp_R = ((torch.arange(Dh // 2, device=device, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    # High-frequency dims (ramp 0) keep their frequency; low-frequency ones (ramp 1) are interpolated.
+    inv_freq_R = inv_freq_R * (1 - ramp_R) + inv_freq_R / y.factor * ramp_R
+    return inv_freq_R, (0.1 * math.log(y.factor) + 1.0 if y.factor > 1 else 1.0)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
+        norm = pith_ops.rms_norm_reference if reference else pith_ops.rms_norm
+        return norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config, i: int):
+        super().__init__()
+        D, H, G, Dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.H, self.G, self.Dh = H, G, Dh
+        self.window = cfg.sliding_window if cfg.layer_types[i] == SLIDING else None
+        self.q_proj = nn.Linear(D, H * Dh)
+        self.k_proj = nn.Linear(D, G * Dh)
+        self.v_proj = nn.Linear(D, G * Dh)
+        self.o_proj = nn.Linear(H * Dh, D)
+        self.sinks = nn.Parameter(torch.empty(H))  # per-head logit joining the softmax denominator
+
+    def forward(self, x_BSD: Tensor, pos: Positions, reference: bool = False) -> Tensor:
+        B, S, _ = x_BSD.shape
+        rope = pith_ops.apply_rope_reference if reference else pith_ops.apply_rope
+        q_BSHD = rope(self.q_proj(x_BSD).view(B, S, self.H, self.Dh), pos.cos_BSR, pos.sin_BSR)
+        k_BSGD = rope(self.k_proj(x_BSD).view(B, S, self.G, self.Dh), pos.cos_BSR, pos.sin_BSR)
+        v_BSGD = self.v_proj(x_BSD).view(B, S, self.G, self.Dh)
+        kw = dict(scale=self.Dh**-0.5, window=self.window, sinks_H=self.sinks)
+        if reference:
+            p = pos.position_ids_BS
+            o_BSHD = attention_reference(q_BSHD, k_BSGD, v_BSGD, p, p, **kw)[0]
+        else:
+            o_BSHD = attention(q_BSHD, k_BSGD, v_BSGD, pos, **kw)
+        return self.o_proj(o_BSHD.reshape(B, S, self.H * self.Dh))
+
+
+class Experts(nn.Module):
+    """The routed experts, stage 3; a module of their own so the engine can shard them apart (the
+    biases with the weights)."""
+
+    def __init__(self, E: int, D: int, F: int, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate, up interleaved
+        self.b_gate_up = nn.Parameter(torch.empty(E, 2 * F))  # [E_held, 2F], interleaved likewise
+        self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
+        self.b_down = nn.Parameter(torch.empty(E, D))  # [E_held, D]
+
+    def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
+        # The expert of each row, for its biases; rows past the last end are padding (any expert does).
+        rows_N = torch.arange(x_ND.shape[0], device=x_ND.device, dtype=group_ends_E.dtype)
+        expert_N = torch.searchsorted(group_ends_E, rows_N, right=True).clamp(max=group_ends_E.shape[0] - 1)
+        h_N2F = pith_ops.grouped_gemm(x_ND, self.w_gate_up, group_ends_E) + self.b_gate_up[expert_N]
+        h_NF = pith_ops.swiglu_oss(h_N2F, self.alpha, self.limit)
+        return pith_ops.grouped_gemm(h_NF, self.w_down, group_ends_E) + self.b_down[expert_N]
+
+    def reference(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        """Each expert over its tokens in a loop, weighted sum in fp32: stages 2 to 5 unstaged."""
+        out_TD = torch.zeros_like(x_TD, dtype=torch.float32)
+        for e in range(self.w_gate_up.shape[0]):
+            t, k = (expert_ids_TK == e).nonzero(as_tuple=True)
+            h = x_TD[t] @ self.w_gate_up[e] + self.b_gate_up[e]
+            y = pith_ops.swiglu_oss_reference(h, self.alpha, self.limit) @ self.w_down[e] + self.b_down[e]
+            out_TD = out_TD.index_add(0, t, y.float() * weights_TK[t, k, None])
+        return out_TD.to(x_TD.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        D, E, F = cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
+        self.top_k = cfg.num_experts_per_tok
+        self.router = nn.Linear(D, E)
+        self.experts = Experts(E, D, F, cfg.swiglu_alpha, cfg.swiglu_limit)
+        # Aux-loss-free balancing: added to the logits for top-k selection only; the trainer updates it.
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+
+    def route(self, x_TD: Tensor) -> Routing:
+        logits_TE = F.linear(x_TD.float(), self.router.weight.float(), self.router.bias.float())
+        expert_ids_TK = torch.topk(logits_TE.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        weights_TK = logits_TE.gather(1, expert_ids_TK).softmax(-1)
+        return Routing(x_TD, expert_ids_TK, weights_TK, logits_TE.softmax(-1), logits_TE)
+
+    def reference(self, x_BSD: Tensor) -> Tensor:
+        r = self.route(x_BSD.flatten(0, 1))
+        return self.experts.reference(r.x_TD, r.expert_ids_TK, r.weights_TK).view_as(x_BSD)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: Config, i: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, i)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg)
+
+    @property
+    def experts(self) -> Experts:
+        return self.mlp.experts
+
+    def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out:
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), pos)
+        return Stage1Out(h_BSD, self.mlp.route(self.post_attention_layernorm(h_BSD).flatten(0, 1)))
+
+    def stage3(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
+        return self.mlp.experts(x_ND, group_ends_E)
+
+    def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        return h_BSD + pith_ops.moe_unpermute(y_ND, slots_TK, weights_TK).view_as(h_BSD)
+
+    def reference_forward(self, h_BSD: Tensor, pos: Positions) -> Tensor:
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD, True), pos, True)
+        return h_BSD + self.mlp.reference(self.post_attention_layernorm(h_BSD, True))
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def prologue(self, input_ids_BS: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids_BS)
+
+    def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions:
+        # Angles in fp64: fp32 position * frequency loses ~1e-3 rad at positions near 32K.
+        inv_freq_R, factor = rope_frequencies(self.cfg, position_ids_BS.device)
+        angle_BSR = position_ids_BS.double()[..., None] * inv_freq_R
+        cos_BSR, sin_BSR = (angle_BSR.cos() * factor).float(), (angle_BSR.sin() * factor).float()
+        return Positions(position_ids_BS, cos_BSR, sin_BSR, cp_group)
+
+    def epilogue(self, h_BSD: Tensor) -> Tensor:
+        return self.norm(h_BSD)
+
+    def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
+        pos = self.positions(default_position_ids(input_ids_BS))
+        h_BSD = self.embed_tokens(input_ids_BS)
+        for layer in self.layers:
+            h_BSD = layer.reference_forward(h_BSD, pos)
+        return self.lm_head(self.norm(h_BSD, True))
+
+
+@torch.no_grad()
+def init_weights(model: Model, seed: int) -> None:
+    """Norm weights 1, biases and expert_bias 0, every other weight (sinks included) N(0,
+    initializer_range), reproducible from seed."""
+    std = model.cfg.initializer_range
+    device = model.lm_head.weight.device
+    if device.type == "meta":
+        raise ValueError("the model is on the meta device: materialise it (model.to_empty(device=...)) first")
+    generator = torch.Generator(device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(("bias", "b_gate_up", "b_down")):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=generator)
+    for layer in model.layers:
+        layer.mlp.expert_bias.zero_()
+
+
+# Our expert tensor names <-> transformers' (same layouts: [E, in, out], gate/up interleaved).
+_EXPERT_NAMES = {
+    "experts.w_gate_up": "experts.gate_up_proj",
+    "experts.b_gate_up": "experts.gate_up_proj_bias",
+    "experts.w_down": "experts.down_proj",
+    "experts.b_down": "experts.down_proj_bias",
+}
+
+
+def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
+    """Hugging Face names -> ours (the layouts already agree)."""
+    hf_to_ours = {hf: ours for ours, hf in _EXPERT_NAMES.items()}
+    out = {}
+    for k, v in sd.items():
+        prefix, _, leaf = k.removeprefix("model.").partition(".mlp.")
+        out[f"{prefix}.mlp.{hf_to_ours.get(leaf, leaf)}" if leaf else prefix] = v
+    for i in range(cfg.num_hidden_layers):
+        out[f"layers.{i}.mlp.expert_bias"] = torch.zeros(cfg.num_local_experts, dtype=torch.float32)
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
+    """Ours -> Hugging Face. A nonzero expert_bias is an error: GPT-OSS has no selection-only bias."""
+    out = {}
+    for k, v in sd.items():
+        prefix, _, leaf = k.partition(".mlp.")
+        if leaf == "expert_bias":
+            if not v.is_meta and bool(v.any()):
+                raise ValueError(f"{k} is nonzero: HF GPT-OSS has no selection-only bias to export it to")
+        elif k == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out[k] = v
+        else:
+            out["model." + (f"{prefix}.mlp.{_EXPERT_NAMES.get(leaf, leaf)}" if leaf else prefix)] = v
+    return out
+
+
+# For tests: sliding, full, sliding layers with a window shorter than the test sequences.
+TINY = Config(
+    vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
+    yarn=Yarn(factor=4.0, original_max_position_embeddings=32), max_position_embeddings=128,
+)  # fmt: skip
+GPT_OSS_20B = Config(
+    vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+)  # fmt: skip
