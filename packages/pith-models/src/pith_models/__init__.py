@@ -11,7 +11,7 @@ pith_models.save_pretrained(hf_model, "out_dir")              # bf16, transforme
 import torch
 from torch import nn
 
-from pith_models import qwen3_moe
+from pith_models import deepseek_v2, gpt_oss, qwen3_moe
 from pith_models.hf import from_pretrained, module_of, save_pretrained
 
 # The trainer's --model.name values: the one place a model name maps to a config.
@@ -19,6 +19,10 @@ MODELS = {
     "tiny-moe": qwen3_moe.TINY_MOE,
     "qwen3-moe-tiny": qwen3_moe.TINY,
     "qwen3-30b-a3b": qwen3_moe.QWEN3_30B_A3B,
+    "deepseek-v2-tiny": deepseek_v2.TINY,
+    "deepseek-v2-lite": deepseek_v2.DEEPSEEK_V2_LITE,
+    "gpt-oss-tiny": gpt_oss.TINY,
+    "gpt-oss-20b": gpt_oss.GPT_OSS_20B,
 }
 
 

@@ -31,11 +31,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from pith_models import qwen3_moe
+from pith_models import deepseek_v2, gpt_oss, qwen3_moe
 
 # HF model_type -> model module: the one place a model_type string maps to code.
 MODULES: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,
+    "deepseek_v2": deepseek_v2,
+    "gpt_oss": gpt_oss,
 }
 
 
