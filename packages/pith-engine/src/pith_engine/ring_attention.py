@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from pith_engine.attention import attention_reference
 from pith_engine.contract import Positions
@@ -90,6 +89,8 @@ def ring_schedule(cp_size: int, cp_rank: int, chunk_len: int, window: int | None
 
 @functools.cache
 def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
     return torch.compile(flex_attention)
 
 
@@ -100,6 +101,8 @@ def _block_attention(
     # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
     if not (q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16):
         return attention_reference(q, k, v, pos_q_BS, pos_k_BS, scale=scale, window=window)
+    # imported on first use: flex_attention's import costs about half of torch's own
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
     def visible(b, h, qi, ki):
         dist_ = pos_q_BS[b, qi] - pos_k_BS[b, ki]
