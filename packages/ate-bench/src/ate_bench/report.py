@@ -26,7 +26,9 @@ def load_results(run_dir: Path) -> list[dict]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"expected a run directory, got {str(run_dir)!r}: no such directory")
-    return [json.loads(p.read_text()) | {"path": str(p.parent)} for p in sorted(run_dir.rglob("result.json"))]
+    # RUN/<framework>/<agent>/<task>/attempt-<n>/result.json, never a file of a worktree
+    files = sorted(run_dir.glob("*/*/*/attempt-*/result.json"))
+    return [json.loads(p.read_text()) | {"path": str(p.parent)} for p in files]
 
 
 def flat_metrics(record: dict) -> dict:

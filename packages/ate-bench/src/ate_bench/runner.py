@@ -131,8 +131,9 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def run_attempt(
-    task, framework, sha, agent, attempt_dir: Path, timeout_s, judge=None, gpu_scope="attempt", nvml=None
-):
+    task, framework, sha, agent, attempt_dir: Path, repeat: int, timeout_s, judge=None, gpu_scope="attempt",
+    nvml=None,
+):  # fmt: skip
     """Run one attempt to completion (or timeout), grade it, write result.json; returns the record."""
     worktree = attempt_dir / "worktree"
     create_worktree(framework.path, sha, worktree)
@@ -157,14 +158,15 @@ def run_attempt(
             start_new_session=True,  # its own session and process group: one signal reaches all of it
         )
         sampler.set_session(proc.pid)
+        status = "finished"
         try:
-            exit_code = proc.wait(timeout=timeout_s)
-            status = "finished"
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             status = "timeout"
-        kill_attempt(proc)  # on timeout the agent; otherwise whatever it left running
-        exit_code = proc.returncode
-    wall_s = time.monotonic() - started
+        finally:
+            wall_s = time.monotonic() - started
+            kill_attempt(proc)  # the agent on timeout or Ctrl-C; otherwise whatever it left running
+    exit_code = proc.returncode
     sampler.stop()
     metrics = transcript_metrics(transcript)
     final_text = metrics.pop("final_text")
@@ -181,7 +183,7 @@ def run_attempt(
         "agent": agent.name,
         "task": task.id,
         "category": task.category,
-        "repeat": int(attempt_dir.name.rsplit("-", 1)[1]),
+        "repeat": repeat,
         "commit": sha,
         "status": status,
         "exit_code": exit_code,
@@ -230,7 +232,9 @@ def run_suite(
             attempt_dir.mkdir(parents=True)
             limit = timeout_s or task.time_limit_s
             log(f"{task.id} attempt {repeat}: running (limit {limit:.0f}s)")
-            record = run_attempt(task, framework, sha, agent, attempt_dir, limit, judge, gpu_scope, nvml)
+            record = run_attempt(
+                task, framework, sha, agent, attempt_dir, repeat, limit, judge, gpu_scope, nvml
+            )
             log(f"{task.id} attempt {repeat}: {record['status']}, {record['grade']['verdict']}")
             records.append(record)
     return records
