@@ -194,7 +194,8 @@ def test_codex_and_generic_commands(tmp_path):
 def test_dirty_checkout_is_refused(setup):
     tmp_path, framework, agent = setup
     (framework.path / "scratch.py").write_text("x = 1\n")
-    with pytest.raises(ValueError, match=r"clean alpha checkout.*scratch\.py"):
+    (framework.path / "train.py").write_text("edited\n")
+    with pytest.raises(ValueError, match=r"clean alpha checkout.*\(train\.py, scratch\.py\)"):
         run_suite(framework, load_tasks()[:1], agent, tmp_path / "runs", repeats=1, log=lambda _: None)
     assert calls(tmp_path) == []
 

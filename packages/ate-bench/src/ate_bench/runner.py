@@ -35,7 +35,7 @@ def git(*args: str, cwd: Path) -> str:
     done = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise ValueError(f"git {' '.join(args)} in {cwd} failed: {done.stderr.strip()}")
-    return done.stdout.strip()
+    return done.stdout.rstrip()  # not strip(): porcelain lines start with a status column
 
 
 def resolve_source(framework) -> str:
