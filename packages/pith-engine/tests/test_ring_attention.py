@@ -38,11 +38,13 @@ CASES = [
 CHUNK = 4
 # on CUDA the cases grow (head dims x8, chunks and windows x16) so flex_attention runs, not the fallback
 GROW = {"cpu": (1, 1), "cuda": (8, 16)}
-# max error over max magnitude; fp32 rounding of these O(1) values is ~1e-7, any slip in the ring O(1)
-TOL = {"cpu": 2e-6, "cuda": 1e-4}
+# max error over max magnitude, per device and dtype: rounding gives ~1e-16 in fp64 and ~1e-7 in fp32
+# (measured: 7e-7 at most), a slip in the ring O(1); on CUDA flex_attention sums in another order
+TOL = {"cpu torch.float64": 1e-12, "cpu torch.float32": 2e-6, "cuda torch.float32": 1e-4}
+DTYPES = {"cpu": (torch.float64, torch.float32), "cuda": (torch.float32,)}
 
 
-def _case_errors(world, rank, group, device, Hq, Hk, Dqk, Dv, window, sinks) -> dict[str, float]:
+def _case_errors(world, rank, group, device, dtype, Hq, Hk, Dqk, Dv, window, sinks) -> dict[str, float]:
     import torch.distributed as dist
 
     dims, length = GROW[device]
@@ -53,7 +55,7 @@ def _case_errors(world, rank, group, device, Hq, Hk, Dqk, Dv, window, sinks) -> 
         torch.randn(B, L, h, d, generator=g) for h, d in ((Hq, Dqk), (Hk, Dqk), (Hk, Dv), (Hq, Dv))
     )
     sinks_H = torch.randn(Hq, generator=g) if sinks else None
-    q, k, v, dout, sinks_H = (t if t is None else t.to(device) for t in (q, k, v, dout, sinks_H))
+    q, k, v, dout, sinks_H = (t if t is None else t.to(device, dtype) for t in (q, k, v, dout, sinks_H))
     leaves = [t.requires_grad_() for t in (q, k, v, sinks_H) if t is not None]
     scale = Dqk**-0.5
 
@@ -93,7 +95,13 @@ def _worker(world: int, rank: int, tmp: Path, device: str) -> None:
         world_size=world,
         timeout=timedelta(seconds=30),
     )
-    results = {name: _case_errors(world, rank, dist.group.WORLD, device, *spec) for name, *spec in CASES}
+    group = dist.group.WORLD
+    results = {
+        f"{device} {dtype}": {
+            name: _case_errors(world, rank, group, device, dtype, *spec) for name, *spec in CASES
+        }
+        for dtype in DTYPES[device]
+    }
     (tmp / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -101,12 +109,12 @@ def _worker(world: int, rank: int, tmp: Path, device: str) -> None:
 def _check_results(world: int, tmp: Path, device: str) -> None:
     for rank in range(world):
         results = json.loads((tmp / f"rank{rank}.json").read_text())
-        assert set(results) == {c[0] for c in CASES}
-        for case, errors in results.items():
-            bad = {q: e for q, e in errors.items() if not e <= TOL[device]}
-            assert not bad, (
-                f"world {world} rank {rank} case {case}: relative errors above {TOL[device]}: {bad}"
-            )
+        assert set(results) == {f"{device} {dtype}" for dtype in DTYPES[device]}
+        for where, cases in results.items():
+            assert set(cases) == {c[0] for c in CASES}
+            for case, errors in cases.items():
+                bad = {q: e for q, e in errors.items() if not e <= TOL[where]}
+                assert not bad, f"world {world} rank {rank} {where} {case}: errors above {TOL[where]}: {bad}"
 
 
 @pytest.mark.distributed

@@ -7,16 +7,20 @@ positions 0 1 6 7, rank 1 holds 2 3 4 5). The local sequence is [chunk r, chunk 
 Forward. K/V and their positions travel around the ring: at step s rank r holds the block of rank
 (r - s) mod cp, sending it on while it computes with it. Which (query chunk, key chunk) pairs can
 see each other follows from the chunk indices alone (causal: key chunk <= query chunk; with a
-sliding window W, not all W+ positions back), so fully masked pairs are skipped without a host
-sync; inside a computed pair the mask comes from the positions. Partial results (out, lse) are
-merged by log-sum-exp in fp32. Sinks (GPT-OSS) join only the final denominator, once, after the
-merge: out * exp(lse - logaddexp(lse, sink)) = out * sigmoid(lse - sink).
+sliding window W, also some key less than W positions back), so fully masked pairs are skipped
+without a host sync; inside a computed pair the mask comes from the positions. The skipping
+assumes what the data loader produces: each sample's positions are 0..L-1, zigzag-split.
+Partial results (out, lse) are merged by log-sum-exp in fp32 (fp64 for fp64 inputs). Sinks
+(GPT-OSS) join only the final denominator, once, after the merge:
+out * exp(lse - logaddexp(lse, sink)) = out * sigmoid(lse - sink).
 
 Backward. The ring runs again: K/V travel as in the forward and dK/dV accumulators follow one step
 behind (so their transfer overlaps the next block's compute), arriving back at their owner after cp
 shifts. With out = sum_b w_b out_b, w_b = exp(lse_b - lse) (lse merged, sinks included), a block's
 outputs receive d out_b = dout * w_b and d lse_b = w_b * (dout.out_b - dout.out); each block is
-recomputed and backpropagated with those, which is exact. Sinks: d sink = -sum exp(sink - lse) dout.out.
+recomputed and backpropagated with those, which is exact (the recompute costs about one more block
+forward per block backward; flex_attention has no public backward that takes a given out and lse).
+Sinks: d sink = -sum exp(sink - lse) dout.out.
 
 Block kernel: on CUDA flex_attention (compiled; mask_mod from positions, GQA, Dqk != Dv, returns lse),
 elsewhere `attention_reference`, the specification.
@@ -25,7 +29,6 @@ Shape legend: B batch, S local sequence (two chunks of C), L full sequence, H he
 Hk key/value), D head dims (Dqk, Dv).
 """
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -33,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from pith_engine.attention import attention_reference
+from pith_engine.attention import _compiled_flex_attention, attention_reference
 from pith_engine.contract import Positions
 
 
@@ -87,17 +90,10 @@ def ring_schedule(cp_size: int, cp_rank: int, chunk_len: int, window: int | None
     return steps
 
 
-@functools.cache
-def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention)
-
-
 def _block_attention(
     q: Tensor, k: Tensor, v: Tensor, pos_q_BS: Tensor, pos_k_BS: Tensor, scale: float, window: int | None
 ) -> tuple[Tensor, Tensor]:
-    """q over one range of keys -> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32)."""
+    """q over one range of keys -> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32 or fp64)."""
     # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
     if not (q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16):
         return attention_reference(q, k, v, pos_q_BS, pos_k_BS, scale=scale, window=window)
@@ -139,9 +135,9 @@ def _block_backward(
     with torch.enable_grad():
         out_b, lse_b = _block_attention(q, k, v, pos_q_BS, pos_k_BS, scale, window)
     w_BHS = torch.exp(lse_b.detach() - lse_BHS)  # 0 where the block hid every key from a query
-    dout = dout.float()
+    dout = dout.to(lse_BHS.dtype)
     d_out_b = (dout * w_BHS.transpose(1, 2)[..., None]).to(out_b.dtype)
-    d_lse_b = w_BHS * ((dout * out_b.detach().float()).sum(-1).transpose(1, 2) - dot_BHS)
+    d_lse_b = w_BHS * ((dout * out_b.detach().to(lse_BHS.dtype)).sum(-1).transpose(1, 2) - dot_BHS)
     return torch.autograd.grad((out_b, lse_b), (q, k, v), (d_out_b, d_lse_b))
 
 
@@ -168,12 +164,12 @@ def _ring_shift(tensors: tuple[Tensor, ...], group: ProcessGroup) -> Callable[[]
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
-    """Log-sum-exp merge of two partial results over disjoint keys (lse_a finite), in fp32."""
+    """Log-sum-exp merge of two partial results over disjoint keys (lse_a finite), in lse's dtype."""
     if out_a is None:
-        return out_b.float(), lse_b
+        return out_b.to(lse_b.dtype), lse_b
     lse = torch.logaddexp(lse_a, lse_b)
     w_a, w_b = (torch.exp(x - lse).transpose(1, 2)[..., None] for x in (lse_a, lse_b))
-    return out_a * w_a + out_b.float() * w_b, lse
+    return out_a * w_a + out_b.to(lse.dtype) * w_b, lse
 
 
 class _RingAttention(torch.autograd.Function):
@@ -197,7 +193,7 @@ class _RingAttention(torch.autograd.Function):
                 blk = arriving()
         out, lse_BHS = torch.cat(out_parts, 1), torch.cat(lse_parts, 2)
         if sinks_H is not None:
-            with_sink = torch.logaddexp(lse_BHS, sinks_H.float()[None, :, None])
+            with_sink = torch.logaddexp(lse_BHS, sinks_H.to(lse_BHS.dtype)[None, :, None])
             out = out * torch.exp(lse_BHS - with_sink).transpose(1, 2)[..., None]
             lse_BHS = with_sink
         out = out.to(q.dtype)
@@ -210,14 +206,15 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, sinks_H, pos_BS, out, lse_BHS = ctx.saved_tensors
         scale, window, group, schedule = ctx.scale, ctx.window, ctx.group, ctx.schedule
         C = q.shape[1] // 2
-        dot_BHS = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        acc = lse_BHS.dtype  # fp32 (fp64 for fp64 inputs), as the block kernel's lse
+        dot_BHS = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
+        dq = torch.zeros_like(q, dtype=acc)
         blk, dkv_arriving = (k, v, pos_BS), None
         for s, pairs in enumerate(schedule):
             arriving = _ring_shift(blk, group) if s + 1 < len(schedule) else None
             k_blk, v_blk, pos_blk = blk
-            dk_blk = torch.zeros_like(k_blk, dtype=torch.float32)
-            dv_blk = torch.zeros_like(v_blk, dtype=torch.float32)
+            dk_blk = torch.zeros_like(k_blk, dtype=acc)
+            dv_blk = torch.zeros_like(v_blk, dtype=acc)
             for i, ks in pairs:
                 qs = slice(i * C, (i + 1) * C)
                 gq, gk, gv = _block_backward(
@@ -237,7 +234,7 @@ class _RingAttention(torch.autograd.Function):
         dk, dv = dkv_arriving()  # after cp shifts each block's accumulator is back at its owner
         dsinks = None
         if sinks_H is not None:
-            dsinks = -(torch.exp(sinks_H.float()[None, :, None] - lse_BHS) * dot_BHS).sum((0, 2))
+            dsinks = -(torch.exp(sinks_H.to(acc)[None, :, None] - lse_BHS) * dot_BHS).sum((0, 2))
             dsinks = dsinks.to(sinks_H.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
 
