@@ -3,6 +3,7 @@
 Shape legend: B batch, S sequence, V vocabulary, E experts, D hidden, N grouped rows.
 """
 
+import copy
 import dataclasses
 
 import pith_models
@@ -126,3 +127,19 @@ def test_bad_config_is_a_value_error(change, match):
 def test_unknown_model_name_is_a_value_error():
     with pytest.raises(ValueError, match="tiny-moe"):
         pith_models.build("no-such-model")
+
+
+@pytest.mark.gpu
+def test_bf16_staged_forward_on_cuda_tracks_the_fp32_reference():
+    """The real kernels (Triton ops, SDPA) in bf16 against the fp32 reference of the same weights."""
+    model = pith_models.build(CFG, device="cuda", seed=0)
+    ids_BS = torch.randint(0, CFG.vocab_size, (2, 64), device="cuda")
+    with torch.no_grad():
+        expected_BSV = model.reference_forward(ids_BS)
+    model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    h_BSD, _ = forward(model_bf16, ids_BS, LocalExperts(align=8))
+    logits_BSV = model_bf16.lm_head(h_BSD)
+    assert ((logits_BSV.float() - expected_BSV).norm() / expected_BSV.norm()) < 3e-2
+    logits_BSV.float().square().mean().backward()
+    for name, p in model_bf16.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
