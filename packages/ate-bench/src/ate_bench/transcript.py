@@ -22,6 +22,7 @@ Tool calls are classified by what they do: exploring (reading, searching, listin
 """
 
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -34,6 +35,7 @@ READ_ONLY_PROGRAMS = {
 }  # fmt: skip
 READ_ONLY_GIT = {"log", "show", "diff", "grep", "blame", "ls-files", "status", "rev-parse"}
 SHELL_WRAPPERS = {"bash", "sh", "zsh"}
+REDIRECT = re.compile(r"^[0-9&]?>>?(.*)$")
 
 
 def classify_command(command: str) -> str:
@@ -65,9 +67,20 @@ def classify_command(command: str) -> str:
                 return "running"
         elif program not in READ_ONLY_PROGRAMS:
             return "running"
-        if ">" in " ".join(segment):
+        if writes_a_file(segment):
             return "running"
     return "exploring"
+
+
+def writes_a_file(words: list[str]) -> bool:
+    """True for an output redirection to anything but /dev/null or another descriptor."""
+    for i, word in enumerate(words):
+        match = REDIRECT.match(word)
+        if match:
+            target = match.group(1) or (words[i + 1] if i + 1 < len(words) else "")
+            if target != "/dev/null" and not target.startswith("&"):
+                return True
+    return False
 
 
 def classify_claude_tool(name: str, tool_input: dict) -> str:
