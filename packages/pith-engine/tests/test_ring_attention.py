@@ -196,9 +196,11 @@ def test_zigzag_rejects_a_sequence_not_divisible_by_twice_cp(L, cp):
         zigzag_split(torch.zeros(1, L), cp, 0)
 
 
-def test_zigzag_rejects_a_rank_outside_the_group():
+def test_zigzag_rejects_a_rank_outside_the_group_and_odd_shares():
     with pytest.raises(ValueError, match="cp_rank=2"):
         zigzag_split(torch.zeros(1, 8), 2, 2)
+    with pytest.raises(ValueError, match="got lengths \\[4, 3\\]"):
+        zigzag_merge([torch.zeros(1, 4), torch.zeros(1, 3)])
 
 
 def test_ring_attention_rejects_bad_shapes_before_any_communication():

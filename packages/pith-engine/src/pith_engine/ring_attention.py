@@ -64,11 +64,17 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> T
 
 def zigzag_merge(parts: list[Tensor], dim: int = 1) -> Tensor:
     """Inverse of zigzag_split: every rank's share, in rank order -> the full tensor."""
+    if not parts or any(p.shape[dim] % 2 for p in parts):
+        raise ValueError(
+            f"expected one share per rank, each two chunks long, got lengths {[p.shape[dim] for p in parts]}"
+        )
     halves = [p.chunk(2, dim) for p in parts]
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
 
 
-def ring_schedule(cp_size: int, cp_rank: int, chunk_len: int, window: int | None) -> list[list[tuple]]:
+def ring_schedule(
+    cp_size: int, cp_rank: int, chunk_len: int, window: int | None
+) -> list[list[tuple[int, slice]]]:
     """For each ring step, the work with the visiting block: (local query chunk 0 or 1, key rows
     slice of the block) for every query chunk that can see any of the block's keys."""
     q_chunks = (cp_rank, 2 * cp_size - 1 - cp_rank)
