@@ -2,8 +2,9 @@
 
 report: one row per (framework, agent, task): the median of every metric over its attempts, the
 number of attempts, timeouts and PASS / NEEDS_HUMAN / NEEDS_JUDGE verdicts; written as
-report.md, report.csv and report.png (median output tokens and session time per task, one bar
-per framework), plus grading-sheet.csv for the human grader of the Q&A answers.
+report.md, report.csv and report.png (median output tokens and wall-clock time per task, one bar
+per framework and agent; wall-clock rather than session time, which a timed-out attempt lacks),
+plus grading-sheet.csv for the human grader of the Q&A answers.
 compare: for each task, (median of framework - median of baseline) / median of baseline.
 """
 
@@ -110,9 +111,7 @@ def plot(rows: list[dict], path: Path) -> None:
     by_key = {(r["framework"], r["agent"], r["task"]): r for r in rows}
     figure, axes = plt.subplots(2, 1, figsize=(max(8, 0.6 * len(tasks) * len(series)), 8), sharex=True)
     width = 0.8 / len(series)
-    for axis, metric, label in zip(
-        axes, ("output_tokens", "session_duration_s"), ("output tokens", "session s")
-    ):
+    for axis, metric, label in zip(axes, ("output_tokens", "wall_s"), ("output tokens", "wall-clock s")):
         for i, (framework, agent) in enumerate(series):
             values = [(by_key.get((framework, agent, t)) or {}).get(metric) or 0 for t in tasks]
             axis.bar(
