@@ -231,3 +231,19 @@ def test_invalid_config_is_a_value_error():
 def test_yarn_without_factor_takes_the_context_ratio():
     d = {**CFG.to_hf(), "rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 32}}
     assert deepseek_v2.Config.from_hf(d).yarn == Yarn(factor=4.0, original_max_position_embeddings=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-2), (torch.bfloat16, 5e-2)])
+def test_staged_forward_and_backward_through_the_kernels_on_gpu(dtype, tol):
+    """The staged path runs pith-ops' Triton kernels on CUDA (fp32 GEMMs may use TF32)."""
+    model, ids_BS = make(CFG)
+    model, ids_BS = model.cuda(), ids_BS.cuda()
+    ref_BSV = model.reference_forward(ids_BS).detach()
+    model = model.to(dtype)
+    h_BSD, _ = forward(model, ids_BS, LocalExperts(align=16))
+    assert rel_err(model.lm_head(h_BSD).float(), ref_BSV) <= tol
+    loss = linear_cross_entropy(h_BSD.flatten(0, 1), model.lm_head.weight, ids_BS.roll(-1, 1).flatten())
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name

@@ -1,0 +1,230 @@
+"""GPT-OSS: staged path == reference, parity with transformers, gradients (sinks too), experts, configs.
+
+Shape legend: B batch, S sequence, T tokens, V vocabulary, E experts, K top-k, D hidden, N grouped rows.
+"""
+
+import dataclasses
+
+import pith_models
+import pith_ops._common
+import pytest
+import torch
+from pith_engine.executor import LocalExperts, forward
+from pith_models import gpt_oss
+from pith_ops import linear_cross_entropy
+from safetensors.torch import load_file, save_file
+from transformers import GptOssConfig, GptOssForCausalLM
+
+# Larger weights than the default init so attention, routing and the SwiGLU clamps all matter.
+CFG = dataclasses.replace(gpt_oss.TINY, initializer_range=0.2)
+S = 12  # longer than CFG.sliding_window, so the sliding layers mask keys the full layers see
+
+
+@pytest.fixture(autouse=True)
+def ops_take_their_torch_path(monkeypatch):
+    """The Triton interpreter would take minutes here; pith-ops tests its kernels, and the gpu test
+    below runs this model through them."""
+    monkeypatch.setattr(pith_ops._common, "INTERPRET", False)
+
+
+def make(cfg=CFG, seed=0):
+    model = pith_models.build(cfg, device="cpu", seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # init_weights zeroes biases; random ones here, so their paths are checked
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "b_gate_up", "b_down", "sinks")):
+                p.copy_(torch.randn(p.shape, generator=gen))
+    ids_BS = torch.randint(0, cfg.vocab_size, (2, S), generator=gen)
+    return model, ids_BS
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("align", [1, 4])
+def test_staged_forward_equals_reference(align):
+    model, ids_BS = make()
+    ref_BSV = model.reference_forward(ids_BS)
+    h_BSD, routings = forward(model, ids_BS, LocalExperts(align))
+    assert len(routings) == CFG.num_hidden_layers
+    torch.testing.assert_close(model.lm_head(h_BSD), ref_BSV, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_alternate_sliding_and_full_attention():
+    model, ids_BS = make()
+    W = CFG.sliding_window
+    assert [layer.self_attn.window for layer in model.layers] == [W, None, W]
+    # The window changes what late tokens see, not what the first sliding_window tokens see.
+    wide = pith_models.build(dataclasses.replace(CFG, sliding_window=S), device="cpu")
+    wide.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        narrow_BSV, wide_BSV = model.reference_forward(ids_BS), wide.reference_forward(ids_BS)
+    torch.testing.assert_close(narrow_BSV[:, :W], wide_BSV[:, :W])
+    assert (narrow_BSV[:, W:] - wide_BSV[:, W:]).abs().amax() > 1e-3
+
+
+def random_hf_model(cfg):
+    """transformers' model for cfg with every parameter random: norms around 1, sinks, all biases;
+    expert weights large enough that the SwiGLU clamps (|x| > 7) engage."""
+    hf = GptOssForCausalLM(GptOssConfig(**cfg.to_hf(), attn_implementation="eager")).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            scale = 1.0 if name.endswith(("sinks", "bias")) else 0.8 if "experts.gate_up" in name else 0.2
+            p.copy_(1 + 0.3 * noise if "norm" in name else scale * noise)
+    return hf
+
+
+HF_CASES = {
+    "yarn, untied": CFG,
+    "plain rope, tied": dataclasses.replace(CFG, yarn=None, tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("cfg", HF_CASES.values(), ids=HF_CASES.keys())
+def test_logits_match_transformers_on_import_and_export(cfg, tmp_path):
+    hf = random_hf_model(cfg)
+    hf.save_pretrained(tmp_path / "hf")
+    model = pith_models.from_pretrained(tmp_path / "hf")
+    assert model.cfg == cfg
+    x_TD = model.layers[0].post_attention_layernorm(model.embed_tokens.weight[:32])
+    gate_up_TF = (x_TD @ model.layers[0].mlp.experts.w_gate_up[0]).detach()
+    assert (gate_up_TF.abs() > cfg.swiglu_limit).any()  # the clamps are exercised
+    ids_BS = torch.randint(0, cfg.vocab_size, (2, S), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hf_BSV = hf(ids_BS).logits
+        ours_BSV = model.reference_forward(ids_BS)
+        staged_BSV = model.lm_head(forward(model, ids_BS, LocalExperts())[0])
+    assert rel_err(ours_BSV, hf_BSV) <= 1e-4
+    assert rel_err(staged_BSV, hf_BSV) <= 1e-4
+    pith_models.save_pretrained(model, tmp_path / "ours", dtype=torch.float32)
+    back = GptOssForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert rel_err(back(ids_BS).logits, hf_BSV) <= 1e-4
+
+
+def test_backward_gives_finite_gradients_to_every_parameter_sinks_included():
+    model, ids_BS = make()
+    labels_T = ids_BS.roll(-1, 1).flatten()
+    h_BSD, _ = forward(model, ids_BS, LocalExperts())
+    loss = linear_cross_entropy(h_BSD.flatten(0, 1), model.lm_head.weight, labels_T)
+    staged = torch.autograd.grad(loss, list(model.parameters()))
+    ref_loss = torch.nn.functional.cross_entropy(model.reference_forward(ids_BS).flatten(0, 1), labels_T)
+    reference = torch.autograd.grad(ref_loss, list(model.parameters()))
+    names = [name for name, _ in model.named_parameters()]
+    assert sum(name.endswith("sinks") for name in names) == CFG.num_hidden_layers
+    for name, g, g_ref in zip(names, staged, reference):
+        assert torch.isfinite(g).all() and g.abs().sum() > 0, name
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_router_softmaxes_the_chosen_logits_and_expert_bias_only_steers():
+    model, _ = make()
+    moe = model.layers[0].mlp
+    x_TD = torch.randn(6, CFG.hidden_size)
+    r = moe.route(x_TD)
+    logits_TE = x_TD @ moe.router.weight.T + moe.router.bias
+    torch.testing.assert_close(r.expert_ids_TK, logits_TE.topk(CFG.num_experts_per_tok).indices)
+    torch.testing.assert_close(r.weights_TK, logits_TE.topk(CFG.num_experts_per_tok).values.softmax(-1))
+    moe.expert_bias[5] = 100.0
+    biased = moe.route(x_TD)
+    assert (biased.expert_ids_TK == 5).any(-1).all()
+    torch.testing.assert_close(biased.weights_TK, logits_TE.gather(1, biased.expert_ids_TK).softmax(-1))
+    with pytest.raises(ValueError, match="expert_bias is nonzero"):
+        gpt_oss.to_hf_state_dict(model.state_dict(), CFG)
+
+
+def test_stage3_adds_the_biases_of_the_experts_the_module_holds():
+    model, _ = make()
+    experts = model.layers[0].experts
+    held = slice(2, 5)  # what an expert-parallel rank would hold: 3 of the 8 experts
+    for name, p in list(experts.named_parameters()):
+        setattr(experts, name, torch.nn.Parameter(p[held].detach()))
+    x_ND = torch.randn(7, CFG.hidden_size)
+    group_ends_E = torch.tensor([2, 2, 6], dtype=torch.int32)  # expert 1 gets no rows, row 6 is padding
+    y_ND = model.layers[0].stage3(x_ND, group_ends_E)
+    for e, (s, t) in enumerate(zip([0, 2, 2], group_ends_E.tolist())):
+        h = x_ND[s:t].double() @ experts.w_gate_up[e].double() + experts.b_gate_up[e].double()
+        gate, up = (
+            h[:, ::2].clamp(max=CFG.swiglu_limit),
+            h[:, 1::2].clamp(-CFG.swiglu_limit, CFG.swiglu_limit),
+        )
+        act = gate * torch.sigmoid(CFG.swiglu_alpha * gate) * (up + 1)
+        expect = act @ experts.w_down[e].double() + experts.b_down[e].double()
+        torch.testing.assert_close(y_ND[s:t].double(), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_20b_builds_on_meta_with_the_parameter_count_of_transformers():
+    model = pith_models.build("gpt-oss-20b")
+    assert all(p.is_meta for p in model.parameters())
+    with torch.device("meta"):
+        hf = GptOssForCausalLM(GptOssConfig(**gpt_oss.GPT_OSS_20B.to_hf()))
+    assert pith_models.param_count(model) == sum(p.numel() for p in hf.parameters()) == 20_914_757_184
+
+
+def test_original_release_config_reads_as_the_20b_preset():
+    """openai/gpt-oss-20b's config.json (transformers 4.55 spelling), less its quantization_config."""
+    published = {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+        "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+        "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+        "output_router_logits": False, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True,
+        "vocab_size": 201088,
+    }  # fmt: skip
+    assert gpt_oss.Config.from_hf(published) == gpt_oss.GPT_OSS_20B
+    with pytest.raises(ValueError, match="quantization_config"):
+        gpt_oss.Config.from_hf({**published, "quantization_config": {"quant_method": "mxfp4"}})
+
+
+BAD_HF_CONFIGS = [
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope type 'linear'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "mscale": 0.7}}, "mscale"),
+    ({"attention_bias": False}, "attention_bias"),
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "layer_types"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"use_sliding_window": False}, "unsupported gpt_oss config fields"),
+]
+
+
+@pytest.mark.parametrize("change, match", BAD_HF_CONFIGS)
+def test_unsupported_config_values_are_value_errors(change, match):
+    with pytest.raises(ValueError, match=match):
+        gpt_oss.Config.from_hf({**CFG.to_hf(), **change})
+
+
+def test_missing_or_misshapen_tensor_is_a_value_error_naming_it(tmp_path):
+    pith_models.save_pretrained(make()[0], tmp_path, dtype=torch.float32)
+    sd = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.2.self_attn.sinks"
+    save_file({k: v for k, v in sd.items() if k != name}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"missing tensors.*{name}"):
+        pith_models.from_pretrained(tmp_path)
+    name = "model.layers.1.mlp.experts.gate_up_proj_bias"
+    save_file({**sd, name: sd[name][:-1].contiguous()}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"wrong shapes.*{name}"):
+        pith_models.from_pretrained(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-2), (torch.bfloat16, 5e-2)])
+def test_staged_forward_and_backward_through_the_kernels_on_gpu(dtype, tol):
+    """The staged path runs pith-ops' Triton kernels on CUDA (fp32 GEMMs may use TF32)."""
+    model, ids_BS = make()
+    model, ids_BS = model.cuda(), ids_BS.cuda()
+    ref_BSV = model.reference_forward(ids_BS).detach()
+    model = model.to(dtype)
+    h_BSD, _ = forward(model, ids_BS, LocalExperts(align=16))
+    assert rel_err(model.lm_head(h_BSD).float(), ref_BSV) <= tol
+    loss = linear_cross_entropy(h_BSD.flatten(0, 1), model.lm_head.weight, ids_BS.roll(-1, 1).flatten())
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
