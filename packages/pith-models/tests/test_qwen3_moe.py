@@ -5,6 +5,7 @@ Shape legend: B batch, S sequence, V vocabulary, E experts, D hidden, N grouped 
 
 import copy
 import dataclasses
+import runpy
 
 import pith_models
 import pytest
@@ -94,6 +95,14 @@ def test_qwen3_30b_a3b_builds_on_meta_with_its_published_size():
     assert all(p.is_meta for p in model.parameters())
     # 48 layers x (attention 18,878,720 + router/experts 604,241,920) + 2 x 311,164,928 embeddings + norm
     assert pith_models.param_count(model) == 30_532_122_624
+
+
+def test_main_prints_parameter_counts(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["pith_models", "qwen3-30b-a3b", "tiny-moe"])
+    runpy.run_module("pith_models", run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["qwen3-30b-a3b", "30,532,122,624", "parameters"]
+    assert lines[1].startswith("tiny-moe")
 
 
 def test_tiny_moe_is_a_few_million_parameters_with_a_byte_vocabulary():
