@@ -5,7 +5,7 @@ import sys
 import time
 
 import pytest
-from ate_bench.gpu import GpuSampler
+from ate_bench.gpu import CtypesNvml, GpuSampler
 
 
 @pytest.fixture
@@ -62,15 +62,22 @@ def test_bad_arguments_are_rejected(FakeNvml):
         GpuSampler(nvml=FakeNvml([], []), interval_s=0)
 
 
+def test_ctypes_nvml_without_a_driver_is_an_os_error():
+    with pytest.raises(OSError):
+        CtypesNvml("libnvidia-ml-that-does-not-exist.so")
+
+
 @pytest.mark.gpu
-def test_real_nvml_measures_a_busy_gpu_for_about_a_second():
+@pytest.mark.parametrize("binding", ["default", "ctypes"])
+def test_real_nvml_measures_a_busy_gpu_for_about_a_second(binding):
     import os
 
     import torch
 
-    any_gpu = GpuSampler(scope="all", interval_s=0.05).start()
+    nvml = CtypesNvml() if binding == "ctypes" else None
+    any_gpu = GpuSampler(nvml=nvml, scope="all", interval_s=0.05).start()
     assert any_gpu.active_gpu_time_s is not None, "NVML found no GPU"
-    ours = GpuSampler(session_id=os.getsid(0), interval_s=0.05).start()  # this process's session
+    ours = GpuSampler(session_id=os.getsid(0), nvml=nvml, interval_s=0.05).start()  # this process's session
     a = torch.randn(8192, 8192, device="cuda")
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:

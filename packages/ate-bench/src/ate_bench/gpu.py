@@ -9,10 +9,12 @@ Inside containers NVML may report host process ids that mean nothing here; `scop
 counts any busy GPU (right on a machine dedicated to the benchmark).
 
 The NVML module is a parameter so tests drive the sampler with a fake; by default it is `pynvml`
-from nvidia-ml-py. Without a usable GPU the result is None, never 0.
+from nvidia-ml-py, or, where that is not installed, the same calls made through ctypes. Without a
+usable GPU the result is None, never 0.
 """
 
 import contextlib
+import ctypes
 import os
 import threading
 import time
@@ -20,12 +22,75 @@ import time
 SCOPES = ("attempt", "all")
 
 
+class Utilization(ctypes.Structure):
+    _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
+
+
+class ProcessInfo(ctypes.Structure):  # nvmlProcessInfo_t of the _v2 and _v3 calls
+    _fields_ = [
+        ("pid", ctypes.c_uint),
+        ("usedGpuMemory", ctypes.c_ulonglong),
+        ("gpuInstanceId", ctypes.c_uint),
+        ("computeInstanceId", ctypes.c_uint),
+    ]
+
+
+class CtypesNvml:
+    """The few NVML calls the sampler makes, straight from libnvidia-ml through ctypes, for
+    machines with a driver but without nvidia-ml-py. Same names as pynvml."""
+
+    MAX_PROCESSES = 256
+
+    def __init__(self, library: str = "libnvidia-ml.so.1"):
+        self.lib = ctypes.CDLL(library)  # OSError without a driver
+
+    def call(self, name: str, *args) -> None:
+        code = self.lib[name](*args)
+        if code != 0:
+            raise RuntimeError(f"NVML {name} returned error {code}")
+
+    def nvmlInit(self):
+        self.call("nvmlInit_v2")
+
+    def nvmlShutdown(self):
+        self.call("nvmlShutdown")
+
+    def nvmlDeviceGetCount(self) -> int:
+        count = ctypes.c_uint()
+        self.call("nvmlDeviceGetCount_v2", ctypes.byref(count))
+        return count.value
+
+    def nvmlDeviceGetHandleByIndex(self, index: int):
+        handle = ctypes.c_void_p()
+        self.call("nvmlDeviceGetHandleByIndex_v2", ctypes.c_uint(index), ctypes.byref(handle))
+        return handle
+
+    def nvmlDeviceGetUtilizationRates(self, handle) -> Utilization:
+        rates = Utilization()
+        self.call("nvmlDeviceGetUtilizationRates", handle, ctypes.byref(rates))
+        return rates
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle) -> list[ProcessInfo]:
+        infos = (ProcessInfo * self.MAX_PROCESSES)()
+        for name in ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"):
+            count = ctypes.c_uint(self.MAX_PROCESSES)
+            try:
+                self.call(name, handle, ctypes.byref(count), infos)
+            except AttributeError:  # an older driver without this version of the call
+                continue
+            return list(infos[: count.value])
+        raise RuntimeError("NVML has no nvmlDeviceGetComputeRunningProcesses_v2/_v3")
+
+
 def load_nvml():
-    """The pynvml module, or None when nvidia-ml-py is missing."""
+    """pynvml (nvidia-ml-py) when installed, else the driver's library through ctypes, else None."""
     try:
         import pynvml
     except ImportError:
-        return None
+        try:
+            return CtypesNvml()
+        except OSError:
+            return None
     return pynvml
 
 
