@@ -107,3 +107,14 @@ def test_bad_inputs_raise_value_error():
 def test_bf16_on_gpu_at_vocabulary_scale(monkeypatch):
     monkeypatch.setattr(ce, "CHUNK_LOGITS", 2**26)  # 441 tokens per chunk: several chunks at T = 2048
     check_lce(2048, 256, 151936, "mean", 0.1, seed=0, dtype=torch.bfloat16, device="cuda", tol=2e-2)
+
+
+def test_compiles_to_one_graph_with_gradients():
+    h_TD, w_VD = torch.randn(6, 8, requires_grad=True), torch.randn(33, 8, requires_grad=True)
+    labels_T = torch.tensor([1, 2, -100, 32, 0, 5])
+    loss = torch.compile(linear_cross_entropy, backend="aot_eager", fullgraph=True)(h_TD, w_VD, labels_T)
+    ref = linear_cross_entropy_reference(h_TD, w_VD, labels_T)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    got, want = torch.autograd.grad(loss, (h_TD, w_VD)), torch.autograd.grad(ref, (h_TD, w_VD))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

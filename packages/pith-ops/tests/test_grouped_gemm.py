@@ -109,3 +109,15 @@ def test_bf16_on_gpu(torch_mm, align, monkeypatch):
         device="cuda",
         tol=3e-2,
     )
+
+
+def test_compiles_to_one_graph_with_gradients():
+    x_NI = torch.randn(13, 8, requires_grad=True)
+    w_EIO = torch.randn(3, 8, 16, requires_grad=True)
+    ends_E = torch.tensor([4, 4, 11], dtype=torch.int32)
+    y = torch.compile(grouped_gemm, backend="aot_eager", fullgraph=True)(x_NI, w_EIO, ends_E)
+    ref = grouped_gemm_reference(x_NI, w_EIO, ends_E)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    got, want = torch.autograd.grad(y.sum(), (x_NI, w_EIO)), torch.autograd.grad(ref.sum(), (x_NI, w_EIO))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -150,3 +150,19 @@ def test_bf16_on_gpu_at_model_scale(align):
     (dx,) = torch.autograd.grad(x_ND, x_TD, y_ND.detach())
     ref_dx = y_ND.detach().double()[slots_TK].sum(1)
     torch.testing.assert_close(dx.double(), ref_dx, rtol=1e-2, atol=2e-2)
+
+
+def test_compiles_to_one_graph_with_gradients():
+    ids_TK = routing(6, 2, 5, seed=3)
+    x_TD = torch.randn(6, 8, requires_grad=True)
+    w_TK = torch.rand(6, 2, requires_grad=True)
+
+    def roundtrip(x, w):
+        x_ND, slots_TK, _ = moe_permute(x, ids_TK, 5, 4)
+        return moe_unpermute(x_ND * 2, slots_TK, w)
+
+    out = torch.compile(roundtrip, backend="aot_eager", fullgraph=True)(x_TD, w_TK)
+    torch.testing.assert_close(out, 2 * x_TD * w_TK.sum(1, keepdim=True))
+    dx, dw = torch.autograd.grad(out.sum(), (x_TD, w_TK))
+    torch.testing.assert_close(dx, 2 * w_TK.sum(1, keepdim=True).expand(6, 8))
+    torch.testing.assert_close(dw, 2 * x_TD.sum(1, keepdim=True).expand(6, 2))

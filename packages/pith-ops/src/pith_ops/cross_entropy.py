@@ -10,8 +10,8 @@ computed during the forward and kept for the backward, which only scales them by
 gradient (the usual fused linear cross-entropy; three matmuls per chunk instead of one now and two
 later, with no second pass over the vocabulary). dw accumulates across chunks in w's dtype with
 addmm (fp32 inside each matmul): an fp32 accumulator would cost ~13% more time at the sizes above.
-Labels outside [0, V) other than ignore_index are checked only for CPU tensors (a host sync on
-CUDA); on CUDA such a row reads no logit, so its loss is its log-sum-exp.
+Labels outside [0, V) other than ignore_index are checked only for CPU tensors in eager mode (a
+host sync on CUDA); on CUDA such a row reads no logit, so its loss is its log-sum-exp.
 """
 
 import torch
@@ -140,7 +140,7 @@ def linear_cross_entropy(
         )
     if reduction not in ("mean", "sum"):
         raise ValueError(f'reduction: expected "mean" or "sum", got {reduction!r}')
-    if not labels_T.is_cuda:
+    if not labels_T.is_cuda and not torch.compiler.is_compiling():  # a data-dependent check: eager CPU only
         bad = (labels_T != ignore_index) & ((labels_T < 0) | (labels_T >= w_VD.shape[0]))
         if bad.any():
             raise ValueError(

@@ -9,7 +9,7 @@ Index building runs on the device with no host sync: a histogram per block of ro
 the inverse map row -> entry. Rows are then gathered, so every output row is written once and padding
 rows get their zeros without a separate fill of the whole output.
 
-Expert ids outside [0, E) are checked only for CPU tensors: on CUDA the check would cost a host
+Expert ids outside [0, E) are checked only for CPU tensors in eager mode: on CUDA the check would cost a host
 sync per call, so there they are the caller's contract (the router's top-k cannot produce them).
 moe_unpermute requires that no row of y is referenced by two (t, k) entries (true for the slots
 moe_permute returns); its backward writes each row's gradient once through the inverse map.
@@ -240,7 +240,7 @@ def moe_permute(
         raise ValueError(f"num_experts: expected 1..4096, got {num_experts}")
     if align < 1:
         raise ValueError(f"align: expected a positive row multiple, got {align}")
-    if not expert_ids_TK.is_cuda and expert_ids_TK.numel():
+    if not expert_ids_TK.is_cuda and expert_ids_TK.numel() and not torch.compiler.is_compiling():
         lo, hi = int(expert_ids_TK.min()), int(expert_ids_TK.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert_ids_TK: expected ids in [0, {num_experts}), got ids in [{lo}, {hi}]")
