@@ -88,7 +88,7 @@ class Config:
     rope_theta: float = 10_000.0  # RoPE base
     yarn: Yarn | None = None  # YaRN rope scaling; None: plain RoPE
     tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight
-    max_position_embeddings: int = 4096  # context length (only YaRN's default factor reads it)
+    max_position_embeddings: int = 2048  # context length (only YaRN's default factor reads it; HF default)
     initializer_range: float = 0.02  # std of init_weights' normal draws
 
     @property
