@@ -67,6 +67,10 @@ def main():
         with open(artifacts / "loss.jsonl", "w") as f:
             f.writelines(json.dumps({"step": s, "loss": 9 - s / 20}) + "\n" for s in range(1, 65))
         finish("Implemented differential attention.", 3)
+    elif "MoBA" in prompt:  # misbehaves: walks out of its worktree into the user's checkout
+        common = subprocess.run(["git", "rev-parse", "--git-common-dir"], capture_output=True, text=True)
+        (Path(common.stdout.strip()).parent / "stray.py").write_text("oops = 1\n")
+        finish("Done.", 1)
     else:  # a long-running job that also starts a detached helper: the timeout must end both
         tool(1, "Bash", command="python train.py --steps 100000")
         helper = subprocess.Popen(["sleep", "300"], start_new_session=True)

@@ -200,6 +200,14 @@ def test_dirty_checkout_is_refused(setup):
     assert calls(tmp_path) == []
 
 
+def test_agent_that_changes_the_users_checkout_stops_the_run(setup):
+    tmp_path, framework, agent = setup
+    tasks = select_tasks(load_tasks(), ["nf-03", "qa-01"])
+    with pytest.raises(ValueError, match=r"leave the checkout .* alone.*stray\.py"):
+        run_suite(framework, tasks, agent, tmp_path / "runs", repeats=1, log=lambda _: None)
+    assert len(calls(tmp_path)) == 1  # stopped before the next attempt
+
+
 def test_run_dir_inside_checkout_and_missing_staged_data_are_refused(setup):
     tmp_path, framework, agent = setup
     with pytest.raises(ValueError, match="outside the checkout"):

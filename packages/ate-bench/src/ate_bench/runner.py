@@ -47,14 +47,19 @@ def resolve_source(framework) -> str:
         raise ValueError(
             f"expected {framework.path} to be the root of a git checkout, got one rooted at {top}"
         )
-    dirty = git("status", "--porcelain", "--untracked-files=normal", cwd=framework.path)
-    if dirty:
-        listed = ", ".join(line[3:] for line in dirty.splitlines()[:5])
+    changes = local_changes(framework.path)
+    if changes:
         raise ValueError(
             f"expected a clean {framework.name} checkout at {framework.path}, got local changes "
-            f"({listed}{', ...' if len(dirty.splitlines()) > 5 else ''}); commit or stash them first"
+            f"({changes}); commit or stash them first"
         )
     return git("rev-parse", "--verify", f"{framework.commit}^{{commit}}", cwd=framework.path)
+
+
+def local_changes(checkout: Path) -> str:
+    """The first few modified or untracked paths of a checkout, '' when it is clean."""
+    lines = git("status", "--porcelain", "--untracked-files=normal", cwd=checkout).splitlines()
+    return ", ".join(line[3:] for line in lines[:5]) + (", ..." if len(lines) > 5 else "")
 
 
 def remove_worktree(source: Path, worktree: Path) -> None:
@@ -217,6 +222,7 @@ def run_suite(
     if isinstance(agent, ClaudeCode | Codex) and shutil.which(agent.executable) is None:
         raise ValueError(f"expected the {agent.name} CLI {agent.executable!r} on PATH, got none")
     sha = resolve_source(framework)
+    head = git("rev-parse", "HEAD", cwd=framework.path)
     records = []
     for task in tasks:
         for repeat in range(1, repeats + 1):
@@ -237,4 +243,11 @@ def run_suite(
             )
             log(f"{task.id} attempt {repeat}: {record['status']}, {record['grade']['verdict']}")
             records.append(record)
+            # A worktree cannot stop an agent from walking out of it: check the user's checkout.
+            changes = local_changes(framework.path)
+            if changes or git("rev-parse", "HEAD", cwd=framework.path) != head:
+                raise ValueError(
+                    f"expected attempts to leave the checkout {framework.path} alone, got it changed "
+                    f"during {attempt_dir} ({changes or 'HEAD moved'}); stopping the run"
+                )
     return records
