@@ -5,7 +5,8 @@ number of attempts, timeouts and PASS / NEEDS_HUMAN / NEEDS_JUDGE verdicts; writ
 report.md, report.csv and report.png (median output tokens and wall-clock time per task, one bar
 per framework and agent; wall-clock rather than session time, which a timed-out attempt lacks),
 plus grading-sheet.csv for the human grader of the Q&A answers.
-compare: for each task, (median of framework - median of baseline) / median of baseline.
+compare: for each task, (median of framework - median of baseline) / median of baseline, and the
+same over the sum of the medians of all tasks both ran.
 """
 
 import csv
@@ -198,7 +199,7 @@ def compare(run_dir: Path, baseline: str | None = None) -> tuple[str, list[dict]
     if baseline not in frameworks:
         raise ValueError(f"expected --baseline in {frameworks}, got {baseline!r}")
     base = {(r["agent"], r["task"]): r for r in rows if r["framework"] == baseline}
-    out = []
+    out, totals = [], {}
     for row in rows:
         reference = base.get((row["agent"], row["task"]))
         if row["framework"] == baseline or reference is None:
@@ -206,6 +207,17 @@ def compare(run_dir: Path, baseline: str | None = None) -> tuple[str, list[dict]
         out.append(
             {"framework": row["framework"], "agent": row["agent"], "task": row["task"]}
             | {m: relative(row[m], reference[m]) for m in METRICS}
+        )
+        # Over all shared tasks: the sum of the medians, where both frameworks have the metric.
+        sums = totals.setdefault((row["framework"], row["agent"]), {m: [0.0, 0.0] for m in METRICS})
+        for m in METRICS:
+            if row[m] is not None and reference[m] is not None:
+                sums[m][0] += row[m]
+                sums[m][1] += reference[m]
+    for (framework, agent), sums in sorted(totals.items()):
+        out.append(
+            {"framework": framework, "agent": agent, "task": "(all shared tasks)"}
+            | {m: relative(*sums[m]) for m in METRICS}
         )
     shown = [{k: (f"{v * 100:+.0f}%" if isinstance(v, float) else v) for k, v in r.items()} for r in out]
     text = (
