@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 CFG = qwen3_moe.TINY
+# The other branches: decoder_sparse_step, tied embeddings, unnormalised top-k weights.
 SPARSE_STEP_TIED = dataclasses.replace(
-    CFG, mlp_only_layers=(), decoder_sparse_step=2, tie_word_embeddings=True
+    CFG, mlp_only_layers=(), decoder_sparse_step=2, tie_word_embeddings=True, norm_topk_prob=False
 )
 
 
