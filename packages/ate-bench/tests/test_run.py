@@ -138,7 +138,7 @@ def test_full_run_grades_times_out_resumes_and_reports(setup, FakeNvml):
     repo = make_framework_repo(tmp_path / "frameworks" / "beta")
     beta = load_framework(write_framework_toml(tmp_path / "beta.toml", "beta", repo, scale=2))
     run_suite(beta, tasks[:1], agent, run_dir, repeats=2, log=lambda _: None)
-    questions = {t.id: (t.prompt, t.grading.get("reference", "")) for t in load_tasks()}
+    questions = {t.id: (t.question, t.grading.get("reference", "")) for t in load_tasks()}
     summary = write_report(run_dir, tmp_path / "out", questions)
     rows = {(r["framework"], r["task"]): r for r in read_csv(tmp_path / "out" / "report.csv")}
     assert float(rows["alpha", "qa-01-process-groups"]["output_tokens"]) == 250
@@ -150,6 +150,7 @@ def test_full_run_grades_times_out_resumes_and_reports(setup, FakeNvml):
     assert summary["sheet_rows"] == 4
     sheet = read_csv(tmp_path / "out" / "grading-sheet.csv")
     assert sheet[0]["citations_valid"] == "1" and "init_process_group" in sheet[0]["answer"]
+    assert sheet[0]["question"].startswith("Starting from the script a user launches for pre-training")
     text, relative = compare(run_dir, baseline="alpha")
     assert [r["task"] for r in relative] == ["qa-01-process-groups", "(all shared tasks)"]
     assert relative[0]["framework"] == "beta" and relative[1]["output_tokens"] == pytest.approx(1.0)

@@ -32,7 +32,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_report(args) -> int:
-    questions = {t.id: (t.prompt, t.grading.get("reference", "")) for t in load_tasks()}
+    questions = {t.id: (t.question, t.grading.get("reference", "")) for t in load_tasks()}
     summary = write_report(Path(args.run_dir), Path(args.out or args.run_dir), questions)
     print((Path(summary["out_dir"]) / "report.md").read_text())
     print(

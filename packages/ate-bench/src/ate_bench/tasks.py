@@ -31,6 +31,7 @@ class Task:
     category: str
     title: str
     prompt: str  # the full prompt: category preamble + task text
+    question: str  # the task text alone (for the human grading sheet)
     grading: dict
     read_only: bool
     time_limit_s: float
@@ -66,6 +67,7 @@ def load_category(path: Path) -> list[Task]:
                 category=data["category"],
                 title=entry["title"],
                 prompt=data["preamble"].strip() + "\n\n" + entry["prompt"].strip() + "\n",
+                question=" ".join(entry["prompt"].split()),
                 grading=grading,
                 read_only=bool(data["read_only"]),
                 time_limit_s=float(data["time_limit_s"]),
