@@ -111,6 +111,14 @@ def write_modified(hf_dir, tmp_path, change_tensors=None, change_config=None):
     return tmp_path
 
 
+def test_a_directory_without_config_or_weights_is_a_value_error(hf_dir, tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        pith_models.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text((hf_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match="model.safetensors"):
+        pith_models.from_pretrained(tmp_path)
+
+
 def test_missing_unexpected_and_misshapen_tensors_are_named(hf_dir, tmp_path):
     def damage(t):
         del t["model.layers.1.mlp.experts.3.up_proj.weight"]

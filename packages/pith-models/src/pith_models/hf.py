@@ -85,6 +85,8 @@ def check_tensors(got: dict[str, Tensor], expected: dict[str, Tensor], where: st
 def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
     """Load a Hugging Face directory (config.json + safetensors), strictly: every tensor must match."""
     path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: expected a Hugging Face model directory with a config.json, found none")
     cfg = config_from_hf(json.loads((path / "config.json").read_text()))
     module = module_of(cfg)
     with torch.device("meta"):
