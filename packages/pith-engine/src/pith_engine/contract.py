@@ -28,7 +28,11 @@ from torch.distributed import ProcessGroup
 
 
 class Positions(NamedTuple):
-    """What attention needs to know about where the local tokens sit in their sequences."""
+    """What attention needs to know about where the local tokens sit in their sequences.
+
+    Without CP the positions of each sequence run in order, one step at a time (p0, p0+1, ...):
+    attention's CUDA fast paths use the index-based causal triangle. Under CP they are the zigzag
+    halves of such a run, and ring attention masks by the positions themselves."""
 
     position_ids_BS: Tensor  # global positions of the local tokens (zigzag order under CP)
     cos_BSR: Tensor  # rotary cos table for those positions, fp32 (model-specific scaling applied)
