@@ -122,8 +122,8 @@ def _torch_path(x: Tensor, *sizes: int) -> bool:
 def _mm(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> Tensor:
     """y = grouped x @ w[e]; w may be a transposed view (dX uses w.transpose(1, 2))."""
     N, E, O = x_NI.shape[0], w_EIO.shape[0], w_EIO.shape[2]
-    if N == 0:
-        return x_NI.new_empty(0, O)
+    if N * O * w_EIO.shape[1] == 0:  # nothing to multiply: every output entry is an empty sum
+        return x_NI.new_zeros(N, O)
     if _torch_path(x_NI, *w_EIO.shape[1:]):
         y = torch._grouped_mm(x_NI, w_EIO, offs=ends)
     else:
@@ -153,7 +153,7 @@ def _(x_NI, w_EIO, group_ends_E):
 def _wgrad_op(x_NI: Tensor, dy_NO: Tensor, group_ends_E: Tensor, E: int) -> Tensor:
     N, I = x_NI.shape
     O = dy_NO.shape[1]
-    if N == 0:
+    if N * I * O == 0:
         return x_NI.new_zeros(E, I, O)
     if _torch_path(x_NI, I, O):
         # Hopper CUTLASS writes zeros for empty groups (pytorch/pytorch#172439: not so on Blackwell).

@@ -9,8 +9,9 @@ Index building runs on the device with no host sync: a histogram per block of ro
 the inverse map row -> entry. Rows are then gathered, so every output row is written once and padding
 rows get their zeros without a separate fill of the whole output.
 
-Expert ids outside [0, E) are checked only for CPU tensors in eager mode: on CUDA the check would cost a host
-sync per call, so there they are the caller's contract (the router's top-k cannot produce them).
+Expert ids outside [0, E) are checked only for CPU tensors in eager mode: on CUDA the check would
+cost a host sync per call, so there they are the caller's contract (a router's top-k cannot produce
+them).
 moe_unpermute requires that no row of y is referenced by two (t, k) entries (true for the slots
 moe_permute returns); its backward writes each row's gradient once through the inverse map.
 """
@@ -139,6 +140,8 @@ def _gather_rows(src_TD, inv_N, K, w=None, y_ND=None, out_dtype=None):
         else None
     )
     rows, block_d = _row_blocks(D)
+    if N * D == 0:
+        return out, dw
     _gather_rows_kernel[(triton.cdiv(N, rows),)](
         src_TD, inv_N, w if w is not None else inv_N, y_ND if y_ND is not None else out, out,
         dw if dw is not None else out, N, D, K,
@@ -152,6 +155,8 @@ def _combine(y_ND, slots_TK, w_TK=None):
     D = y_ND.shape[1]
     out = torch.empty(T, D, dtype=y_ND.dtype, device=y_ND.device)
     rows, block_d = _row_blocks(D)
+    if T * D == 0:
+        return out
     grid = (triton.cdiv(T, rows), triton.cdiv(D, block_d))
     _combine_kernel[grid](
         y_ND, slots_TK, w_TK if w_TK is not None else slots_TK, out, T, D, K,
