@@ -111,6 +111,7 @@ def test_git_checkout_lists_only_files_git_knows(tree):
     subprocess.run(["git", "init", "-q", str(tree)], check=True)
     report = inspect_tree(tree)
     assert report["languages"]["Python"]["files"] == 3
+    assert inspect_tree(tree / "ignored")["source_lines"] == 100  # a directory git ignores is walked
 
 
 def test_cli_table_and_json(tree, capsys):

@@ -56,8 +56,8 @@ def list_files(root: Path) -> list[Path]:
         ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         capture_output=True,
     )
-    if done.returncode == 0:
-        names = sorted({n for n in done.stdout.decode(errors="replace").split("\0") if n})
+    names = sorted({n for n in done.stdout.decode(errors="replace").split("\0") if n})
+    if done.returncode == 0 and names:  # else not a checkout, or a directory git ignores: walk it
         return [root / n for n in names if not skipped(Path(n).parts[:-1]) and (root / n).is_file()]
     files = []
     for folder, dirs, names in os.walk(root):
