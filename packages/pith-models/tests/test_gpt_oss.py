@@ -215,16 +215,18 @@ def test_missing_or_misshapen_tensor_is_a_value_error_naming_it(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-2), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.bfloat16, 1e-2)])
 def test_staged_forward_and_backward_through_the_kernels_on_gpu(dtype, tol):
-    """The staged path runs pith-ops' Triton kernels on CUDA (fp32 GEMMs may use TF32)."""
+    """The staged path through pith-ops' Triton kernels on CUDA gives the reference's fp32 loss (the
+    loss, not the logits: a near-tie in routing may flip under bf16 or TF32 rounding)."""
     model, ids_BS = make()
     model, ids_BS = model.cuda(), ids_BS.cuda()
-    ref_BSV = model.reference_forward(ids_BS).detach()
+    labels_T = ids_BS.roll(-1, 1).flatten()
+    ref_loss = torch.nn.functional.cross_entropy(model.reference_forward(ids_BS).flatten(0, 1), labels_T)
     model = model.to(dtype)
     h_BSD, _ = forward(model, ids_BS, LocalExperts(align=16))
-    assert rel_err(model.lm_head(h_BSD).float(), ref_BSV) <= tol
-    loss = linear_cross_entropy(h_BSD.flatten(0, 1), model.lm_head.weight, ids_BS.roll(-1, 1).flatten())
+    loss = linear_cross_entropy(h_BSD.flatten(0, 1), model.lm_head.weight, labels_T)
+    assert abs(loss.item() - ref_loss.item()) <= tol * ref_loss.item()
     loss.backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
