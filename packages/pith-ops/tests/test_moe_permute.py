@@ -166,3 +166,13 @@ def test_compiles_to_one_graph_with_gradients():
     dx, dw = torch.autograd.grad(out.sum(), (x_TD, w_TK))
     torch.testing.assert_close(dx, 2 * w_TK.sum(1, keepdim=True).expand(6, 8))
     torch.testing.assert_close(dw, 2 * x_TD.sum(1, keepdim=True).expand(6, 2))
+
+
+def test_no_tokens():
+    x_TD = torch.randn(0, 4, requires_grad=True)
+    x_ND, slots_TK, ends_E = moe_permute(x_TD, torch.zeros(0, 2, dtype=torch.long), 3, align=4)
+    assert x_ND.shape == (9, 4) and (x_ND == 0).all()
+    assert slots_TK.shape == (0, 2) and ends_E.tolist() == [0] * 3
+    out = moe_unpermute(x_ND, slots_TK, torch.rand(0, 2))
+    (dx,) = torch.autograd.grad(out.sum() + x_ND.sum(), x_TD)
+    assert out.shape == (0, 4) and dx.shape == (0, 4)
