@@ -53,17 +53,42 @@ def header(title: str) -> None:
     print(f"\n== {title} on {c['card']}: {ceil}")
 
 
+def graph_ms(fn) -> float:
+    """Median time of replaying one call of fn captured in a CUDA graph: the GPU work alone. The
+    difference to median_ms(fn) is host overhead (Python, dispatch, autograd, launchers)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # capture wants warm-up (compiles, autotuning) off the default stream
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay)
+
+
 def report_fwd_bwd(name: str, fns: dict, args: tuple, *, fwd_bytes: float, bwd_bytes: float) -> None:
-    """Two rows for the first entry of fns (the op): forward (no_grad) and forward+backward (gradients
+    """Rows for the first entry of fns (the op): forward (no_grad) and forward+backward (gradients
     for the args that require grad, against a random output gradient), the other entries (eager
-    reference, torch.compile of it, ...) timed on the same args as baselines."""
+    reference, torch.compile of it, ...) timed on the same args as baselines. Each is timed twice,
+    as launched from Python and as a CUDA-graph replay, for ours and the baselines alike, so kernel
+    time and host overhead show separately."""
     wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     op, *others = fns
     dy = torch.randn_like(fns[op](*args))
-    with torch.no_grad():
-        fwd = {k: median_ms(lambda f=f: f(*args)) for k, f in fns.items()}
-    both = {k: median_ms(lambda f=f: torch.autograd.grad(f(*args), wrt, dy)) for k, f in fns.items()}
-    report(f"{name} fwd", fwd[op], bytes_moved=fwd_bytes, baselines={k: fwd[k] for k in others})
-    report(
-        f"{name} fwd+bwd", both[op], bytes_moved=fwd_bytes + bwd_bytes, baselines={k: both[k] for k in others}
-    )
+
+    def forward(f):
+        with torch.no_grad():
+            return f(*args)
+
+    for timer, tag in ((median_ms, ""), (graph_ms, " [graph]")):
+        fwd = {k: timer(lambda f=f: forward(f)) for k, f in fns.items()}
+        both = {k: timer(lambda f=f: torch.autograd.grad(f(*args), wrt, dy)) for k, f in fns.items()}
+        report(f"{name} fwd{tag}", fwd[op], bytes_moved=fwd_bytes, baselines={k: fwd[k] for k in others})
+        report(
+            f"{name} fwd+bwd{tag}",
+            both[op],
+            bytes_moved=fwd_bytes + bwd_bytes,
+            baselines={k: both[k] for k in others},
+        )
