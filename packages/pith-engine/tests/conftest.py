@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 
-def _run_ranks(script: str, world: int, tmp: Path, *args: str, timeout: float = 240) -> None:
+def _run_ranks(script: str, world: int, tmp: Path, *args: str, timeout: float = 400) -> None:
     """Run `python script world rank tmp *args` for every rank; fail with every rank's output if any
     rank fails. Ranks use the Triton kernels' plain-PyTorch references (no interpreter) for speed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -54,7 +54,7 @@ def _check_case(group, E: int, K: int, tokens, align: int, kind: str) -> None:
     El = E // R
     held = slice(r * El, (r + 1) * El)
     leaves = [t.float().requires_grad_() for t in (x64, wt64, w_EDD[held])]
-    comm = ExpertParallel(group, E, align)
+    comm = ExpertParallel(group, align)
     probs = torch.zeros(ids.shape[0], E)  # only its width (E) matters to dispatch
     x_ND, ends, handle = comm.dispatch(Routing(leaves[0], ids, leaves[1], probs, probs))
     rows, slots, weights = comm.combine(pith_ops.grouped_gemm(x_ND, leaves[2], ends), handle)
@@ -85,7 +85,9 @@ def _worker(world: int, rank: int, tmp: Path) -> None:
             except AssertionError as e:
                 raise AssertionError(f"{gname} case {name} rank {rank}: {e}") from None
     try:
-        ExpertParallel(dist.group.WORLD, 6)
+        probs = torch.zeros(1, 6)
+        routing = Routing(torch.zeros(1, D), torch.zeros(1, 1, dtype=torch.long), probs, probs, probs)
+        ExpertParallel(dist.group.WORLD).dispatch(routing)
         raise AssertionError("6 experts over ep=4 was accepted")
     except ValueError as e:
         assert "6 experts" in str(e) and "ep=4" in str(e), e

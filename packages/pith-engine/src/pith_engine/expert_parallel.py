@@ -69,15 +69,15 @@ class _Handle(NamedTuple):
 class ExpertParallel:
     """Stages 2 and 4 across an EP group; this rank holds experts [rank*El, (rank+1)*El)."""
 
-    def __init__(self, group: ProcessGroup, num_experts: int, align: int = 1):
-        R = dist.get_world_size(group)
-        if num_experts % R:
-            raise ValueError(f"expert parallelism: {num_experts} experts do not divide over ep={R} ranks")
-        self.group, self.ranks, self.local_experts, self.align = group, R, num_experts // R, align
+    def __init__(self, group: ProcessGroup, align: int = 1):
+        self.group, self.ranks, self.align = group, dist.get_world_size(group), align
 
     def dispatch(self, r: Routing) -> tuple[Tensor, Tensor, Any]:
         T, K = r.expert_ids_TK.shape
-        R, El, dev = self.ranks, self.local_experts, r.x_TD.device
+        E, R, dev = r.probs_TE.shape[-1], self.ranks, r.x_TD.device
+        if E % R:
+            raise ValueError(f"expert parallelism: {E} experts do not divide over ep={R} ranks")
+        El = E // R
         dest_TK = r.expert_ids_TK // El
         need_RT = torch.zeros(R, T, dtype=torch.bool, device=dev)
         need_RT[dest_TK.T.flatten(), torch.arange(T, device=dev).repeat(K)] = True

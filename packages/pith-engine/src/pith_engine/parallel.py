@@ -1,0 +1,220 @@
+"""The device mesh, the layout checks, FSDP2 wrapping and the few collectives a training step needs.
+
+Mesh axes, outer to inner: pp, dp, cp, ep (world = pp*dp*cp*ep). Data ranks are dp x ep (EP is carved
+out of data parallelism: EP ranks take different sequences); CP ranks share sequences and split them
+along time (zigzag, pith_engine.ring_attention). Everything a step needs travels in one `Mesh`.
+
+FSDP2: expert weights shard over dp x cp (each EP rank holds other experts), every other weight over
+dp x cp x ep. Gradients are SUMMED, never averaged (divide factor 1): the trainer normalises each
+rank's loss by the global label-token count, so the summed gradient is exactly the single-process
+one for experts and dense weights alike (an expert's gradient already sums the tokens of every EP
+rank through the all-to-all backward; dense weights are summed over ep by FSDP).
+
+FSDP's unshard/reshard hooks run on module calls; the five-stage executor calls `stage1` (and the
+model's `prologue` / `epilogue`) as methods, so those are registered as FSDP forward methods; stage 3
+calls `layer.experts` (a module); stage 5 must not use parameters of its own.
+
+Shape legend: E experts, El experts per EP rank.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from pith_engine.executor import ExpertComm, LocalExperts
+from pith_engine.expert_parallel import ExpertParallel
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1  # pipeline stages (not built yet: must be 1)
+    dp: int = 1  # data-parallel (FSDP) ranks
+    cp: int = 1  # context-parallel ranks: share sequences, split them along time
+    ep: int = 1  # expert-parallel ranks: take different sequences, hold different experts
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.ep
+
+    @property
+    def data_ranks(self) -> int:
+        return self.dp * self.ep
+
+
+def check_layout(
+    layout: Layout, *, world_size: int, num_experts: int, seq_len: int, global_batch: int, micro_batch: int
+) -> None:
+    """ValueError naming the numbers of every requirement the layout breaks, before any compute."""
+    p = layout
+    problems = [f"{k}={v} must be >= 1" for k, v in vars(p).items() if v < 1]
+    if p.pp != 1:
+        problems.append(f"pipeline parallelism is not built yet (pp={p.pp}; use pp=1)")
+    if world_size != p.world:
+        problems.append(f"world size {world_size} != pp*dp*cp*ep = {p.pp}*{p.dp}*{p.cp}*{p.ep} = {p.world}")
+    if num_experts % p.ep:
+        problems.append(f"{num_experts} experts do not divide over ep={p.ep} ranks")
+    if p.cp > 1 and seq_len % (2 * p.cp):
+        problems.append(f"sequence length {seq_len} is not divisible by 2*cp = {2 * p.cp} (zigzag chunks)")
+    if global_batch % (micro_batch * p.data_ranks):
+        problems.append(
+            f"global batch {global_batch} is not divisible by micro_batch*dp*ep = "
+            f"{micro_batch}*{p.dp}*{p.ep} = {micro_batch * p.data_ranks}"
+        )
+    if problems:
+        raise ValueError("parallel layout: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's place in the layout and the groups it talks over (None: a single process)."""
+
+    layout: Layout
+    device: torch.device
+    dp_rank: int = 0
+    cp_rank: int = 0
+    ep_rank: int = 0
+    cp_group: ProcessGroup | None = None  # ring attention
+    ep_group: ProcessGroup | None = None  # expert all-to-alls
+    reduce_group: ProcessGroup | None = None  # dp x cp x ep: losses, token and expert-load counts, norms
+    dense_mesh: DeviceMesh | None = None  # FSDP mesh of non-expert weights (dp x cp x ep)
+    expert_mesh: DeviceMesh | None = None  # FSDP mesh of expert weights (dp x cp)
+
+    @property
+    def data_rank(self) -> int:
+        """Which of the dp*ep data shards this rank reads (its CP peers read the same)."""
+        return self.dp_rank * self.layout.ep + self.ep_rank
+
+
+def build_mesh(layout: Layout, device: torch.device) -> Mesh:
+    """The mesh for `layout` (starting the process group from torchrun's env if needed: nccl on CUDA,
+    gloo on CPU). A layout of one process needs no process group."""
+    if layout.world == 1:
+        return Mesh(layout, device)
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.get_world_size() != layout.world:
+        raise ValueError(
+            f"parallel layout: world size {dist.get_world_size()} != pp*dp*cp*ep = {layout.world} ({layout})"
+        )
+    mesh = init_device_mesh(
+        device.type, (layout.pp, layout.dp, layout.cp, layout.ep), mesh_dim_names=("pp", "dp", "cp", "ep")
+    )
+    dense = mesh["dp", "cp", "ep"]._flatten("dp_cp_ep")
+    experts = mesh["dp", "cp"]._flatten("dp_cp")
+    return Mesh(
+        layout,
+        device,
+        dp_rank=mesh.get_local_rank("dp"),
+        cp_rank=mesh.get_local_rank("cp"),
+        ep_rank=mesh.get_local_rank("ep"),
+        cp_group=mesh.get_group("cp") if layout.cp > 1 else None,
+        ep_group=mesh.get_group("ep"),
+        reduce_group=dense.get_group(),
+        dense_mesh=dense,
+        expert_mesh=experts,
+    )
+
+
+def expert_comm(mesh: Mesh, align: int = 1) -> ExpertComm:
+    """Stages 2 and 4 for this layout: all-to-all over ep, or local when every expert is here."""
+    return ExpertParallel(mesh.ep_group, align) if mesh.layout.ep > 1 else LocalExperts(align)
+
+
+def _expert_modules(model: nn.Module) -> list[nn.Module]:
+    return [layer.experts for layer in model.layers if layer.experts is not None]
+
+
+def num_experts(model: nn.Module) -> int:
+    """Routed experts per MoE layer of a model that holds them all (0 for a dense model)."""
+    return max((p.shape[0] for m in _expert_modules(model) for p in m.parameters()), default=0)
+
+
+def expert_param_names(model: nn.Module) -> set[str]:
+    """Names (as model.named_parameters gives them) of the stacked expert weights [E_held, ...]."""
+    ids = {id(p) for m in _expert_modules(model) for p in m.parameters()}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """In place: keep this EP rank's experts, then FSDP2 (param_dtype for compute, fp32 reduction).
+
+    The model must hold every expert (E along dim 0 of each expert weight) and may be on the meta
+    device; materialise and initialise after, or load a checkpoint."""
+    ep, r = mesh.layout.ep, mesh.ep_rank
+    for m in _expert_modules(model):
+        for name, p in list(m.named_parameters(recurse=False)):
+            if p.shape[0] % ep:
+                raise ValueError(f"expert weight {name} {tuple(p.shape)}: {p.shape[0]} experts over ep={ep}")
+            held = p.shape[0] // ep
+            setattr(m, name, nn.Parameter(p.detach()[r * held : (r + 1) * held].clone()))
+    if mesh.layout.world == 1:
+        return model
+    # cast_forward_inputs off: Positions carries fp32 rotary tables that must stay fp32.
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for layer in model.layers:
+        if layer.experts is not None:
+            fully_shard(layer.experts, mesh=mesh.expert_mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh.dense_mesh, mp_policy=mp)
+        register_fsdp_forward_method(layer, "stage1")
+    # The root stays unsharded after the epilogue: the loss reads lm_head.weight right after it.
+    fully_shard(model, mesh=mesh.dense_mesh, mp_policy=mp, reshard_after_forward=False)
+    register_fsdp_forward_method(model, "prologue")
+    register_fsdp_forward_method(model, "epilogue")
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            # A plain SUM collective: gloo has no PREMUL_SUM/AVG, and fp32 reduction needs no pre-scaling.
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def all_reduce_sum(t: Tensor, mesh: Mesh) -> Tensor:
+    """In place: the sum over all dp x cp x ep ranks (identity on one process)."""
+    if mesh.reduce_group is not None:
+        dist.all_reduce(t, group=mesh.reduce_group)
+    return t
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> Tensor:
+    """The global gradient norm (fp32), as on one process; scales the gradients to max_norm when above
+    it (max_norm <= 0: no clipping). Every gradient element lives on exactly one rank of dp x cp x ep
+    (dense shards over all of it, an EP rank's experts over dp x cp), so the squared norms of the local
+    shards sum to the global one; no host sync."""
+    local = [_local(p.grad) for p in params if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    for g in local:
+        sq += g.float().pow(2).sum()
+    norm = all_reduce_sum(sq, mesh).sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in local:
+            g.mul_(coef.to(g.dtype))
+    return norm
+
+
+def full_state(model: nn.Module, mesh: Mesh, grads: bool = False) -> dict[str, Tensor]:
+    """Every parameter (or its gradient) whole, every expert included, on every rank (tests, export)."""
+    experts = expert_param_names(model)
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p
+        t = t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+        if name in experts and mesh.layout.ep > 1:
+            parts = [torch.empty_like(t) for _ in range(mesh.layout.ep)]
+            dist.all_gather(parts, t.contiguous(), group=mesh.ep_group)
+            t = torch.cat(parts)
+        out[name] = t
+    return out
