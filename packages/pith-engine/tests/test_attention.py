@@ -60,15 +60,20 @@ def test_sinks_can_be_applied_from_the_lse(shape, window, use_sinks):
     """The identity the flex path uses: with sinks, out = out_without * sigmoid(lse - sink)."""
     B, S, G, rep, D, Dv = shape
     q, k, v = qkv(B, S, G * rep, G, D, Dv)
-    sinks_H = torch.randn(G * rep, dtype=torch.float64) if use_sinks else None
+    sinks_H = torch.randn(G * rep, dtype=torch.float64, requires_grad=True) if use_sinks else None
     pos_BS = in_order(B, S)
     plain, lse_BHS = attention_reference(q, k, v, pos_BS, pos_BS, scale=0.7, window=window)
     with_sinks, lse2_BHS = attention_reference(
         q, k, v, pos_BS, pos_BS, scale=0.7, window=window, sinks_H=sinks_H
     )
     keep_BHS = torch.ones_like(lse_BHS) if sinks_H is None else torch.sigmoid(lse_BHS - sinks_H[:, None])
-    torch.testing.assert_close(with_sinks, plain * keep_BHS.transpose(1, 2)[..., None])
+    from_lse = plain * keep_BHS.transpose(1, 2)[..., None]
+    torch.testing.assert_close(with_sinks, from_lse)
     torch.testing.assert_close(lse2_BHS, lse_BHS)  # lse excludes the sinks (ring attention merges it)
+    # ... and so are its gradients, provided the kernel differentiates through the lse (flex does)
+    wrt = (q, k, v) + ((sinks_H,) if use_sinks else ())
+    for g, g_expected in zip(grads(from_lse, wrt), grads(with_sinks, wrt)):
+        torch.testing.assert_close(g, g_expected)
 
 
 def test_reference_mask_follows_positions_not_indices():
@@ -138,4 +143,4 @@ def test_cuda_attention_matches_the_reference(case):
     torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=2e-2)
     for name, g, g64 in zip("qkvs", grads(got, inputs), grads(expected, ref_inputs)):
         err = (g.double() - g64).norm() / g64.norm()
-        assert err < 2e-2, f"d{name}: relative error {err:.3g}"
+        assert err < 3e-2, f"d{name}: relative error {err:.3g}"
