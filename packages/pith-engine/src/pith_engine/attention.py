@@ -63,8 +63,14 @@ def attention_reference(
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
     """Causal attention over in-order positions with PyTorch's SDPA (any device)."""
+    # enable_gqa only when the head counts differ: backends without GQA support may refuse the flag
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
 
