@@ -34,11 +34,12 @@ def sdpa(q, k, v, scale, backend=None, pad_v_to=None):
     if pad_v_to:
         v = F.pad(v, (0, pad_v_to - Dv))
     args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    gqa = q.shape[2] != k.shape[2]
     if backend is None:
-        out = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale, enable_gqa=True)
+            out = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)[..., :Dv]
 
 
