@@ -13,9 +13,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pith_ops._common import FLOAT_DTYPES, check, use_triton
+from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, use_triton
+
+# Rows per program and warps, autotuned per width on the GPU; the interpreter (CPU tests) would run every
+# config, so it gets one. Columns come in blocks of 256 (F=768: three unmasked blocks).
+_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in ((8, 4), (4, 4), (16, 8), (8, 8), (32, 8))]
 
 
+@triton.autotune(_CONFIGS[:1] if INTERPRET else _CONFIGS, key=["F", "OSS", "BACKWARD"])
 @triton.jit
 def _swiglu_kernel(
     x_ptr,
@@ -25,19 +30,22 @@ def _swiglu_kernel(
     F,
     alpha,
     limit,
-    BLOCK_N: tl.constexpr,
     BLOCK_F: tl.constexpr,
     OSS: tl.constexpr,
     BACKWARD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Forward: out = y_NF. Backward: out = dx_N2F from dy_NF (x is reread, the activation recomputed)."""
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    # Column blocks vary fastest, so programs running together cover whole rows (contiguous memory).
+    col_blocks = tl.cdiv(F, BLOCK_F)
+    rows = ((tl.program_id(0) // col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    col_block = tl.program_id(0) % col_blocks
+    cols = col_block * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows[:, None] < N) & (cols[None, :] < F)
     x_row = x_ptr + rows[:, None] * (2 * F)
     if OSS:
         # One contiguous [BLOCK_N, 2*BLOCK_F] load keeps the access vectorised; split de-interleaves.
-        cols2 = tl.program_id(1) * 2 * BLOCK_F + tl.arange(0, 2 * BLOCK_F)
+        cols2 = col_block * 2 * BLOCK_F + tl.arange(0, 2 * BLOCK_F)
         mask2 = (rows[:, None] < N) & (cols2[None, :] < 2 * F)
         x = tl.load(x_row + cols2[None, :], mask=mask2, other=0.0).to(tl.float32)
         gate, up = tl.split(tl.reshape(x, (BLOCK_N, BLOCK_F, 2)))
@@ -73,13 +81,11 @@ def _launch(x_N2F: Tensor, dy_NF: Tensor | None, oss: bool, alpha: float, limit:
     out = x_N2F.new_empty(N, 2 * F if dy_NF is not None else F)
     if N == 0:
         return out
-    # 256 columns x 8 rows = 2048 elements per program: F=768 splits into 3 unmasked column blocks.
     BLOCK_F = min(256, triton.next_power_of_2(F))
-    BLOCK_N = min(max(1, 2048 // BLOCK_F), triton.next_power_of_2(N))
-    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(F, BLOCK_F))
+    col_blocks = triton.cdiv(F, BLOCK_F)
     dy = dy_NF.contiguous() if dy_NF is not None else x_N2F
-    _swiglu_kernel[grid](
-        x_N2F, dy, out, N, F, alpha, limit, BLOCK_N, BLOCK_F, oss, dy_NF is not None, num_warps=4
+    _swiglu_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * col_blocks,)](
+        x_N2F, dy, out, N, F, alpha, limit, BLOCK_F, oss, dy_NF is not None
     )
     return out
 
@@ -88,24 +94,26 @@ def _reference(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
     return swiglu_oss_reference(x_N2F, alpha, limit) if oss else swiglu_reference(x_N2F)
 
 
-@torch.library.custom_op("pith::swiglu", mutates_args=())
-def _swiglu_op(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
+def _forward(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
     if not use_triton(x_N2F):
         return _reference(x_N2F, oss, alpha, limit).contiguous()
     return _launch(x_N2F, None, oss, alpha, limit)
 
 
-@_swiglu_op.register_fake
-def _(x_N2F, oss, alpha, limit):
-    return x_N2F.new_empty(x_N2F.shape[0], x_N2F.shape[1] // 2)
-
-
-@torch.library.custom_op("pith::swiglu_backward", mutates_args=())
-def _swiglu_backward_op(dy_NF: Tensor, x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
+def _backward(dy_NF: Tensor, x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
     if not use_triton(x_N2F):
         _, vjp = torch.func.vjp(lambda x: _reference(x, oss, alpha, limit), x_N2F)
         return vjp(dy_NF)[0].contiguous()
     return _launch(x_N2F, dy_NF, oss, alpha, limit)
+
+
+_swiglu_op = torch.library.custom_op("pith::swiglu", _forward, mutates_args=())
+_swiglu_backward_op = torch.library.custom_op("pith::swiglu_backward", _backward, mutates_args=())
+
+
+@_swiglu_op.register_fake
+def _(x_N2F, oss, alpha, limit):
+    return x_N2F.new_empty(x_N2F.shape[0], x_N2F.shape[1] // 2)
 
 
 @_swiglu_backward_op.register_fake
@@ -118,12 +126,26 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_N2F)
 
 
-def _backward(ctx, dy_NF):
+def _op_backward(ctx, dy_NF):
     (x_N2F,) = ctx.saved_tensors
     return _swiglu_backward_op(dy_NF, x_N2F, ctx.oss, ctx.alpha, ctx.limit), None, None, None
 
 
-_swiglu_op.register_autograd(_backward, setup_context=_setup_context)
+_swiglu_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class _EagerSwiGLU(torch.autograd.Function):
+    """The eager path: the same forward/backward as the custom op, without its dispatch layers, which
+    cost ~3x a plain autograd.Function per forward+backward (measured on CPU with trivial bodies).
+    torch.compile takes the custom op (one opaque node)."""
+
+    forward = staticmethod(_forward)
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, dy_NF):
+        (x_N2F,) = ctx.saved_tensors
+        return _backward(dy_NF, x_N2F, ctx.oss, ctx.alpha, ctx.limit), None, None, None
 
 
 def _apply(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
@@ -133,7 +155,8 @@ def _apply(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
             f"x_N2F: expected a last dimension 2F > 0 holding gate and up, got shape {tuple(x_N2F.shape)}"
         )
     F = x_N2F.shape[-1] // 2
-    y_NF = _swiglu_op(x_N2F.reshape(-1, 2 * F), oss, alpha, limit)
+    op = _swiglu_op if torch.compiler.is_compiling() else _EagerSwiGLU.apply
+    y_NF = op(x_N2F.reshape(-1, 2 * F), oss, alpha, limit)
     return y_NF.view(*x_N2F.shape[:-1], F)
 
 
