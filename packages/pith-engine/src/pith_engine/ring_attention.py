@@ -29,6 +29,7 @@ Shape legend: B batch, S local sequence (two chunks of C), L full sequence, H he
 Hk key/value), D head dims (Dqk, Dv).
 """
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -96,6 +97,16 @@ def ring_schedule(
     return steps
 
 
+@functools.cache
+def _compiled_create_block_mask():
+    # compiled, the per-element test fuses into the per-tile reduction; eager building would
+    # materialise [B, Sq, Sk] index tensors for every block of every layer. New positions tensors
+    # in the mask_mod's closure do not recompile (checked on CPU, torch 2.15).
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
 def _block_attention(
     q: Tensor, k: Tensor, v: Tensor, pos_q_BS: Tensor, pos_k_BS: Tensor, scale: float, window: int | None
 ) -> tuple[Tensor, Tensor]:
@@ -103,14 +114,14 @@ def _block_attention(
     # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
     if not (q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16):
         return attention_reference(q, k, v, pos_q_BS, pos_k_BS, scale=scale, window=window)
-    # imported on first use: flex_attention's import costs about half of torch's own
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+    from torch.nn.attention.flex_attention import AuxRequest  # here: flex's import is slow, CUDA-only
 
     def visible(b, h, qi, ki):
         dist_ = pos_q_BS[b, qi] - pos_k_BS[b, ki]
         return (dist_ >= 0) & (dist_ < window) if window is not None else dist_ >= 0
 
-    block_mask = create_block_mask(visible, q.shape[0], None, q.shape[1], k.shape[1], device=q.device)
+    B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
+    block_mask = _compiled_create_block_mask()(visible, B, None, Sq, Sk, device=q.device)
     out, aux = _compiled_flex_attention()(
         q.transpose(1, 2),
         k.transpose(1, 2),
