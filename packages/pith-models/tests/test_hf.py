@@ -97,6 +97,11 @@ def test_hub_style_config_is_read():
         "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
     }  # fmt: skip
     assert hf.config_from_hf(d) == qwen3_moe.QWEN3_30B_A3B
+    del d["head_dim"]  # transformers' default: hidden_size // num_attention_heads
+    assert hf.config_from_hf(d).head_dim == 2048 // 32
+    del d["num_experts"]
+    with pytest.raises(ValueError, match=r"lacks required fields: \['num_experts'\]"):
+        hf.config_from_hf(d)
 
 
 def write_modified(hf_dir, tmp_path, change_tensors=None, change_config=None):

@@ -17,7 +17,7 @@ Dh head dim, R = Dh/2 rotary pairs, E experts (E_held: those this module holds),
 K top-k, N rows grouped by expert, V vocabulary.
 """
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import ClassVar
 
 import pith_ops
@@ -106,6 +106,11 @@ class Config:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unsupported qwen3_moe config fields: {unknown}")
+        if "head_dim" not in d and {"hidden_size", "num_attention_heads"} <= set(d):
+            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]  # transformers' default
+        missing = sorted(f.name for f in fields(cls) if f.default is MISSING and f.name not in d)
+        if missing:
+            raise ValueError(f"qwen3_moe config lacks required fields: {missing}")
         return cls(**d)
 
     def to_hf(self) -> dict:
