@@ -53,6 +53,8 @@ def check_layout(
     """ValueError naming the numbers of every requirement the layout breaks, before any compute."""
     p = layout
     problems = [f"{k}={v} must be >= 1" for k, v in vars(p).items() if v < 1]
+    if problems:
+        raise ValueError("parallel layout: " + "; ".join(problems))
     if p.pp != 1:
         problems.append(f"pipeline parallelism is not built yet (pp={p.pp}; use pp=1)")
     if world_size != p.world:
