@@ -10,18 +10,31 @@ writes one fp32 row of partials, and a [P, D] sum finishes it (P = 4 per SM, a f
 ~200 MB the 16384 x 2048 bf16 backward moves), with no atomics.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from pith_ops._common import FLOAT_DTYPES, check, use_triton
+from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, use_triton
+
+# ELEMS elements per program (ROWS = ELEMS / BLOCK_D rows, at least one) and warps, autotuned per
+# width on the GPU: D=2048 and D=128 rows want different shapes. The interpreter (CPU tests) would
+# run every config, so it gets one.
+_CONFIGS = [
+    triton.Config({"ELEMS": e}, num_warps=w)
+    for e, w in ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16))
+]
+_CONFIGS = _CONFIGS[2:3] if INTERPRET else _CONFIGS
 
 
+@triton.autotune(_CONFIGS, key=["D", "UNIT_OFFSET"])
 @triton.jit
 def _rms_norm_forward_kernel(
-    x_ptr, w_ptr, y_ptr, N, D, eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, UNIT_OFFSET: tl.constexpr
+    x_ptr, w_ptr, y_ptr, N, D, eps, BLOCK_D: tl.constexpr, UNIT_OFFSET: tl.constexpr, ELEMS: tl.constexpr
 ):
+    ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < N) & (cols[None, :] < D)
@@ -34,6 +47,7 @@ def _rms_norm_forward_kernel(
     tl.store(y_ptr + offs, x * rstd[:, None] * w[None, :], mask=mask)
 
 
+@triton.autotune(_CONFIGS, key=["D", "UNIT_OFFSET"])
 @triton.jit
 def _rms_norm_backward_kernel(
     x_ptr,
@@ -44,11 +58,12 @@ def _rms_norm_backward_kernel(
     N,
     D,
     eps,
-    ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
+    ELEMS: tl.constexpr,
 ):
     """dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * w; dw partial = sum over rows of dy * xhat."""
+    ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     cols = tl.arange(0, BLOCK_D)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
@@ -69,23 +84,20 @@ def _rms_norm_backward_kernel(
     tl.store(dw_partial_ptr + tl.program_id(0) * D + cols, dw, mask=cols < D)
 
 
-def _blocks(N: int, D: int) -> tuple[int, int, int]:
-    """Rows per program, BLOCK_D and warps: ~4096 elements per program, 16 per thread (2 x 16-byte
-    bf16 loads), so narrow rows (a per-head q/k norm, D=128) still give each program enough work."""
-    BLOCK_D = triton.next_power_of_2(D)
-    ROWS = min(max(1, 4096 // BLOCK_D), triton.next_power_of_2(N))
-    return ROWS, BLOCK_D, min(16, max(1, ROWS * BLOCK_D // 512))
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def _forward(x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool) -> Tensor:
+def _forward_launch(x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool) -> Tensor:
     x_ND = x_ND.contiguous()
     y_ND = x_ND.new_empty(x_ND.shape)
     N, D = x_ND.shape
     if N == 0:
         return y_ND
-    ROWS, BLOCK_D, warps = _blocks(N, D)
-    _rms_norm_forward_kernel[(triton.cdiv(N, ROWS),)](
-        x_ND, weight_D.contiguous(), y_ND, N, D, eps, ROWS, BLOCK_D, unit_offset, num_warps=warps
+    BLOCK_D = triton.next_power_of_2(D)
+    _rms_norm_forward_kernel[lambda meta: (triton.cdiv(N, triton.cdiv(meta["ELEMS"], BLOCK_D)),)](
+        x_ND, weight_D.contiguous(), y_ND, N, D, eps, BLOCK_D, unit_offset
     )
     return y_ND
 
@@ -96,37 +108,40 @@ def _backward_launch(
     x_ND, dy_ND = x_ND.contiguous(), dy_ND.contiguous()
     N, D = x_ND.shape
     dx_ND = x_ND.new_empty(x_ND.shape)
-    ROWS, BLOCK_D, warps = _blocks(N, D)
-    sms = torch.cuda.get_device_properties(x_ND.device).multi_processor_count if x_ND.is_cuda else 1
-    P = max(1, min(triton.cdiv(N, ROWS), 4 * sms))
+    BLOCK_D = triton.next_power_of_2(D)
+    # 4 programs per SM (at most one per smallest tile) loop over the row tiles.
+    P = max(
+        1, min(triton.cdiv(N, triton.cdiv(_CONFIGS[-1].kwargs["ELEMS"], BLOCK_D)), 4 * _sm_count(x_ND.device))
+    )
     dw_partial_PD = torch.empty(P, D, device=x_ND.device, dtype=torch.float32)
     _rms_norm_backward_kernel[(P,)](
-        x_ND, weight_D.contiguous(), dy_ND, dx_ND, dw_partial_PD, N, D, eps, ROWS, BLOCK_D, unit_offset,
-        num_warps=warps,
-    )  # fmt: skip
+        x_ND, weight_D.contiguous(), dy_ND, dx_ND, dw_partial_PD, N, D, eps, BLOCK_D, unit_offset
+    )
     return dx_ND, dw_partial_PD.sum(0).to(weight_D.dtype)
 
 
-@torch.library.custom_op("pith::rms_norm", mutates_args=())
-def _rms_norm_op(x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool) -> Tensor:
+def _forward(x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool) -> Tensor:
     if not use_triton(x_ND):
         return rms_norm_reference(x_ND, weight_D, eps, unit_offset).contiguous()
-    return _forward(x_ND, weight_D, eps, unit_offset)
+    return _forward_launch(x_ND, weight_D, eps, unit_offset)
 
 
-@_rms_norm_op.register_fake
-def _(x_ND, weight_D, eps, unit_offset):
-    return x_ND.new_empty(x_ND.shape)
-
-
-@torch.library.custom_op("pith::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(
+def _backward(
     dy_ND: Tensor, x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool
 ) -> tuple[Tensor, Tensor]:
     if not use_triton(x_ND):
         _, vjp = torch.func.vjp(lambda x, w: rms_norm_reference(x, w, eps, unit_offset), x_ND, weight_D)
         return tuple(g.contiguous() for g in vjp(dy_ND))
     return _backward_launch(dy_ND, x_ND, weight_D, eps, unit_offset)
+
+
+_rms_norm_op = torch.library.custom_op("pith::rms_norm", _forward, mutates_args=())
+_rms_norm_backward_op = torch.library.custom_op("pith::rms_norm_backward", _backward, mutates_args=())
+
+
+@_rms_norm_op.register_fake
+def _(x_ND, weight_D, eps, unit_offset):
+    return x_ND.new_empty(x_ND.shape)
 
 
 @_rms_norm_backward_op.register_fake
@@ -139,13 +154,28 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_ND, weight_D)
 
 
-def _backward(ctx, dy_ND):
+def _op_backward(ctx, dy_ND):
     x_ND, weight_D = ctx.saved_tensors
     dx_ND, dw_D = _rms_norm_backward_op(dy_ND, x_ND, weight_D, ctx.eps, ctx.unit_offset)
     return dx_ND, dw_D, None, None
 
 
-_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+_rms_norm_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class _EagerRMSNorm(torch.autograd.Function):
+    """The eager path: the same forward/backward as the custom op, without its dispatch layers, which
+    cost ~3x a plain autograd.Function per forward+backward (measured on CPU with trivial bodies).
+    torch.compile takes the custom op (one opaque node)."""
+
+    forward = staticmethod(_forward)
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        x_ND, weight_D = ctx.saved_tensors
+        dx_ND, dw_D = _backward(dy_ND, x_ND, weight_D, ctx.eps, ctx.unit_offset)
+        return dx_ND, dw_D, None, None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
@@ -161,7 +191,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -
     if not eps > 0:  # eps > 0 also keeps the kernels' masked padding rows finite
         raise ValueError(f"eps: expected a positive float, got {eps}")
     D = x.shape[-1]
-    return _rms_norm_op(x.reshape(-1, D), weight, float(eps), unit_offset).view(x.shape)
+    op = _rms_norm_op if torch.compiler.is_compiling() else _EagerRMSNorm.apply
+    return op(x.reshape(-1, D), weight, float(eps), unit_offset).view(x.shape)
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
