@@ -140,15 +140,21 @@ def test_unknown_model_name_is_a_value_error():
 
 @pytest.mark.gpu
 def test_bf16_staged_forward_on_cuda_tracks_the_fp32_reference():
-    """The real kernels (Triton ops, SDPA) in bf16 against the fp32 reference of the same weights."""
+    """The real kernels (Triton ops, SDPA) in bf16 against the fp32 reference of the same weights.
+    bf16 may flip a near-tied routing choice for a few tokens, so the logits get a loose bound and
+    the loss a tight one."""
     model = pith_models.build(CFG, device="cuda", seed=0)
-    ids_BS = torch.randint(0, CFG.vocab_size, (2, 64), device="cuda")
+    ids_BS = torch.randint(0, CFG.vocab_size, (2, 64), device="cuda", generator=torch.Generator("cuda"))
+    labels_T = ids_BS.roll(-1, 1).flatten()
     with torch.no_grad():
         expected_BSV = model.reference_forward(ids_BS)
     model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
     h_BSD, _ = forward(model_bf16, ids_BS, LocalExperts(align=8))
-    logits_BSV = model_bf16.lm_head(h_BSD)
-    assert ((logits_BSV.float() - expected_BSV).norm() / expected_BSV.norm()) < 3e-2
-    logits_BSV.float().square().mean().backward()
+    logits_BSV = model_bf16.lm_head(h_BSD).float()
+    assert ((logits_BSV - expected_BSV).norm() / expected_BSV.norm()) < 0.1
+    loss = torch.nn.functional.cross_entropy(logits_BSV.flatten(0, 1), labels_T)
+    expected_loss = torch.nn.functional.cross_entropy(expected_BSV.flatten(0, 1), labels_T)
+    assert abs(loss.item() - expected_loss.item()) < 2e-2 * expected_loss.item()
+    loss.backward()
     for name, p in model_bf16.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
