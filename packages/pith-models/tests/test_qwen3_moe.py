@@ -144,7 +144,7 @@ def test_bf16_staged_forward_on_cuda_tracks_the_fp32_reference():
     bf16 may flip a near-tied routing choice for a few tokens, so the logits get a loose bound and
     the loss a tight one."""
     model = pith_models.build(CFG, device="cuda", seed=0)
-    ids_BS = torch.randint(0, CFG.vocab_size, (2, 64), device="cuda", generator=torch.Generator("cuda"))
+    ids_BS = torch.randint(0, CFG.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
     labels_T = ids_BS.roll(-1, 1).flatten()
     with torch.no_grad():
         expected_BSV = model.reference_forward(ids_BS)
