@@ -488,10 +488,10 @@ def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
     return out
 
 
-# For tests: a dense layer then two MoE layers; query LoRA, group-limited routing and YaRN are on
-# here, and the tests switch them off one by one.
+# For tests (and the trainer: vocab 260 fits its byte tokenizer): a dense layer then two MoE layers;
+# query LoRA, group-limited routing and YaRN are on here, and the tests switch them off one by one.
 TINY = Config(
-    vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    vocab_size=260, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
     num_attention_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
     v_head_dim=12, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3, first_k_dense_replace=1,
     topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,

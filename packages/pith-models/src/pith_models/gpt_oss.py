@@ -401,9 +401,10 @@ def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
     return out
 
 
-# For tests: sliding, full, sliding layers with a window shorter than the test sequences.
+# For tests (and the trainer: vocab 260 fits its byte tokenizer): sliding, full, sliding layers with a
+# window shorter than the test sequences.
 TINY = Config(
-    vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+    vocab_size=260, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
     yarn=Yarn(factor=4.0, original_max_position_embeddings=32), max_position_embeddings=128,
 )  # fmt: skip
