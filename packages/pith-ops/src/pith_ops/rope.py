@@ -10,6 +10,8 @@ forward costs. x and dy may be strided views (e.g. q sliced from a fused qkv pro
 last dim must be contiguous.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -78,6 +80,19 @@ def _rope_kernel(
         tl.store(out_head + c, tl.load(x_head + c, mask=mask), mask=mask)
 
 
+@functools.cache
+def _blocks(T: int, H: int, D: int, R: int) -> tuple[int, int, int, int, int]:
+    """BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_REST, warps (cached: this Python is a visible share of a
+    launch that moves ~40 MB in ~10 us). ~4096 elements per program: all 32 heads of one 128-dim
+    q token, or 8 tokens of a 4-head k."""
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_H = min(triton.next_power_of_2(H), max(1, 4096 // BLOCK_D))
+    BLOCK_T = min(triton.next_power_of_2(T), max(1, 4096 // (BLOCK_H * BLOCK_D)))
+    BLOCK_REST = triton.next_power_of_2(D - 2 * R) if D > 2 * R else 0
+    warps = min(8, max(1, BLOCK_T * BLOCK_H * BLOCK_D // 512))
+    return BLOCK_T, BLOCK_H, triton.next_power_of_2(R), BLOCK_REST, warps
+
+
 def _launch(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool, inverse: bool) -> Tensor:
     # Any strides but a unit last one are read in place (an expanded cos has batch stride 0).
     x_BSHD, cos_BSR, sin_BSR = (
@@ -88,13 +103,7 @@ def _launch(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool,
     out = torch.empty(B, S, H, D, device=x_BSHD.device, dtype=x_BSHD.dtype)
     if out.numel() == 0:
         return out
-    # ~4096 elements per program: all 32 heads of one 128-dim q token, or 8 tokens of a 4-head k.
-    BLOCK_D = triton.next_power_of_2(D)
-    BLOCK_H = min(triton.next_power_of_2(H), max(1, 4096 // BLOCK_D))
-    BLOCK_T = min(triton.next_power_of_2(B * S), max(1, 4096 // (BLOCK_H * BLOCK_D)))
-    BLOCK_R = triton.next_power_of_2(R)
-    BLOCK_REST = triton.next_power_of_2(D - 2 * R) if D > 2 * R else 0
-    warps = min(8, max(1, BLOCK_T * BLOCK_H * BLOCK_D // 512))
+    BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_REST, warps = _blocks(B * S, H, D, R)
     # A batch-1 cos/sin is shared by the whole batch.
     cb, sb = (t.stride(0) if t.shape[0] > 1 else 0 for t in (cos_BSR, sin_BSR))
     _rope_kernel[(triton.cdiv(B * S, BLOCK_T), triton.cdiv(H, BLOCK_H))](
@@ -105,14 +114,16 @@ def _launch(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool,
     return out
 
 
-@torch.library.custom_op("pith::rope", mutates_args=())
-def _rope_op(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool, inverse: bool) -> Tensor:
+def _forward(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool, inverse: bool) -> Tensor:
     """Rotate by +angle (inverse=False) or -angle (inverse=True: the backward of the forward)."""
     if not use_triton(x_BSHD):
         return apply_rope_reference(
             x_BSHD, cos_BSR, -sin_BSR if inverse else sin_BSR, interleaved
         ).contiguous()
     return _launch(x_BSHD, cos_BSR, sin_BSR, interleaved, inverse)
+
+
+_rope_op = torch.library.custom_op("pith::rope", _forward, mutates_args=())
 
 
 @_rope_op.register_fake
@@ -125,12 +136,26 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(cos_BSR, sin_BSR)
 
 
-def _backward(ctx, dy_BSHD):
+def _op_backward(ctx, dy_BSHD):
     cos_BSR, sin_BSR = ctx.saved_tensors
     return _rope_op(dy_BSHD, cos_BSR, sin_BSR, ctx.interleaved, not ctx.inverse), None, None, None, None
 
 
-_rope_op.register_autograd(_backward, setup_context=_setup_context)
+_rope_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class _EagerRope(torch.autograd.Function):
+    """The eager path: the same forward/backward as the custom op, without its dispatch layers, which
+    cost ~3x a plain autograd.Function per forward+backward (measured on CPU with trivial bodies).
+    torch.compile takes the custom op (one opaque node)."""
+
+    forward = staticmethod(_forward)
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, dy_BSHD):
+        cos_BSR, sin_BSR = ctx.saved_tensors
+        return _forward(dy_BSHD, cos_BSR, sin_BSR, ctx.interleaved, not ctx.inverse), None, None, None, None
 
 
 def apply_rope(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool = False) -> Tensor:
@@ -146,7 +171,8 @@ def apply_rope(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bo
             f"cos_BSR, sin_BSR: expected equal shapes ({B} or 1, {S}, R) with 0 < 2R <= {D} for x of "
             f"shape {tuple(x_BSHD.shape)}, got {tuple(cos_BSR.shape)} and {tuple(sin_BSR.shape)}"
         )
-    return _rope_op(x_BSHD, cos_BSR, sin_BSR, interleaved, False)
+    op = _rope_op if torch.compiler.is_compiling() else _EagerRope.apply
+    return op(x_BSHD, cos_BSR, sin_BSR, interleaved, False)
 
 
 def apply_rope_reference(
