@@ -203,6 +203,7 @@ BAD_HF_CONFIGS = [
     ({"topk_method": "noaux_tc"}, "topk_method"),
     ({"n_group": 3}, "n_group"),
     ({"e_score_correction_bias": True}, "unsupported deepseek_v2 config fields"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}}, "default rope"),
 ]
 
 
@@ -210,6 +211,13 @@ BAD_HF_CONFIGS = [
 def test_unsupported_config_values_are_value_errors(change, match):
     with pytest.raises(ValueError, match=match):
         deepseek_v2.Config.from_hf({**CFG.to_hf(), **change})
+
+
+def test_missing_config_field_is_a_value_error():
+    d = CFG.to_hf()
+    del d["kv_lora_rank"]
+    with pytest.raises(ValueError, match="missing.*kv_lora_rank"):
+        deepseek_v2.Config.from_hf(d)
 
 
 def test_missing_or_misshapen_tensor_is_a_value_error_naming_it(tmp_path):

@@ -192,6 +192,7 @@ BAD_HF_CONFIGS = [
     ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "layer_types"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"use_sliding_window": False}, "unsupported gpt_oss config fields"),
+    ({"sliding_window": None}, "sliding_window"),
 ]
 
 

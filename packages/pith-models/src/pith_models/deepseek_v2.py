@@ -31,7 +31,7 @@ those this module holds), G expert groups, F expert width, K top-k, V vocabulary
 """
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import ClassVar
 
 import pith_ops
@@ -142,6 +142,9 @@ class Config:
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unsupported deepseek_v2 config fields: {unknown}")
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
+        if missing:
+            raise ValueError(f"deepseek_v2 config fields missing: {missing}")
         return cls(**d)
 
     def to_hf(self) -> dict:
@@ -181,7 +184,9 @@ def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
     d.pop("rope_scaling", None)
     rope_type = rope.pop("rope_type", rope.get("type", "default"))
     rope.pop("type", None)
-    if rope_type == "default" and not rope:
+    if rope_type == "default":
+        if rope:
+            raise ValueError(f"unsupported parameters of the default rope for deepseek_v2: {sorted(rope)}")
         return theta, None
     if rope_type != "yarn":
         raise ValueError(f"rope type {rope_type!r} is not supported by deepseek_v2 (only default and yarn)")

@@ -23,7 +23,7 @@ K top-k, N rows grouped by expert, V vocabulary.
 """
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import ClassVar
 
 import pith_ops
@@ -94,8 +94,8 @@ class Config:
                 f"num_experts_per_tok must be in [1, num_local_experts={self.num_local_experts}], "
                 f"got {self.num_experts_per_tok}"
             )
-        if self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be an int >= 1, got {self.sliding_window!r}")
 
     @classmethod
     def from_hf(cls, d: dict) -> "Config":
@@ -118,6 +118,9 @@ class Config:
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unsupported gpt_oss config fields: {unknown}")
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
+        if missing:
+            raise ValueError(f"gpt_oss config fields missing: {missing}")
         return cls(**{**d, "layer_types": tuple(d.get("layer_types") or ())})
 
     def to_hf(self) -> dict:
@@ -158,7 +161,9 @@ def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
     d.pop("rope_scaling", None)
     rope_type = rope.pop("rope_type", rope.get("type", "default"))
     rope.pop("type", None)
-    if rope_type == "default" and not rope:
+    if rope_type == "default":
+        if rope:
+            raise ValueError(f"unsupported parameters of the default rope for gpt_oss: {sorted(rope)}")
         return theta, None
     if rope_type != "yarn":
         raise ValueError(f"rope type {rope_type!r} is not supported by gpt_oss (only default and yarn)")
