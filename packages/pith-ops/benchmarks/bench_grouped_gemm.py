@@ -7,22 +7,29 @@ per-expert loop (the reference). FLOPs: 2*T*K*I*O forward, 3x that forward+backw
 Run on a CUDA machine: python3 packages/pith-ops/benchmarks/bench_grouped_gemm.py
 """
 
-import pith_ops.grouped_gemm as gg
+import importlib
+
 import torch
 from harness import header, median_ms, report
 from pith_ops.moe_permute import moe_permute
+
+# The module, not the function of the same name that pith_ops re-exports over it.
+gg = importlib.import_module("pith_ops.grouped_gemm")
 
 T, K, E = 16384, 8, 128
 SHAPES = {"gate_up": (2048, 1536), "down": (768, 2048)}
 
 
-def run(impl: str, x, w, ends_E):
-    if impl == "loop":
-        return gg.grouped_gemm_reference(x, w, ends_E)
-    # The benchmark flips the module's one implementation switch, and restores it.
+def forward(impl: str, x, w, ends_E):
+    return gg.grouped_gemm_reference(x, w, ends_E) if impl == "loop" else gg.grouped_gemm(x, w, ends_E)
+
+
+def timed(impl: str, fn) -> float:
+    """Median ms of fn with grouped_gemm's one implementation switch set for impl (forward and
+    backward both run under it), restored after."""
     saved, gg.USE_TORCH_GROUPED_MM = gg.USE_TORCH_GROUPED_MM, impl == "torch"
     try:
-        return gg.grouped_gemm(x, w, ends_E)
+        return median_ms(fn)
     finally:
         gg.USE_TORCH_GROUPED_MM = saved
 
@@ -37,8 +44,10 @@ def bench(name: str, I: int, O: int, ends_E: torch.Tensor, align: int) -> None:
     for impl in ("triton", "torch", "loop"):
         try:
             with torch.no_grad():
-                fwd[impl] = median_ms(lambda impl=impl: run(impl, x, w, ends_E))
-            both[impl] = median_ms(lambda impl=impl: torch.autograd.grad(run(impl, x, w, ends_E), (x, w), dy))
+                fwd[impl] = timed(impl, lambda impl=impl: forward(impl, x, w, ends_E))
+            both[impl] = timed(
+                impl, lambda impl=impl: torch.autograd.grad(forward(impl, x, w, ends_E), (x, w), dy)
+            )
         except Exception as err:  # report an unsupported layout and go on with the others
             print(f"  {impl} failed at {name} align={align}: {type(err).__name__}: {err}")
     for impl in ("triton", "torch"):
