@@ -190,7 +190,7 @@ def _permute_op(
         cum_BE = torch.cumsum(hist_BE, 0, dtype=torch.int32)
         _slots_kernel[(nb,)](
             ids, hist_BE, cum_BE, slots, inv, ends, TK, E, nb, align,
-            BLOCK=INDEX_BLOCK, E_P2=triton.next_power_of_2(E),
+            BLOCK=INDEX_BLOCK, E_P2=triton.next_power_of_2(E), num_warps=8,  # [128, E] temporaries
         )  # fmt: skip
     x_ND, _ = _gather_rows(x_TD, inv, K)
     return x_ND, slots.view(T, K), ends
