@@ -6,14 +6,15 @@ padding when align > 1), B index-building blocks.
 Index building runs on the device with no host sync: a histogram per block of routed (t, k) entries
 (Triton), a cumulative sum over blocks (torch), then a kernel that gives each entry its slot
 (expert start + entries of that expert in earlier blocks + earlier entries in its block) and writes
-the inverse map row -> entry. Rows are then gathered, so every output row is written once and padding
-rows get their zeros without a separate fill of the whole output.
+the owner map row -> entry. Token rows are then scattered to their K slots (each read once), and
+only the rows no entry owns (padding) are zero-filled, not the whole output.
 
 Expert ids outside [0, E) are checked only for CPU tensors in eager mode: on CUDA the check would
 cost a host sync per call, so there they are the caller's contract (a router's top-k cannot produce
 them).
 moe_unpermute requires that no row of y is referenced by two (t, k) entries (true for the slots
-moe_permute returns); its backward writes each row's gradient once through the inverse map.
+moe_permute returns); its backward scatters w * dout to the referenced rows of dy, computing the
+weight gradient from the same loads, and zero-fills the rows no slot references.
 """
 
 import torch
@@ -69,36 +70,54 @@ def _slots_kernel(
 
 
 @triton.jit
-def _gather_rows_kernel(
-    src_TD_ptr, inv_N_ptr, w_ptr, y_ND_ptr, out_ND_ptr, dw_ptr, N, D, K,
+def _scatter_rows_kernel(
+    src_TD_ptr, slots_TK_ptr, w_TK_ptr, y_ND_ptr, out_ND_ptr, dw_TK_ptr, T, D, K,
     HAS_W: tl.constexpr, HAS_Y: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """out[n] = w[e] * src[e // K], e = inv[n] (zero row if e < 0); HAS_Y: dw[e] = <src[e // K], y[n]>."""
+    """out[slots[t, k]] = w[t, k] * src[t] (slots < 0 skipped); HAS_Y: dw[t, k] = <src[t], y[slots[t, k]]>.
+
+    Scattering from token rows reads each src row from memory once (its K re-reads hit cache);
+    gathering by output row would fetch it K times, as src is larger than L2 at training sizes.
+    """
+    tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tok_ok = tokens < T
+    src_rows = tokens.to(tl.int64)[:, None] * D
+    for k in range(K):
+        slot = tl.load(slots_TK_ptr + tokens * K + k, mask=tok_ok, other=-1).to(tl.int64)
+        hit = slot >= 0
+        if HAS_W:
+            scale = tl.load(w_TK_ptr + tokens * K + k, mask=hit, other=0).to(tl.float32)
+        else:
+            scale = hit.to(tl.float32)
+        dot = tl.zeros([ROWS], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            m = hit[:, None] & (cols[None, :] < D)
+            src = tl.load(src_TD_ptr + src_rows + cols[None, :], mask=m, other=0).to(tl.float32)
+            out_p = out_ND_ptr + slot[:, None] * D + cols[None, :]
+            tl.store(out_p, scale[:, None] * src, mask=m)
+            if HAS_Y:
+                y = tl.load(y_ND_ptr + slot[:, None] * D + cols[None, :], mask=m, other=0)
+                dot += tl.sum(src * y.to(tl.float32), axis=1)
+        if HAS_Y:
+            tl.store(dw_TK_ptr + tokens * K + k, dot, mask=tok_ok)
+
+
+@triton.jit
+def _zero_unowned_rows_kernel(out_ND_ptr, owner_N_ptr, N, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows no (t, k) entry wrote (owner < 0: padding, or rows a caller's slots skip) become zero."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    entry = tl.load(inv_N_ptr + rows, mask=rows < N, other=-1)
-    hit = entry >= 0
-    token = tl.where(hit, entry // K, 0).to(tl.int64)
-    if HAS_W:
-        scale = tl.load(w_ptr + entry, mask=hit, other=0).to(tl.float32)
-    else:
-        scale = hit.to(tl.float32)
-    dot = tl.zeros([ROWS], dtype=tl.float32)
-    rows64 = rows.to(tl.int64)
+    free = tl.load(owner_N_ptr + rows, mask=rows < N, other=0) < 0
+    if tl.max(free.to(tl.int32), 0) == 0:  # nearly every program: all its rows are owned
+        return
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
-        col_ok = cols[None, :] < D
-        src = tl.load(src_TD_ptr + token[:, None] * D + cols[None, :], mask=hit[:, None] & col_ok, other=0)
-        src = src.to(tl.float32)
+        p = out_ND_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
         tl.store(
-            out_ND_ptr + rows64[:, None] * D + cols[None, :],
-            scale[:, None] * src,
-            mask=(rows[:, None] < N) & col_ok,
+            p,
+            tl.zeros([ROWS, BLOCK_D], dtype=out_ND_ptr.dtype.element_ty),
+            mask=free[:, None] & (cols[None, :] < D),
         )
-        if HAS_Y:
-            y = tl.load(y_ND_ptr + rows64[:, None] * D + cols[None, :], mask=hit[:, None] & col_ok, other=0)
-            dot += tl.sum(src * y.to(tl.float32), axis=1)
-    if HAS_Y:
-        tl.store(dw_ptr + entry, dot, mask=hit)
 
 
 @triton.jit
@@ -131,22 +150,22 @@ def _row_blocks(D: int) -> tuple[int, int]:
     return max(4096 // block_d, 1), block_d
 
 
-def _gather_rows(src_TD, inv_N, K, w=None, y_ND=None, out_dtype=None):
-    N, D = inv_N.shape[0], src_TD.shape[1]
+def _scatter_rows(src_TD, slots_TK, N, owner_N, w_TK=None, y_ND=None, out_dtype=None):
+    """-> (out_ND, dw_TK fp32 or None): the scatter, then zeros in the rows no entry owns."""
+    (T, K), D = slots_TK.shape, src_TD.shape[1]
     out = torch.empty(N, D, dtype=out_dtype or src_TD.dtype, device=src_TD.device)
-    dw = (
-        torch.zeros(src_TD.shape[0] * K, dtype=torch.float32, device=src_TD.device)
-        if y_ND is not None
-        else None
-    )
+    dw = torch.zeros(T, K, dtype=torch.float32, device=src_TD.device) if y_ND is not None else None
     rows, block_d = _row_blocks(D)
-    if N * D == 0:
+    if D == 0:
         return out, dw
-    _gather_rows_kernel[(triton.cdiv(N, rows),)](
-        src_TD, inv_N, w if w is not None else inv_N, y_ND if y_ND is not None else out, out,
-        dw if dw is not None else out, N, D, K,
-        HAS_W=w is not None, HAS_Y=y_ND is not None, ROWS=rows, BLOCK_D=block_d,
-    )  # fmt: skip
+    if T:
+        _scatter_rows_kernel[(triton.cdiv(T, rows),)](
+            src_TD, slots_TK, w_TK if w_TK is not None else slots_TK, y_ND if y_ND is not None else out,
+            out, dw if dw is not None else out, T, D, K,
+            HAS_W=w_TK is not None, HAS_Y=y_ND is not None, ROWS=rows, BLOCK_D=block_d,
+        )  # fmt: skip
+    if owner_N is not None and N:
+        _zero_unowned_rows_kernel[(triton.cdiv(N, rows),)](out, owner_N, N, D, ROWS=rows, BLOCK_D=block_d)
     return out, dw
 
 
@@ -192,7 +211,8 @@ def _permute_op(
             ids, hist_BE, cum_BE, slots, inv, ends, TK, E, nb, align,
             BLOCK=INDEX_BLOCK, E_P2=triton.next_power_of_2(E), num_warps=8,  # [128, E] temporaries
         )  # fmt: skip
-    x_ND, _ = _gather_rows(x_TD, inv, K)
+    # Without padding (align 1) every one of the N = T*K rows is some entry's: nothing to zero.
+    x_ND, _ = _scatter_rows(x_TD, slots.view(T, K), N, inv if align > 1 else None)
     return x_ND, slots.view(T, K), ends
 
 
@@ -271,17 +291,25 @@ def _(y_ND, slots_TK, weights_TK):
 def _unpermute_backward_op(
     dout_TD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor
 ) -> tuple[Tensor, Tensor]:
-    N, K = y_ND.shape[0], slots_TK.shape[1]
+    N = y_ND.shape[0]
     flat = slots_TK.reshape(-1)
-    # Row N is a sink for slots < 0, so the inverse map is built without a boolean mask (a sync).
+    # Owner map for the zero fill; row N is a sink for slots < 0, so no boolean mask (a sync) is needed.
     inv = torch.full((N + 1,), -1, dtype=torch.int32, device=y_ND.device)
     inv.scatter_(
         0,
         torch.where(flat < 0, N, flat).long(),
         torch.arange(flat.numel(), dtype=torch.int32, device=y_ND.device),
     )
-    dy, dw = _gather_rows(dout_TD, inv[:N], K, w=weights_TK.contiguous(), y_ND=y_ND, out_dtype=y_ND.dtype)
-    return dy, dw.view(slots_TK.shape).to(weights_TK.dtype)
+    dy, dw = _scatter_rows(
+        dout_TD,
+        slots_TK.contiguous(),
+        N,
+        inv[:N],
+        w_TK=weights_TK.contiguous(),
+        y_ND=y_ND,
+        out_dtype=y_ND.dtype,
+    )
+    return dy, dw.to(weights_TK.dtype)
 
 
 @_unpermute_backward_op.register_fake
