@@ -29,13 +29,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-# The stacked expert weights [E_held, ...] of the pith_models convention (see pith_models/hf.py).
-EXPERT_WEIGHTS = ("w_gate_up", "w_down")
 STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def expert_param_names(model: nn.Module) -> set[str]:
-    return {n for n, _ in model.named_parameters() if n.rpartition(".")[2] in EXPERT_WEIGHTS}
+    """Full names of the stacked expert parameters: those of each layer's `experts` module (contract)."""
+    holders = {id(layer.experts) for layer in model.layers if layer.experts is not None}
+    return {
+        f"{module_name}.{name}"
+        for module_name, module in model.named_modules()
+        if id(module) in holders
+        for name, _ in module.named_parameters()
+    }
 
 
 def _rank() -> int:
@@ -117,7 +122,7 @@ def save(
     state = {"model": split_experts(model_sd, experts), "buffers": _bias_buffers(model, model_sd)}
     if optimizer is not None:
         state["optim"] = _split_optim(get_optimizer_state_dict(model, optimizer), experts)
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -148,7 +153,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None =
     if optimizer is not None:
         optim_sd = get_optimizer_state_dict(model, optimizer)
         state["optim"] = _split_optim(optim_sd, experts)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     set_model_state_dict(model, stack_experts(state["model"], model_sd, experts))
     with torch.no_grad():
         for name, b in buffers.items():

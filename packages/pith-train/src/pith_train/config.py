@@ -36,6 +36,7 @@ class TrainConfig:
     seed: int = 0  # weight init and data order
     device: str = "auto"  # auto (cuda when there is one) | cpu | cuda
     compile: bool = True  # torch.compile(fullgraph=True) the non-expert stages; used on CUDA only
+    ac: str = "none"  # activation checkpointing: none | selective (expert MLPs) | full (every stage)
     lbl_coef: float = 1e-3  # global-batch load-balancing loss coefficient (0 = off)
     z_loss_coef: float = 0.0  # router z-loss coefficient (0 = off)
     bias_rate: float = 1e-3  # aux-loss-free balancing: expert-bias step after each update (0 = off)
@@ -192,6 +193,8 @@ def validate(cfg: Config) -> None:
         )
     if o.schedule not in ("cosine", "wsd"):
         raise ValueError(f"optim.schedule: expected 'cosine' or 'wsd', got {o.schedule!r}")
+    if t.ac not in ("none", "selective", "full"):
+        raise ValueError(f"train.ac: expected none, selective or full, got {t.ac!r}")
     if t.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"train.device: expected auto, cpu or cuda, got {t.device!r}")
     if not 0 <= o.min_lr_ratio <= 1 or not 0 <= o.decay_fraction <= 1:

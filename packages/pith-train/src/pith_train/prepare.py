@@ -9,6 +9,7 @@ It appears only when complete (written under a temporary name, then renamed). Th
 import torch, so the tokenizing worker processes start quickly.
 """
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -134,12 +135,19 @@ def prepare(
     workers = workers or min(len(files), os.cpu_count() or 1)
     num_tokens, doc_ends = 0, []
     bar = tqdm(total=len(files), unit="file", disable=not progress, desc="tokenizing")
-    with (
-        open(tmp / "tokens.bin", "wb") as f,
-        multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) as pool,
-    ):
-        # imap keeps file order, so the dataset does not depend on the number of workers.
-        for tokens, lengths in pool.imap(_tokenize_file, [(p, text_field) for p in files]):
+    with open(tmp / "tokens.bin", "wb") as f, contextlib.ExitStack() as stack:
+        jobs = [(p, text_field) for p in files]
+        if workers > 1:
+            # spawn, not fork: the parent may hold torch's threads. imap keeps the file order, so the
+            # dataset does not depend on the number of workers.
+            pool = stack.enter_context(
+                multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer,))
+            )
+            results = pool.imap(_tokenize_file, jobs)
+        else:  # in-process: no start-up cost, and callable from a script without a __main__ guard
+            _init_worker(tokenizer)
+            results = map(_tokenize_file, jobs)
+        for tokens, lengths in results:
             f.write(tokens.astype(dtype).tobytes())
             doc_ends.append(num_tokens + np.cumsum(lengths))
             num_tokens += len(tokens)

@@ -9,6 +9,7 @@ SUMMED over data ranks (not averaged) for any layout to reproduce single-process
 Shape legend: B sequences, S sequence length, T = B*S tokens, D hidden, E experts, K top-k.
 """
 
+import functools
 import json
 import math
 import time
@@ -25,7 +26,9 @@ from pith_engine.executor import ExpertComm, LocalExperts
 from pith_models import deepseek_v2
 from pith_models.hf import config_from_hf
 from torch import Tensor, nn
+from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from tqdm import tqdm
 
 from pith_train import config as config_mod
@@ -56,25 +59,41 @@ def _all_sum(t: Tensor, group: ProcessGroup | None) -> Tensor:
     return t
 
 
-class CompiledStages:
-    """The model seen through torch.compile(fullgraph=True) of its non-expert stage functions.
+class Stages:
+    """The model as the trainer runs it: its stage functions, optionally compiled and checkpointed, with
+    the residual stream in `dtype`. The executor only calls prologue / positions / layers' stages /
+    epilogue, which this provides.
 
-    Expert GEMMs (stage 3) stay eager: they run the grouped-GEMM kernel on data-dependent group sizes.
-    The executor only calls prologue / positions / layers' stages / epilogue, which this provides.
+    compile: torch.compile(fullgraph=True) of the non-expert stage functions. Expert GEMMs (stage 3)
+    stay eager: they run the grouped-GEMM kernel on data-dependent group sizes.
+    ac, activation checkpointing (recompute in the backward what is not kept from the forward):
+    "none"; "selective": the expert MLPs (stage 3), whose hidden rows (T*K of 3F) are the largest
+    activations and whose weights' bf16 casts would otherwise be kept; "full": stages 1, 3 and 5 of
+    every layer, keeping only each stage's inputs.
+    dtype: the residual stream's dtype after the embedding (bf16 under autocast on CUDA, so that the
+    routed rows, the expert GEMMs and the fused loss run in bf16 too); None keeps the embedding's.
     """
 
     class Layer:
-        def __init__(self, layer: nn.Module):
-            self.stage1 = torch.compile(layer.stage1, fullgraph=True)
-            self.stage3 = layer.stage3
-            self.stage5 = torch.compile(layer.stage5, fullgraph=True)
+        def __init__(self, layer: nn.Module, compiled, ac: str):
+            recompute = lambda fn: functools.partial(torch_checkpoint, fn, use_reentrant=False)
+            self.stage1 = recompute(compiled(layer.stage1)) if ac == "full" else compiled(layer.stage1)
+            self.stage3 = recompute(layer.stage3) if ac != "none" else layer.stage3
+            self.stage5 = recompute(compiled(layer.stage5)) if ac == "full" else compiled(layer.stage5)
 
-    def __init__(self, model: nn.Module):
-        self.layers = [self.Layer(layer) for layer in model.layers]
+    def __init__(self, model: nn.Module, compile: bool = False, ac: str = "none", dtype=None):
+        compiled = functools.partial(torch.compile, fullgraph=True) if compile else lambda fn: fn
+        self.layers = [self.Layer(layer, compiled, ac) for layer in model.layers]
         self.lm_head = model.lm_head
         self.positions = model.positions
-        self.prologue = torch.compile(model.prologue, fullgraph=True)
-        self.epilogue = torch.compile(model.epilogue, fullgraph=True)
+        self.prologue = compiled(lambda ids: model.prologue(ids).to(dtype))
+        self.epilogue = compiled(model.epilogue)
+
+
+def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
+    """Cross-entropy summed over the label tokens, lm_head fused, in h's dtype (the weight cast to it)."""
+    w_VD = lm_head.weight.to(h_BSD.dtype)
+    return pith_ops.linear_cross_entropy(h_BSD.flatten(0, 1), w_VD, labels_T, IGNORE_INDEX, "sum")
 
 
 def moe_aux(routings: list[Routing], cfg: Config, tokens: int, group: ProcessGroup | None):
@@ -101,6 +120,16 @@ def moe_aux(routings: list[Routing], cfg: Config, tokens: int, group: ProcessGro
     return aux, counts_LE
 
 
+@torch.no_grad()
+def update_expert_bias(biases: list[Tensor], counts_LE: Tensor, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer.
+
+    The counts are the step's, summed over micro-batches and data ranks, so every rank updates alike.
+    """
+    for bias_E, counts_E in zip(biases, counts_LE, strict=True):
+        bias_E += rate * torch.sign(counts_E.mean() - counts_E)
+
+
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token: 6 * N_active + 6 * L * S * H * (Dqk + Dv).
 
@@ -122,6 +151,58 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     # MLA (DeepSeek-V2) has distinct q/k and v head dims; the other families one head_dim.
     qk, v = (c.qk_head_dim, c.v_head_dim) if isinstance(c, deepseek_v2.Config) else (c.head_dim, c.head_dim)
     return 6 * active + 6 * c.num_hidden_layers * seq_len * c.num_attention_heads * (qk + v)
+
+
+def train_step(
+    model: nn.Module,
+    stages,
+    optimizer: torch.optim.Optimizer,
+    micro: list[tuple[Tensor, Tensor]],
+    cfg: Config,
+    layout: Layout,
+    lr: float,
+    biases: list[Tensor],
+) -> tuple[float, float, float, Tensor | int]:
+    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS)]: forward and backward
+    of each (bf16 autocast on CUDA), then gradient clipping, AdamW at `lr`, the expert-bias update.
+
+    -> (loss, aux loss, gradient norm, expert counts [L, E]). A non-finite loss raises
+    FloatingPointError before the weights are touched.
+    """
+    device = model.lm_head.weight.device
+    label_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro)
+    label_tokens = int(_all_sum(torch.tensor(label_tokens, device=device), layout.data_group))
+    micro_tokens = cfg.train.micro_batch * cfg.data.seq_len * layout.data_ranks  # one micro-batch, all ranks
+    M = cfg.micro_batches
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    sums = torch.zeros(2, device=device)  # (cross-entropy sum, aux share)
+    counts_LE = 0
+    for inputs_BS, labels_BS in micro:
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+            h_BSD, routings = executor.forward(stages, inputs_BS.to(device), layout.comm)
+            with record_function("lm_head+loss"):
+                ce = loss_sum(h_BSD, model.lm_head, labels_BS.to(device).flatten())
+        aux, counts = (
+            moe_aux(routings, cfg, micro_tokens, layout.data_group)
+            if routings
+            else (torch.zeros((), device=device), 0)
+        )
+        (ce.float() / label_tokens + aux / M).backward()
+        sums += torch.stack([ce.detach().float(), aux.detach() / M])
+        counts_LE = counts_LE + counts
+    sums = _all_sum(sums, layout.data_group)
+    loss, aux_loss = (sums[0] / label_tokens).item(), sums[1].item()
+    if not math.isfinite(loss + aux_loss):
+        raise FloatingPointError(f"loss is {loss} (aux {aux_loss})")
+    with record_function("optimizer"):
+        clip = cfg.optim.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if biases:
+            update_expert_bias(biases, counts_LE, cfg.train.bias_rate)
+    return loss, aux_loss, grad_norm, counts_LE
 
 
 def model_config(name: str):
@@ -203,13 +284,13 @@ def pretrain(
         checkpoint.load(found[-1], model, optimizer)
         state = json.loads((found[-1] / "trainer.json").read_text())
         step, cursor = state["step"], state["cursor"]
-    stages = CompiledStages(model) if cfg.train.compile and device.type == "cuda" else model
-    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+    cuda = device.type == "cuda"
+    stages = Stages(model, cfg.train.compile and cuda, cfg.train.ac, torch.bfloat16 if cuda else None)
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
     flops = flops_per_token(model, cfg.data.seq_len)
     peak, peak_source = peak_flops(device)
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=main)
-    G, S, M = cfg.train.global_batch, cfg.data.seq_len, cfg.micro_batches
-    micro_tokens = cfg.train.micro_batch * S * layout.data_ranks  # tokens of one micro-batch, all ranks
+    G, S = cfg.train.global_batch, cfg.data.seq_len
     last = min(cfg.train.steps, stop_at or cfg.train.steps)
     bar = tqdm(total=cfg.train.steps, initial=step, disable=not (main and cfg.log.progress), unit="step")
     if main:
@@ -223,9 +304,7 @@ def pretrain(
             ):
                 h_BSD, _ = executor.forward(stages, inputs_BS.to(device), layout.comm)
                 labels_T = labels_BS.to(device).flatten()
-                ce = pith_ops.linear_cross_entropy(
-                    h_BSD.flatten(0, 1), model.lm_head.weight, labels_T, IGNORE_INDEX, "sum"
-                )
+                ce = loss_sum(h_BSD, model.lm_head, labels_T)
                 total += torch.stack([ce.float(), (labels_T != IGNORE_INDEX).sum().float()])
         total = _all_sum(total, layout.data_group)
         return (total[0] / total[1]).item()
@@ -243,45 +322,17 @@ def pretrain(
     while step < last:
         start = time.perf_counter()
         micro = loader.step_batch(cursor, G, cfg.train.micro_batch, layout.data_rank, layout.data_ranks)
-        label_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro)
-        label_tokens = int(_all_sum(torch.tensor(label_tokens, device=device), layout.data_group))
         lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        sums = torch.zeros(2, device=device)  # (cross-entropy sum, aux share)
-        counts_LE = 0
-        for inputs_BS, labels_BS in micro:
-            with autocast:
-                h_BSD, routings = executor.forward(stages, inputs_BS.to(device), layout.comm)
-                labels_T = labels_BS.to(device).flatten()
-                ce = pith_ops.linear_cross_entropy(
-                    h_BSD.flatten(0, 1), model.lm_head.weight, labels_T, IGNORE_INDEX, "sum"
-                )
-            aux, counts = (
-                moe_aux(routings, cfg, micro_tokens, layout.data_group)
-                if routings
-                else (torch.zeros((), device=device), 0)
+        try:
+            loss, aux_loss, grad_norm, counts_LE = train_step(
+                model, stages, optimizer, micro, cfg, layout, lr, biases
             )
-            (ce.float() / label_tokens + aux / M).backward()
-            sums += torch.stack([ce.detach().float(), aux.detach() / M])
-            counts_LE = counts_LE + counts
-        sums = _all_sum(sums, layout.data_group)
-        loss, aux_loss = (sums[0] / label_tokens).item(), sums[1].item()
-        if not math.isfinite(loss + aux_loss):
+        except FloatingPointError as e:
             good = checkpoint.checkpoints(ckpt_root)
             raise FloatingPointError(
-                f"loss is {loss} (aux {aux_loss}) at step {step + 1}; stopped before updating the weights."
+                f"{e} at step {step + 1}; stopped before updating the weights."
                 f" Last good checkpoint: {good[-1] if good else 'none'}"
-            )
-        clip = cfg.optim.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cfg.train.bias_rate and biases:
-            # Aux-loss-free balancing (DeepSeek-V3): raise the selection bias of under-loaded experts.
-            with torch.no_grad():
-                for b, counts_E in zip(biases, counts_LE):
-                    b += cfg.train.bias_rate * torch.sign(counts_E.mean() - counts_E)
+            ) from None
         step, cursor = step + 1, cursor + G
         seconds = time.perf_counter() - start
         tokens_per_s = G * S / seconds

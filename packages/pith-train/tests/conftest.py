@@ -1,0 +1,85 @@
+"""Shared fixtures: a micro Qwen3-MoE saved as a Hugging Face directory, a small byte-level dataset,
+and a config that trains it in a fraction of a second per step.
+
+The trainer's tests exercise the application, not the kernels (pith-ops tests those against their
+references), so they run the operators' PyTorch reference path instead of the Triton interpreter,
+which is orders of magnitude slower; subprocesses get an environment without TRITON_INTERPRET.
+"""
+
+import os
+
+import pith_models
+import pith_ops._common
+import pytest
+import torch
+from pith_models import qwen3_moe
+from pith_train.config import load_config
+from pith_train.prepare import prepare, stdlib_corpus
+
+# Byte vocabulary (257) fits; 2 MoE layers of 4 experts, top-2.
+MICRO = qwen3_moe.Config(
+    vocab_size=260, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+    norm_topk_prob=True, rope_theta=10_000.0, max_position_embeddings=64,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reference_ops_one_thread():
+    """Reference operators, one intra-op thread: MKL adapts its thread count to the machine's load,
+    which changes float summation order between runs (bit-exact resume tests would see it), and on a
+    busy 2-core box two threads are far slower than one for these tiny matrices."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pith_ops._common, "INTERPRET", False)
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def subprocess_env():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def micro_hf(tmp_path_factory):
+    """A Hugging Face directory (fp32 safetensors) of the micro model."""
+    path = tmp_path_factory.mktemp("micro_hf")
+    pith_models.save_pretrained(pith_models.build(MICRO, "cpu", seed=0), path, dtype=torch.float32)
+    return path
+
+
+@pytest.fixture(scope="session")
+def byte_data(tmp_path_factory):
+    """A byte-level dataset of three small standard-library files (~9K tokens)."""
+    out = tmp_path_factory.mktemp("data") / "bytes"
+    prepare(stdlib_corpus()[:3], str(out), "byte", progress=False, workers=1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def micro_args(micro_hf, byte_data):
+    """Overrides for 6 steps of 4 sequences of 32 tokens in 2 micro-batches, checkpoints every 2 steps."""
+    return [
+        f"--model.name={micro_hf}",
+        f"--data.path={byte_data}",
+        "--data.seq_len=32",
+        "--data.val_windows=4",
+        "--train.steps=6",
+        "--train.global_batch=4",
+        "--train.micro_batch=2",
+        "--train.lr=1e-2",
+        "--train.z_loss_coef=1e-3",
+        "--optim.warmup_steps=2",
+        "--checkpoint.every=2",
+        "--log.progress=false",
+        "--log.eval_every=0",
+    ]
+
+
+@pytest.fixture(scope="session")
+def micro_config(micro_args):
+    return lambda *overrides: load_config(None, [*micro_args, *overrides])

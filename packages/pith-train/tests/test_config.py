@@ -1,0 +1,51 @@
+import pytest
+from pith_train.config import Config, load_config, to_toml
+
+
+def test_defaults_toml_and_overrides_resolve_in_order(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        '[train]\nsteps = 7\nlr = 1\n[optim]\nschedule = "wsd"\n[model]\nname = "qwen3-moe-tiny"\n'
+    )
+    cfg = load_config(str(path), ["--train.steps=9", "--train.compile=false", "data.seq_len=64"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.optim.schedule) == (9, 1.0, "wsd")
+    assert isinstance(cfg.train.lr, float) and cfg.train.compile is False and cfg.data.seq_len == 64
+    assert cfg.model.name == "qwen3-moe-tiny" and cfg.train.micro_batch == Config().train.micro_batch
+
+
+def test_printed_config_reads_back_equal(tmp_path):
+    cfg = load_config(None, ["--train.seed=3", '--data.tokenizer=my tok "x".json', "--optim.eps=1e-12"])
+    (tmp_path / "c.toml").write_text(to_toml(cfg))
+    assert load_config(str(tmp_path / "c.toml")) == cfg
+
+
+@pytest.mark.parametrize(
+    "toml, overrides, message",
+    [
+        ("", ["--train.stepz=3"], "unknown key train.stepz"),
+        ("", ["--trian.steps=3"], "unknown section [trian]"),
+        ("", ["--train.steps=three"], "expected int, got 'three'"),
+        ("", ["--train.compile=yes"], "expected true or false"),
+        ("", ["--train.steps"], "expected --section.key=value"),
+        ("[train]\nsteps = 1.5\n", [], "train.steps: expected int, got float"),
+        ("[train]\nlr = true\n", [], "train.lr: expected float, got bool"),
+        ("[data]\nextra = 1\n", [], "unknown key data.extra"),
+        ("steps = 1\n", [], "must be a [section]"),
+        ("[train\n", [], "not valid TOML"),
+        ("", ["--train.global_batch=6", "--train.micro_batch=4"], "global_batch=6 must be a multiple"),
+        ("", ["--optim.schedule=linear"], "'cosine' or 'wsd'"),
+        ("", ["--train.steps=0"], "train.steps must be >= 1"),
+        ("", ["--parallel.ep=2", "--train.micro_batch=4"], "needs the parallel engine"),
+    ],
+)
+def test_bad_config_raises_naming_the_problem(tmp_path, toml, overrides, message):
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(ValueError) as e:
+        load_config(str(path), overrides)
+    assert message in str(e.value)
+
+
+def test_missing_config_file_is_named():
+    with pytest.raises(ValueError, match="nope.toml"):
+        load_config("nope.toml")
