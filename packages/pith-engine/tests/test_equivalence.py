@@ -10,6 +10,7 @@ gradients are summed over ranks), the global gradient norm, AdamW. Each world si
 """
 
 import dataclasses
+import json
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -18,10 +19,11 @@ import pith_ops
 import pytest
 import torch
 import torch.distributed as dist
-from pith_engine import executor
+from pith_engine import checkpoint, executor
 from pith_engine.parallel import (
     Layout,
     Mesh,
+    all_reduce_sum,
     build_mesh,
     clip_grad_norm_,
     expert_comm,
@@ -40,6 +42,7 @@ LAYOUTS = {
     4: [Layout(dp=2, ep=2), Layout(cp=2, ep=2), Layout(ep=4)],
 }
 STEPS, GLOBAL_BATCH, MICRO_BATCHES, SEQ = 5, 8, 2, 16
+RESUME_AT = 3  # the checkpointed run stops after 3 steps; the resumed ones run steps 3 and 4
 MAX_NORM = 0.05  # below the first steps' gradient norms, so clipping acts
 LOSS_RTOL = 1e-5
 # Adam divides by sqrt(v) + eps: with the default 1e-8, entries whose gradient is ~1e-8 turn fp32
@@ -58,24 +61,26 @@ def batches(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def train(module, cfg, mesh: Mesh) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """-> (global loss of each step, every parameter's full gradient after the first step)."""
+def train(module, cfg, mesh: Mesh, steps=range(STEPS), load=None, save=None) -> tuple[list[float], dict]:
+    """-> (global loss of each step, every parameter's full gradient after step 0 if it ran); resumes
+    from checkpoint `load` and checkpoints to `save` at the end when given."""
     model = module.Model(cfg)
     module.init_weights(model, seed=0)  # the same weights on every rank, then each keeps its share
     parallelize(model, mesh)
     comm = expert_comm(mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=ADAM_EPS, foreach=False)
+    if load:
+        checkpoint.load(load, model, opt, mesh)
     ids, labels = batches(cfg.vocab_size)
     lay = mesh.layout
     per_rank = GLOBAL_BATCH // MICRO_BATCHES // lay.data_ranks
     losses, grads = [], {}
-    for step in range(STEPS):
+    for step in steps:
         label_tokens = int((labels[step] != -100).sum())
         ce_sum = torch.zeros(())
         for j in range(MICRO_BATCHES):
-            rows = slice(j * per_rank * lay.data_ranks + mesh.data_rank * per_rank, None)
-            rows = slice(rows.start, rows.start + per_rank)
-            x, y = ids[step, rows], labels[step, rows]
+            first = (j * lay.data_ranks + mesh.data_rank) * per_rank
+            x, y = ids[step, first : first + per_rank], labels[step, first : first + per_rank]
             pos = zigzag_positions(SEQ, lay.cp, mesh.cp_rank).expand(per_rank, -1)
             x, y = zigzag_split(x, lay.cp, mesh.cp_rank), zigzag_split(y, lay.cp, mesh.cp_rank)
             h_BSD, _ = executor.forward(model, x, comm, pos, mesh.cp_group)
@@ -83,44 +88,67 @@ def train(module, cfg, mesh: Mesh) -> tuple[list[float], dict[str, torch.Tensor]
             ce = pith_ops.linear_cross_entropy(h, model.lm_head.weight, y.flatten(), -100, "sum")
             (ce / label_tokens).backward()
             ce_sum += ce.detach()
-        if mesh.reduce_group is not None:
-            dist.all_reduce(ce_sum, group=mesh.reduce_group)
-        losses.append(ce_sum.item() / label_tokens)
+        losses.append(all_reduce_sum(ce_sum, mesh).item() / label_tokens)
         if step == 0:
             grads = full_state(model, mesh, grads=True)
         clip_grad_norm_(list(model.parameters()), MAX_NORM, mesh)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    if save:
+        checkpoint.save(save, model, opt, mesh=mesh)
     return losses, grads
+
+
+def assert_same_losses(losses: list[float], expected: list[float], where: str) -> None:
+    rel = [abs(a - b) / abs(b) for a, b in zip(losses, expected, strict=True)]
+    assert max(rel) <= LOSS_RTOL, f"{where}: losses {losses}, single process {expected}"
 
 
 def _worker(world: int, rank: int, tmp: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+        "gloo",
+        init_method=f"file://{tmp}/store{world}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=5),
     )
     cpu = torch.device("cpu")
+    single = Mesh(Layout(), cpu)
     for model_name, (module, cfg) in MODELS.items():
-        ref = train(module, cfg, Mesh(Layout(), cpu)) if rank == 0 else None
+        ref = train(module, cfg, single) if rank == 0 else None
         for layout in LAYOUTS[world]:
             losses, grads = train(module, cfg, build_mesh(layout, cpu))
             if rank != 0:
                 continue
             where = f"{model_name} {layout}"
-            ref_losses, ref_grads = ref
-            rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
-            assert max(rel) <= LOSS_RTOL, f"{where}: losses {losses} vs single process {ref_losses}"
-            assert grads.keys() == ref_grads.keys(), where
+            assert_same_losses(losses, ref[0], where)
+            assert grads.keys() == ref[1].keys(), where
             rtol, atol = GRAD_RTOL, GRAD_ATOL
-            bad = [n for n, g in grads.items() if not torch.allclose(g, ref_grads[n], rtol=rtol, atol=atol)]
+            bad = [n for n, g in grads.items() if not torch.allclose(g, ref[1][n], rtol=rtol, atol=atol)]
             assert not bad, f"{where}: gradients differ from the single process for {bad}"
+
+    # Resuming across layouts; 6 experts over ep2 x dp2 are 3 per EP rank in FSDP pieces of 2 and 1.
+    cfg6 = dataclasses.replace(MODELS["qwen3_moe"][1], num_experts=6)
+    ckpt, expected = tmp / "ckpt_ep2_dp2", tmp / "uninterrupted.json"
+    if world == 4:
+        if rank == 0:
+            expected.write_text(json.dumps(train(qwen3_moe, cfg6, single)[0]))
+        train(qwen3_moe, cfg6, build_mesh(Layout(dp=2, ep=2), cpu), steps=range(RESUME_AT), save=ckpt)
+        if rank == 0:
+            resumed = train(qwen3_moe, cfg6, single, steps=range(RESUME_AT, STEPS), load=ckpt)[0]
+            assert_same_losses(resumed, json.loads(expected.read_text())[RESUME_AT:], "ep2xdp2 -> 1 process")
+    else:
+        mesh = build_mesh(Layout(dp=2), cpu)
+        resumed = train(qwen3_moe, cfg6, mesh, steps=range(RESUME_AT, STEPS), load=ckpt)[0]
+        assert_same_losses(resumed, json.loads(expected.read_text())[RESUME_AT:], "ep2xdp2 -> dp2")
     dist.destroy_process_group()
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_layout_reproduces_single_process_losses_and_gradients(run_ranks, tmp_path, world):
-    run_ranks(__file__, world, tmp_path)
+def test_every_layout_reproduces_one_process_and_checkpoints_resume_in_another_layout(run_ranks, tmp_path):
+    run_ranks(__file__, 4, tmp_path)  # dp2xep2, cp2xep2, ep4; saves under ep2xdp2, resumes on 1 process
+    run_ranks(__file__, 2, tmp_path)  # dp2, ep2, cp2; resumes the ep2xdp2 checkpoint under dp2
 
 
 if __name__ == "__main__":

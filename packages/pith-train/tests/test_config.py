@@ -35,7 +35,6 @@ def test_printed_config_reads_back_equal(tmp_path):
         ("", ["--train.global_batch=6", "--train.micro_batch=4"], "global_batch=6 must be a multiple"),
         ("", ["--optim.schedule=linear"], "'cosine' or 'wsd'"),
         ("", ["--train.steps=0"], "train.steps must be >= 1"),
-        ("", ["--parallel.ep=2", "--train.micro_batch=4"], "needs the parallel engine"),
     ],
 )
 def test_bad_config_raises_naming_the_problem(tmp_path, toml, overrides, message):

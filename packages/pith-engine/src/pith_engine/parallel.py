@@ -196,7 +196,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> 
     (dense shards over all of it, an EP rank's experts over dp x cp), so the squared norms of the local
     shards sum to the global one; no host sync."""
     local = [_local(p.grad) for p in params if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
     for g in local:
         sq += g.float().pow(2).sum()
     norm = all_reduce_sum(sq, mesh).sqrt()

@@ -9,9 +9,11 @@ SUMMED over data ranks (not averaged) for any layout to reproduce single-process
 Shape legend: B sequences, S sequence length, T = B*S tokens, D hidden, E experts, K top-k.
 """
 
+import dataclasses
 import functools
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +22,10 @@ import pith_models
 import pith_ops
 import torch
 import torch.distributed as dist
-from pith_engine import checkpoint, executor
+from pith_engine import checkpoint, executor, parallel
 from pith_engine.contract import Routing
 from pith_engine.executor import ExpertComm, LocalExperts
+from pith_engine.ring_attention import zigzag_positions, zigzag_split
 from pith_models import deepseek_v2
 from pith_models.hf import config_from_hf
 from torch import Tensor, nn
@@ -49,8 +52,41 @@ class Layout:
     world: int = 1
     data_rank: int = 0  # which contiguous slice of each micro-batch this process holds
     data_ranks: int = 1  # ranks taking different sequences (dp * ep)
-    data_group: ProcessGroup | None = None  # sums loss terms, token and expert counts over data ranks
+    data_group: ProcessGroup | None = None  # sums loss terms, token and expert counts: dp x cp x ep ranks
     comm: ExpertComm = field(default_factory=LocalExperts)  # stages 2 and 4
+    mesh: parallel.Mesh = field(default_factory=lambda: parallel.Mesh(parallel.Layout(), torch.device("cpu")))
+
+
+def parallel_layout(cfg: Config, device: torch.device) -> Layout:
+    """This process's place in cfg.parallel (the world from torchrun's env), checked before any compute."""
+    shape = parallel.Layout(**dataclasses.asdict(cfg.parallel))
+    parallel.check_layout(
+        shape,
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        num_experts=parallel.num_experts(pith_models.build(model_config(cfg.model.name))),  # on meta
+        seq_len=cfg.data.seq_len,
+        global_batch=cfg.train.global_batch,
+        micro_batch=cfg.train.micro_batch,
+    )
+    mesh = parallel.build_mesh(shape, device)
+    rank = dist.get_rank() if shape.world > 1 else 0
+    comm = parallel.expert_comm(mesh)
+    return Layout(rank, shape.world, mesh.data_rank, shape.data_ranks, mesh.reduce_group, comm, mesh)
+
+
+def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh):
+    """-> (inputs, labels, position ids or None): under context parallelism this rank's zigzag share of
+    its sequences (chunks r and 2cp-1-r) and their global positions; otherwise all of them."""
+    cp, r = mesh.layout.cp, mesh.cp_rank
+    if cp == 1:
+        return inputs_BS, labels_BS, None
+    pos_BS = zigzag_positions(inputs_BS.shape[1], cp, r).expand(inputs_BS.shape[0], -1)
+    return zigzag_split(inputs_BS, cp, r), zigzag_split(labels_BS, cp, r), pos_BS
+
+
+def _forward(stages, inputs_BS: Tensor, pos_BS: Tensor | None, layout: Layout, device: torch.device):
+    pos_BS = None if pos_BS is None else pos_BS.to(device)
+    return executor.forward(stages, inputs_BS.to(device), layout.comm, pos_BS, layout.mesh.cp_group)
 
 
 def _all_sum(t: Tensor, group: ProcessGroup | None) -> Tensor:
@@ -170,7 +206,8 @@ def train_step(
     FloatingPointError before the weights are touched.
     """
     device = model.lm_head.weight.device
-    label_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro)
+    micro = [local_tokens(inputs_BS, labels_BS, layout.mesh) for inputs_BS, labels_BS in micro]
+    label_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in micro)
     label_tokens = int(_all_sum(torch.tensor(label_tokens, device=device), layout.data_group))
     micro_tokens = cfg.train.micro_batch * cfg.data.seq_len * layout.data_ranks  # one micro-batch, all ranks
     M = cfg.micro_batches
@@ -178,9 +215,9 @@ def train_step(
         group["lr"] = lr
     sums = torch.zeros(2, device=device)  # (cross-entropy sum, aux share)
     counts_LE = 0
-    for inputs_BS, labels_BS in micro:
+    for inputs_BS, labels_BS, pos_BS in micro:
         with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
-            h_BSD, routings = executor.forward(stages, inputs_BS.to(device), layout.comm)
+            h_BSD, routings = _forward(stages, inputs_BS, pos_BS, layout, device)
             with record_function("lm_head+loss"):
                 ce = loss_sum(h_BSD, model.lm_head, labels_BS.to(device).flatten())
         aux, counts = (
@@ -196,8 +233,9 @@ def train_step(
     if not math.isfinite(loss + aux_loss):
         raise FloatingPointError(f"loss is {loss} (aux {aux_loss})")
     with record_function("optimizer"):
-        clip = cfg.optim.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+        grad_norm = parallel.clip_grad_norm_(
+            list(model.parameters()), cfg.optim.grad_clip, layout.mesh
+        ).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if biases:
@@ -251,7 +289,9 @@ def _device(cfg: Config) -> torch.device:
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device is cuda, but torch sees no CUDA device")
     use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    if not use_cuda:
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
 
 
 def pretrain(
@@ -261,7 +301,8 @@ def pretrain(
 
     Returns a summary: final step, last loss, validation loss, and the run's paths.
     """
-    layout = layout or Layout()
+    device = _device(cfg)
+    layout = layout or parallel_layout(cfg, device)
     run_dir = Path(run_dir)
     main = layout.rank == 0
     ckpt_root = run_dir / "checkpoints"
@@ -273,9 +314,11 @@ def pretrain(
     ds = open_data(cfg, run_dir, layout)
     ds.check_vocab(model_cfg.vocab_size)
     loader = WindowLoader(ds, cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed)
-    device = _device(cfg)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model.name, device, cfg.train.seed).float()
+    cuda = device.type == "cuda"
+    # Each rank keeps its experts and its FSDP shards; bf16 all-gathers, fp32 gradient reduction.
+    parallel.parallelize(model, layout.mesh, torch.bfloat16 if cuda else None)
     optimizer = build_optimizer(model, cfg)
     biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
     step, cursor = 0, 0
@@ -284,8 +327,9 @@ def pretrain(
         checkpoint.load(found[-1], model, optimizer)
         state = json.loads((found[-1] / "trainer.json").read_text())
         step, cursor = state["step"], state["cursor"]
-    cuda = device.type == "cuda"
-    stages = Stages(model, cfg.train.compile and cuda, cfg.train.ac, torch.bfloat16 if cuda else None)
+    # Not compiled under FSDP: its unshard/reshard hooks in the stage methods break fullgraph.
+    compile = cfg.train.compile and cuda and layout.world == 1
+    stages = Stages(model, compile, cfg.train.ac, torch.bfloat16 if cuda else None)
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
     flops = flops_per_token(model, cfg.data.seq_len)
     peak, peak_source = peak_flops(device)
@@ -299,10 +343,9 @@ def pretrain(
     def evaluate() -> float:
         total = torch.zeros(2, device=device)
         with torch.no_grad(), autocast:
-            for inputs_BS, labels_BS in loader.val_batches(
-                cfg.train.micro_batch, layout.data_rank, layout.data_ranks
-            ):
-                h_BSD, _ = executor.forward(stages, inputs_BS.to(device), layout.comm)
+            for batch in loader.val_batches(cfg.train.micro_batch, layout.data_rank, layout.data_ranks):
+                inputs_BS, labels_BS, pos_BS = local_tokens(*batch, layout.mesh)
+                h_BSD, _ = _forward(stages, inputs_BS, pos_BS, layout, device)
                 labels_T = labels_BS.to(device).flatten()
                 ce = loss_sum(h_BSD, model.lm_head, labels_T)
                 total += torch.stack([ce.float(), (labels_T != IGNORE_INDEX).sum().float()])
