@@ -17,6 +17,7 @@ calls `layer.experts` (a module); stage 5 must not use parameters of its own.
 Shape legend: E experts, El experts per EP rank.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -94,9 +95,10 @@ class Mesh:
 
 
 def build_mesh(layout: Layout, device: torch.device) -> Mesh:
-    """The mesh for `layout` (starting the process group from torchrun's env if needed: nccl on CUDA,
-    gloo on CPU). A layout of one process needs no process group."""
-    if layout.world == 1:
+    """The mesh for `layout`, starting the process group from torchrun's env if needed (nccl on CUDA,
+    gloo on CPU). One process started without torchrun (no RANK in the env) needs no process group;
+    under torchrun even one process takes the distributed path (FSDP over one rank)."""
+    if layout.world == 1 and not dist.is_initialized() and "RANK" not in os.environ:
         return Mesh(layout, device)
     if not dist.is_initialized():
         if device.type == "cuda":
@@ -157,7 +159,7 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
                 raise ValueError(f"expert weight {name} {tuple(p.shape)}: {p.shape[0]} experts over ep={ep}")
             held = p.shape[0] // ep
             setattr(m, name, nn.Parameter(p.detach()[r * held : (r + 1) * held].clone()))
-    if mesh.layout.world == 1:
+    if mesh.dense_mesh is None:
         return model
     # cast_forward_inputs off: Positions carries fp32 rotary tables that must stay fp32.
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)

@@ -69,7 +69,7 @@ def parallel_layout(cfg: Config, device: torch.device) -> Layout:
         micro_batch=cfg.train.micro_batch,
     )
     mesh = parallel.build_mesh(shape, device)
-    rank = dist.get_rank() if shape.world > 1 else 0
+    rank = dist.get_rank() if dist.is_initialized() else 0
     comm = parallel.expert_comm(mesh)
     return Layout(rank, shape.world, mesh.data_rank, shape.data_ranks, mesh.reduce_group, comm, mesh)
 
