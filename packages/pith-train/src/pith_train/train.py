@@ -328,7 +328,7 @@ def pretrain(
         state = json.loads((found[-1] / "trainer.json").read_text())
         step, cursor = state["step"], state["cursor"]
     # Not compiled under FSDP: its unshard/reshard hooks in the stage methods break fullgraph.
-    compile = cfg.train.compile and cuda and layout.world == 1
+    compile = cfg.train.compile and cuda and layout.mesh.dense_mesh is None
     stages = Stages(model, compile, cfg.train.ac, torch.bfloat16 if cuda else None)
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
     flops = flops_per_token(model, cfg.data.seq_len)
