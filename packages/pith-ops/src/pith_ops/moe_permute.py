@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, check, use_triton
+from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, INTERPRET, check, use_triton
 
 INDEX_BLOCK = 128  # routed entries per index-building program; the in-block rank is a 128x128 compare
 
@@ -41,7 +41,7 @@ def _histogram_kernel(ids_ptr, hist_BE_ptr, TK, E, BLOCK: tl.constexpr, BINS: tl
 @triton.jit
 def _slots_kernel(
     ids_ptr, hist_BE_ptr, cum_BE_ptr, slots_ptr, inv_ptr, ends_ptr, TK, E, NB, align,
-    BLOCK: tl.constexpr, E_P2: tl.constexpr,
+    BLOCK: tl.constexpr, E_P2: tl.constexpr, HAS_OWNER: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     experts = tl.arange(0, E_P2)
@@ -66,41 +66,58 @@ def _slots_kernel(
     rank = tl.sum(earlier.to(tl.int32), axis=1)
     slot = start + before + rank
     tl.store(slots_ptr + offs, slot.to(tl.int64), mask=valid)
-    tl.store(inv_ptr + slot, offs, mask=valid)
+    if HAS_OWNER:
+        tl.store(inv_ptr + slot, offs, mask=valid)
 
 
+# Elements per program (ROWS = ELEMS / BLOCK_D token rows, at least one) and warps for the row kernels,
+# autotuned per shape on the GPU; the interpreter (CPU tests) would run every config, so it gets one.
+_CONFIGS = [
+    triton.Config({"ELEMS": e}, num_warps=w)
+    for e, w in ((4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16), (2048, 4))
+]
+_CONFIGS = _CONFIGS[:1] if INTERPRET else _CONFIGS
+
+
+@triton.autotune(_CONFIGS, key=["D", "K", "HAS_W", "HAS_Y"])
 @triton.jit
 def _scatter_rows_kernel(
-    src_TD_ptr, slots_TK_ptr, w_TK_ptr, y_ND_ptr, out_ND_ptr, dw_TK_ptr, T, D, K,
-    HAS_W: tl.constexpr, HAS_Y: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    src_TD_ptr, slots_TK_ptr, w_TK_ptr, y_ND_ptr, out_ND_ptr, dw_TK_ptr, T, D,
+    K: tl.constexpr, K_P2: tl.constexpr, HAS_W: tl.constexpr, HAS_Y: tl.constexpr,
+    BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
 ):  # fmt: skip
     """out[slots[t, k]] = w[t, k] * src[t] (slots < 0 skipped); HAS_Y: dw[t, k] = <src[t], y[slots[t, k]]>.
 
-    Scattering from token rows reads each src row from memory once (its K re-reads hit cache);
-    gathering by output row would fetch it K times, as src is larger than L2 at training sizes.
+    Each src tile is loaded once and stored to its K destinations (K unrolled, so the stores and, with
+    HAS_Y, the y loads of all K are in flight together); gathering by output row instead would fetch
+    each src row K times, and src is larger than L2 at training sizes.
     """
+    ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     tok_ok = tokens < T
     src_rows = tokens.to(tl.int64)[:, None] * D
-    for k in range(K):
-        slot = tl.load(slots_TK_ptr + tokens * K + k, mask=tok_ok, other=-1).to(tl.int64)
-        hit = slot >= 0
-        if HAS_W:
-            scale = tl.load(w_TK_ptr + tokens * K + k, mask=hit, other=0).to(tl.float32)
-        else:
-            scale = hit.to(tl.float32)
-        dot = tl.zeros([ROWS], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
-            m = hit[:, None] & (cols[None, :] < D)
-            src = tl.load(src_TD_ptr + src_rows + cols[None, :], mask=m, other=0).to(tl.float32)
+    ks = tl.arange(0, K_P2)
+    dot_RK = tl.zeros([ROWS, K_P2], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        col_ok = cols[None, :] < D
+        src = tl.load(src_TD_ptr + src_rows + cols[None, :], mask=tok_ok[:, None] & col_ok, other=0)
+        for k in tl.static_range(K):
+            slot = tl.load(slots_TK_ptr + tokens * K + k, mask=tok_ok, other=-1).to(tl.int64)
+            m = (slot >= 0)[:, None] & col_ok
             out_p = out_ND_ptr + slot[:, None] * D + cols[None, :]
-            tl.store(out_p, scale[:, None] * src, mask=m)
+            if HAS_W:
+                scale = tl.load(w_TK_ptr + tokens * K + k, mask=slot >= 0, other=0).to(tl.float32)
+                tl.store(out_p, scale[:, None] * src.to(tl.float32), mask=m)
+            else:
+                tl.store(out_p, src.to(out_ND_ptr.dtype.element_ty), mask=m)
             if HAS_Y:
                 y = tl.load(y_ND_ptr + slot[:, None] * D + cols[None, :], mask=m, other=0)
-                dot += tl.sum(src * y.to(tl.float32), axis=1)
-        if HAS_Y:
-            tl.store(dw_TK_ptr + tokens * K + k, dot, mask=tok_ok)
+                part = tl.sum(src.to(tl.float32) * y.to(tl.float32), axis=1)
+                dot_RK += tl.where(ks[None, :] == k, part[:, None], 0.0)
+    if HAS_Y:
+        dw_p = dw_TK_ptr + tokens[:, None] * K + ks[None, :]
+        tl.store(dw_p, dot_RK, mask=tok_ok[:, None] & (ks[None, :] < K))
 
 
 @triton.jit
@@ -120,18 +137,21 @@ def _zero_unowned_rows_kernel(out_ND_ptr, owner_N_ptr, N, D, ROWS: tl.constexpr,
         )
 
 
+@triton.autotune(_CONFIGS, key=["D", "K", "HAS_W"])
 @triton.jit
 def _combine_kernel(
-    y_ND_ptr, slots_TK_ptr, w_TK_ptr, out_TD_ptr, T, D, K,
-    HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    y_ND_ptr, slots_TK_ptr, w_TK_ptr, out_TD_ptr, T, D,
+    K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
 ):  # fmt: skip
-    """out[t] = sum_k w[t, k] * y[slots[t, k]] in fp32 (slots < 0 skipped; w = 1 without HAS_W)."""
+    """out[t] = sum_k w[t, k] * y[slots[t, k]] in fp32 (slots < 0 skipped; w = 1 without HAS_W).
+    K is unrolled so the K row gathers are in flight together rather than one load latency each."""
+    ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tok_ok = tokens < T
     col_ok = cols[None, :] < D
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    for k in range(K):
+    for k in tl.static_range(K):
         slot = tl.load(slots_TK_ptr + tokens * K + k, mask=tok_ok, other=-1).to(tl.int64)
         hit = slot >= 0
         if HAS_W:
@@ -144,27 +164,30 @@ def _combine_kernel(
     tl.store(out_TD_ptr + out_off, acc, mask=tok_ok[:, None] & col_ok)
 
 
-def _row_blocks(D: int) -> tuple[int, int]:
-    """(rows per program, columns per step): ~4K elements per step keeps registers low at any D."""
-    block_d = min(triton.next_power_of_2(max(D, 1)), 1024)
-    return max(4096 // block_d, 1), block_d
+def _block_d(D: int) -> int:
+    """Columns per step: 1024 bf16 = one 16-byte access per thread of 4 warps per row."""
+    return min(triton.next_power_of_2(max(D, 1)), 1024)
+
+
+def _rows(meta: dict, block_d: int) -> int:
+    return triton.cdiv(meta["ELEMS"], block_d)
 
 
 def _scatter_rows(src_TD, slots_TK, N, owner_N, w_TK=None, y_ND=None, out_dtype=None):
     """-> (out_ND, dw_TK fp32 or None): the scatter, then zeros in the rows no entry owns."""
     (T, K), D = slots_TK.shape, src_TD.shape[1]
     out = torch.empty(N, D, dtype=out_dtype or src_TD.dtype, device=src_TD.device)
-    dw = torch.zeros(T, K, dtype=torch.float32, device=src_TD.device) if y_ND is not None else None
-    rows, block_d = _row_blocks(D)
-    if D == 0:
-        return out, dw
+    dw = torch.empty(T, K, dtype=torch.float32, device=src_TD.device) if y_ND is not None else None
+    block_d = _block_d(D)
     if T:
-        _scatter_rows_kernel[(triton.cdiv(T, rows),)](
+        _scatter_rows_kernel[lambda meta: (triton.cdiv(T, _rows(meta, block_d)),)](
             src_TD, slots_TK, w_TK if w_TK is not None else slots_TK, y_ND if y_ND is not None else out,
-            out, dw if dw is not None else out, T, D, K,
-            HAS_W=w_TK is not None, HAS_Y=y_ND is not None, ROWS=rows, BLOCK_D=block_d,
+            out, dw if dw is not None else out, T, D,
+            K=K, K_P2=triton.next_power_of_2(K), HAS_W=w_TK is not None, HAS_Y=y_ND is not None,
+            BLOCK_D=block_d,
         )  # fmt: skip
-    if owner_N is not None and N:
+    if owner_N is not None and N * D:
+        rows = triton.cdiv(4096, block_d)
         _zero_unowned_rows_kernel[(triton.cdiv(N, rows),)](out, owner_N, N, D, ROWS=rows, BLOCK_D=block_d)
     return out, dw
 
@@ -173,13 +196,12 @@ def _combine(y_ND, slots_TK, w_TK=None):
     T, K = slots_TK.shape
     D = y_ND.shape[1]
     out = torch.empty(T, D, dtype=y_ND.dtype, device=y_ND.device)
-    rows, block_d = _row_blocks(D)
+    block_d = _block_d(D)
     if T * D == 0:
         return out
-    grid = (triton.cdiv(T, rows), triton.cdiv(D, block_d))
-    _combine_kernel[grid](
-        y_ND, slots_TK, w_TK if w_TK is not None else slots_TK, out, T, D, K,
-        HAS_W=w_TK is not None, ROWS=rows, BLOCK_D=block_d,
+    _combine_kernel[lambda meta: (triton.cdiv(T, _rows(meta, block_d)), triton.cdiv(D, block_d))](
+        y_ND, slots_TK, w_TK if w_TK is not None else slots_TK, out, T, D,
+        K=K, HAS_W=w_TK is not None, BLOCK_D=block_d,
     )  # fmt: skip
     return out
 
@@ -191,8 +213,7 @@ def _static_rows(T: int, K: int, num_experts: int, align: int) -> int:
 # --- moe_permute ---------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("pith::moe_permute", mutates_args=())
-def _permute_op(
+def _permute_forward(
     x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     T, K = expert_ids_TK.shape
@@ -200,20 +221,35 @@ def _permute_op(
     N = _static_rows(T, K, E, align)
     ids = expert_ids_TK.contiguous().view(-1)
     nb = triton.cdiv(TK, INDEX_BLOCK)
-    hist_BE = torch.empty(nb, E, dtype=torch.int32, device=dev)
-    ends = torch.zeros(E, dtype=torch.int32, device=dev)
     slots = torch.empty(TK, dtype=torch.int64, device=dev)
-    inv = torch.full((N,), -1, dtype=torch.int32, device=dev)
+    # The owner map is needed only to find padding rows; without padding every row is some entry's.
+    inv = torch.full((N,), -1, dtype=torch.int32, device=dev) if align > 1 else None
+    # The slot kernel writes every expert's end; only with no entries do they need a zero fill.
+    ends = (
+        torch.empty(E, dtype=torch.int32, device=dev) if TK else torch.zeros(E, dtype=torch.int32, device=dev)
+    )
     if TK:
+        hist_BE = torch.empty(nb, E, dtype=torch.int32, device=dev)
         _histogram_kernel[(nb,)](ids, hist_BE, TK, E, BLOCK=INDEX_BLOCK, BINS=triton.next_power_of_2(E + 1))
         cum_BE = torch.cumsum(hist_BE, 0, dtype=torch.int32)
         _slots_kernel[(nb,)](
-            ids, hist_BE, cum_BE, slots, inv, ends, TK, E, nb, align,
-            BLOCK=INDEX_BLOCK, E_P2=triton.next_power_of_2(E), num_warps=8,  # [128, E] temporaries
+            ids, hist_BE, cum_BE, slots, inv if inv is not None else slots, ends, TK, E, nb, align,
+            BLOCK=INDEX_BLOCK, E_P2=triton.next_power_of_2(E), HAS_OWNER=inv is not None,
+            num_warps=8,  # [128, E] temporaries
         )  # fmt: skip
-    # Without padding (align 1) every one of the N = T*K rows is some entry's: nothing to zero.
-    x_ND, _ = _scatter_rows(x_TD, slots.view(T, K), N, inv if align > 1 else None)
+    x_ND, _ = _scatter_rows(x_TD, slots.view(T, K), N, inv)
     return x_ND, slots.view(T, K), ends
+
+
+def _permute_backward(dx_ND: Tensor, slots_TK: Tensor) -> Tensor:
+    # Each token's K copies sum back: the unweighted combine.
+    return _combine(dx_ND.contiguous(), slots_TK)
+
+
+_permute_op = torch.library.custom_op("pith::moe_permute", _permute_forward, mutates_args=())
+_permute_backward_op = torch.library.custom_op(
+    "pith::moe_permute_backward", _permute_backward, mutates_args=()
+)
 
 
 @_permute_op.register_fake
@@ -227,28 +263,38 @@ def _(x_TD, expert_ids_TK, num_experts, align):
     )
 
 
-def _permute_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[1])
-    ctx.mark_non_differentiable(output[1], output[2])
-
-
-@torch.library.custom_op("pith::moe_permute_backward", mutates_args=())
-def _permute_backward_op(dx_ND: Tensor, slots_TK: Tensor) -> Tensor:
-    # Each token's K copies sum back: the unweighted combine.
-    return _combine(dx_ND, slots_TK)
-
-
 @_permute_backward_op.register_fake
 def _(dx_ND, slots_TK):
     return dx_ND.new_empty(slots_TK.shape[0], dx_ND.shape[1])
 
 
-def _permute_backward(ctx, dx_ND, _dslots, _dends):
+def _permute_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _permute_op_backward(ctx, dx_ND, _dslots, _dends):
     (slots_TK,) = ctx.saved_tensors
-    return _permute_backward_op(dx_ND.contiguous(), slots_TK), None, None, None
+    return _permute_backward_op(dx_ND, slots_TK), None, None, None
 
 
-_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+_permute_op.register_autograd(_permute_op_backward, setup_context=_permute_setup)
+
+
+class _EagerPermute(torch.autograd.Function):
+    """The eager path: the custom op's forward/backward without its dispatch layers (swiglu.py has the
+    measured cost); torch.compile takes the custom op (one opaque node)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _permute_forward(*inputs)
+        _permute_setup(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dx_ND, _dslots, _dends):
+        (slots_TK,) = ctx.saved_tensors
+        return _permute_backward(dx_ND, slots_TK), None, None, None
 
 
 def moe_permute(
@@ -265,30 +311,24 @@ def moe_permute(
         raise ValueError(f"num_experts: expected 1..4096, got {num_experts}")
     if align < 1:
         raise ValueError(f"align: expected a positive row multiple, got {align}")
-    if not expert_ids_TK.is_cuda and expert_ids_TK.numel() and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not expert_ids_TK.is_cuda and expert_ids_TK.numel() and not compiling:
         lo, hi = int(expert_ids_TK.min()), int(expert_ids_TK.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert_ids_TK: expected ids in [0, {num_experts}), got ids in [{lo}, {hi}]")
     if not use_triton(x_TD):
         return moe_permute_reference(x_TD, expert_ids_TK, num_experts, align)
-    return _permute_op(x_TD, expert_ids_TK, num_experts, align)
+    return (_permute_op if compiling else _EagerPermute.apply)(x_TD, expert_ids_TK, num_experts, align)
 
 
 # --- moe_unpermute -------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("pith::moe_unpermute", mutates_args=())
-def _unpermute_op(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
+def _unpermute_forward(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
     return _combine(y_ND, slots_TK.contiguous(), weights_TK.contiguous())
 
 
-@_unpermute_op.register_fake
-def _(y_ND, slots_TK, weights_TK):
-    return y_ND.new_empty(slots_TK.shape[0], y_ND.shape[1])
-
-
-@torch.library.custom_op("pith::moe_unpermute_backward", mutates_args=())
-def _unpermute_backward_op(
+def _unpermute_backward(
     dout_TD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor
 ) -> tuple[Tensor, Tensor]:
     N = y_ND.shape[0]
@@ -301,7 +341,7 @@ def _unpermute_backward_op(
         torch.arange(flat.numel(), dtype=torch.int32, device=y_ND.device),
     )
     dy, dw = _scatter_rows(
-        dout_TD,
+        dout_TD.contiguous(),
         slots_TK.contiguous(),
         N,
         inv[:N],
@@ -312,23 +352,46 @@ def _unpermute_backward_op(
     return dy, dw.to(weights_TK.dtype)
 
 
+_unpermute_op = torch.library.custom_op("pith::moe_unpermute", _unpermute_forward, mutates_args=())
+_unpermute_backward_op = torch.library.custom_op(
+    "pith::moe_unpermute_backward", _unpermute_backward, mutates_args=()
+)
+
+
+@_unpermute_op.register_fake
+def _(y_ND, slots_TK, weights_TK):
+    return y_ND.new_empty(slots_TK.shape[0], y_ND.shape[1])
+
+
 @_unpermute_backward_op.register_fake
 def _(dout_TD, y_ND, slots_TK, weights_TK):
     return torch.empty_like(y_ND), torch.empty_like(weights_TK)
 
 
 def _unpermute_setup(ctx, inputs, output):
-    y_ND, slots_TK, weights_TK = inputs
-    ctx.save_for_backward(y_ND, slots_TK, weights_TK)
+    ctx.save_for_backward(*inputs)
 
 
-def _unpermute_backward(ctx, dout_TD):
-    y_ND, slots_TK, weights_TK = ctx.saved_tensors
-    dy, dw = _unpermute_backward_op(dout_TD.contiguous(), y_ND, slots_TK, weights_TK)
+def _unpermute_op_backward(ctx, dout_TD):
+    dy, dw = _unpermute_backward_op(dout_TD, *ctx.saved_tensors)
     return dy, None, dw
 
 
-_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+_unpermute_op.register_autograd(_unpermute_op_backward, setup_context=_unpermute_setup)
+
+
+class _EagerUnpermute(torch.autograd.Function):
+    """The eager path, as _EagerPermute."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        _unpermute_setup(ctx, inputs, None)
+        return _unpermute_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, dout_TD):
+        dy, dw = _unpermute_backward(dout_TD, *ctx.saved_tensors)
+        return dy, None, dw
 
 
 def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
@@ -342,7 +405,8 @@ def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
         )
     if not use_triton(y_ND):
         return moe_unpermute_reference(y_ND, slots_TK, weights_TK)
-    return _unpermute_op(y_ND, slots_TK, weights_TK)
+    op = _unpermute_op if torch.compiler.is_compiling() else _EagerUnpermute.apply
+    return op(y_ND, slots_TK, weights_TK)
 
 
 # --- specification -------------------------------------------------------------------------------
@@ -359,7 +423,8 @@ def moe_permute_reference(
     """
     T, K = expert_ids_TK.shape
     flat = expert_ids_TK.reshape(-1).long()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add rather than bincount, which syncs with the host on CUDA (no CUDA-graph capture).
+    counts = flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + align - 1) // align * align
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
