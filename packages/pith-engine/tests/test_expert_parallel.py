@@ -101,3 +101,49 @@ def test_expert_parallel_dispatch_combine_match_local_experts_in_float64(run_ran
 
 if __name__ == "__main__":
     _worker(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+
+
+@pytest.mark.gpu
+def test_expert_parallel_on_cuda_matches_local_experts_with_one_host_sync_per_layer(tmp_path):
+    """One nccl rank (every expert local to it), bf16 rows: the same output and gradients as
+    LocalExperts, and exactly one synchronising call more (dispatch's split sizes) per layer."""
+    import warnings
+
+    from pith_engine.executor import LocalExperts
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        g = torch.Generator("cuda").manual_seed(0)
+        T, E, K = 512, 16, 4
+        x = torch.randn(T, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+        ids = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices
+        wt = torch.rand(T, K, device="cuda", generator=g)
+        w_EDD = torch.randn(E, 64, 64, device="cuda", generator=g, dtype=torch.bfloat16) / 8
+        dout = torch.randn(T, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+        probs = torch.zeros(T, E, device="cuda")
+
+        def run(comm):
+            leaves = [t.clone().requires_grad_() for t in (x, wt, w_EDD)]
+            x_ND, ends, handle = comm.dispatch(Routing(leaves[0], ids, leaves[1], probs, probs))
+            rows, slots, weights = comm.combine(pith_ops.grouped_gemm(x_ND, leaves[2], ends), handle)
+            out = pith_ops.moe_unpermute(rows, slots, weights)
+            return [out, *torch.autograd.grad(out, leaves, dout)]
+
+        def run_counting_syncs(comm):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    out = run(comm)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            return out, sum("synchroniz" in str(w.message) for w in caught)
+
+        expected, local_syncs = run_counting_syncs(LocalExperts(align=8))
+        got, ep_syncs = run_counting_syncs(ExpertParallel(dist.group.WORLD, align=8))
+        assert ep_syncs == local_syncs + 1, (ep_syncs, local_syncs)  # the split sizes, nothing more
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    finally:
+        dist.destroy_process_group()
