@@ -1,4 +1,4 @@
-"""The `pith-train` command (also `python -m pith_train`): prepare-data, pretrain, convert, plot.
+"""The `pith-train` command (also `python -m pith_train`): prepare-data, pretrain, convert, bench, plot.
 
 Each subcommand is a parser built in `main` plus one function taking the parsed arguments; a new
 subcommand adds both.
@@ -73,6 +73,21 @@ def cmd_convert(args: argparse.Namespace) -> None:
         )
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    import json
+
+    from pith_train.bench import run, summary
+
+    result = run(
+        tiny=args.tiny, layers=args.layers, seq_len=args.seq_len, batch=args.batch, steps=args.steps,
+        warmup=args.warmup, compile=args.compile == "on", ac=args.ac, grouped_gemm=args.grouped_gemm,
+        profile_steps=args.profile, data=args.data, device=args.device,
+    )  # fmt: skip
+    print(summary(result))
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.json}")
+
+
 def cmd_plot(args: argparse.Namespace) -> None:
     from pith_train.metrics import plot
 
@@ -105,6 +120,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("dst", help="the directory to write")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for HF output")
     p.set_defaults(run=cmd_convert)
+
+    p = sub.add_parser("bench", help="training throughput on the reference MoE workload (bench.py)")
+    p.add_argument("--tiny", action="store_true", help="a CI-sized model and batch instead (runs on CPU)")
+    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
+    p.add_argument("--compile", choices=["on", "off"], default="on", help="torch.compile (CUDA only)")
+    p.add_argument("--ac", choices=["none", "selective", "full"], default="none", help="recompute policy")
+    p.add_argument("--grouped-gemm", choices=["torch", "triton"], default="torch", help="expert GEMM kernel")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="profile STEPS more steps")
+    p.add_argument("--layers", type=int, help="decoder layers (default 4)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 4096)")
+    p.add_argument("--batch", type=int, help="sequences per optimizer step (default 4)")
+    p.add_argument("--data", help="a prepare-data dataset (default: random tokens)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--json", default="bench.json", help="where the measurements go")
+    p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("plot", help="PNG of loss and throughput against step")
     p.add_argument("run_dir")

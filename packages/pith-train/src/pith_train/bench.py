@@ -1,0 +1,281 @@
+"""`pith-train bench`: training throughput of one process on a fixed MoE workload.
+
+The workload (issue 7): the Qwen3-30B-A3B geometry truncated to 4 decoder layers (hidden 2048, 32 query
+/ 4 KV heads, head_dim 128, 128 experts, top-8, expert width 768, vocabulary 151,936: 3.11B parameters,
+0.85B active per token), 4 sequences of 4096 tokens per optimizer step (16,384 tokens), random tokens
+(uniform over the vocabulary, seeded, fresh every step), bf16 autocast over fp32 master weights, fused
+AdamW. Each step is the trainer's own `train_step` (forward, fused loss, backward, clip, AdamW,
+expert-bias update) through the trainer's `Stages` (compile, activation checkpointing); nothing here
+is a second training loop.
+
+FLOPs per token, two conventions (both from `train.flops_per_token`, f(S) at sequence length S):
+- the TorchTitan / PaLM one, f(S) = 6 * N_active + 6 * L * S * H * (Dqk + Dv): every matmul weight a
+  token passes through (lm_head included, the embedding lookup not; a stacked expert weight at K/E of
+  its size), forward + backward = 3x forward, and attention scores over the full S x S square.
+  Over the datasheet bf16 peak (989 TFLOP/s for H100/H200 SXM) that is `mfu_989`, the anchor's number.
+- causal: attention over the lower triangle only, f(0) + (f(S) - f(0)) / 2, the work a causal kernel
+  does. Over the bf16 matmul rate measured on this card in this process that is `mfu_measured`.
+
+Timing: after the warm-up steps (compilation, autotuning, allocator growth), each timed step ends with
+a device synchronisation; the reported step time is the median. Peak memory is the allocator's peak
+over the timed steps (allocated, and reserved: what the process holds from the card).
+
+Shape legend: B sequences, S sequence length.
+"""
+
+import collections
+import dataclasses
+import importlib
+import statistics
+import time
+
+import pith_models
+import torch
+from pith_models import qwen3_moe
+from torch.profiler import ProfilerActivity, profile
+
+from pith_train.config import load_config
+from pith_train.data import PackedDataset, WindowLoader
+from pith_train.metrics import peak_flops
+from pith_train.optim import build_optimizer
+from pith_train.train import Stages, flops_per_token, parallel_layout, train_step
+
+WORKLOAD = dataclasses.replace(qwen3_moe.QWEN3_30B_A3B, num_hidden_layers=4)
+WORKLOAD_SEQ_LEN, WORKLOAD_BATCH = 4096, 4
+# CI size: the 2-layer test model (a dense layer, then a MoE layer of 4 experts), 2 sequences of 32.
+TINY, TINY_SEQ_LEN, TINY_BATCH = qwen3_moe.TINY, 32, 2
+LR = 3e-4  # constant: no schedule in a benchmark
+
+# Components of the profile breakdown. A kernel launched inside a range the trainer marks
+# (torch.autograd.profiler.record_function) belongs to that range's component; any other kernel goes
+# by the first component with a fragment of its (lower-cased) name, else to "other".
+RANGES = {"optimizer": "optimizer", "lm_head+loss": "lm_head + loss"}
+NAME_FRAGMENTS = (
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("lm_head + loss", ("_ce_rows",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "cudnn")),
+    ("expert GEMMs", ("grouped",)),
+    ("router + permutation", ("_histogram", "_slots", "_gather_rows", "_combine", "topk", "softmax", "sort")),
+    ("other GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm")),
+)
+COMPONENTS = (*[c for c, _ in NAME_FRAGMENTS], "other")
+
+
+def classify(name: str, ranges: set[str]) -> str:
+    """The component of a kernel (or CPU op) `name` launched inside the marked ranges `ranges`."""
+    for marked, component in RANGES.items():
+        if marked in ranges:
+            return component
+    low = name.lower()
+    return next((c for c, frags in NAME_FRAGMENTS if any(f in low for f in frags)), "other")
+
+
+def _ranges_above(event) -> set[str]:
+    names = set()
+    while event is not None:
+        names.add(event.name)
+        event = event.cpu_parent
+    return names
+
+
+def breakdown(prof, steps: int) -> dict[str, float]:
+    """Milliseconds per step by component, from a torch.profiler run over `steps` training steps.
+
+    On CUDA: device time of the kernels; a kernel the profiler links to the CPU op that launched it
+    is attributed through that op's enclosing ranges, an unlinked one by its name alone. On CPU (no
+    kernels): the self time of each op."""
+    events = prof.events()
+    totals = collections.Counter()
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    if kernels:
+        unlinked = collections.Counter((k.name, k.time_range.end - k.time_range.start) for k in kernels)
+        for e in events:
+            for k in getattr(e, "kernels", ()):
+                totals[classify(k.name, _ranges_above(e))] += k.duration
+                unlinked[(k.name, k.duration)] -= 1
+        for (name, us), n in unlinked.items():
+            totals[classify(name, set())] += us * max(n, 0)
+    else:
+        for e in events:
+            totals[classify(e.name, _ranges_above(e))] += e.self_cpu_time_total
+    return {c: totals[c] / 1e3 / steps for c in COMPONENTS}
+
+
+def _set_grouped_gemm_backend(backend: str) -> None:
+    # The grouped-GEMM module's own switch (pith_ops re-exports the function over the module's name).
+    importlib.import_module("pith_ops.grouped_gemm").USE_TORCH_GROUPED_MM = backend == "torch"
+
+
+def _measured_matmul_flops(device: torch.device) -> float:
+    """bf16 dense matmul FLOP/s measured here (8192^3, median of CUDA-event timings); CPU: metrics'."""
+    if device.type != "cuda":
+        return peak_flops(device)[0]
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * 8192**3 / statistics.median(times)
+
+
+def run(
+    *,
+    tiny: bool = False,
+    layers: int | None = None,
+    seq_len: int | None = None,
+    batch: int | None = None,
+    steps: int = 5,
+    warmup: int = 3,
+    compile: bool = True,
+    ac: str = "none",
+    grouped_gemm: str = "torch",
+    profile_steps: int = 0,
+    data: str | None = None,
+    device: str = "auto",
+    seed: int = 0,
+) -> dict:
+    """Build the workload (or the tiny one), run `warmup` then `steps` timed training steps (then
+    `profile_steps` under torch.profiler), and return the measurements.
+
+    data: None for random tokens, or a dataset made by `pith-train prepare-data`, read in the trainer's
+    order (seeded windows), so that two runs see the same batches at every step."""
+    if steps < 1 or warmup < 0 or profile_steps < 0:
+        raise ValueError(
+            f"expected steps >= 1, warmup >= 0, profile_steps >= 0; got {steps}, {warmup}, {profile_steps}"
+        )
+    if grouped_gemm not in ("torch", "triton"):
+        raise ValueError(f"grouped_gemm: expected torch or triton, got {grouped_gemm!r}")
+    model_cfg = TINY if tiny else WORKLOAD
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers: expected >= 1, got {layers}")
+        model_cfg = dataclasses.replace(model_cfg, num_hidden_layers=layers)
+    S = seq_len or (TINY_SEQ_LEN if tiny else WORKLOAD_SEQ_LEN)
+    B = batch or (TINY_BATCH if tiny else WORKLOAD_BATCH)
+    # The trainer's config carries what train_step and the optimizer read (validated there).
+    cfg = load_config(
+        None,
+        [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={B}", f"train.device={device}",
+         f"train.compile={str(compile).lower()}", f"train.ac={ac}", f"train.seed={seed}"],
+    )  # fmt: skip
+    dev = torch.device("cuda" if torch.cuda.is_available() and device != "cpu" else "cpu")
+    if device == "cuda" and dev.type != "cuda":
+        raise ValueError("device is cuda, but torch sees no CUDA device")
+    cuda = dev.type == "cuda"
+    _set_grouped_gemm_backend(grouped_gemm)
+    torch.manual_seed(seed)
+    model = pith_models.build(model_cfg, dev, seed).float()
+    optimizer = build_optimizer(model, cfg)
+    stages = Stages(model, compile and cuda, ac, torch.bfloat16 if cuda else None)
+    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
+    generator = torch.Generator(dev).manual_seed(seed)
+    layout = parallel_layout(cfg, dev)  # one process: no groups, local experts
+    loader = None
+    if data is not None:
+        ds = PackedDataset(data)
+        ds.check_vocab(model_cfg.vocab_size)
+        loader = WindowLoader(ds, S, cfg.data.val_windows, seed)
+    cursor = 0
+
+    def step() -> float:
+        nonlocal cursor
+        if loader is None:
+            ids_BS = torch.randint(model_cfg.vocab_size, (B, S + 1), device=dev, generator=generator)
+            micro = [(ids_BS[:, :-1], ids_BS[:, 1:])]
+        else:
+            micro, cursor = loader.step_batch(cursor, B, B, 0, 1), cursor + B
+        return train_step(model, stages, optimizer, micro, cfg, layout, LR, biases)[0]
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):
+        step()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    seconds, losses = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        losses.append(step())
+        sync()
+        seconds.append(time.perf_counter() - start)
+    step_s = statistics.median(seconds)
+    tokens_per_s = B * S / step_s
+    f_full, f_none = flops_per_token(model, S), flops_per_token(model, 0)
+    f_causal = f_none + (f_full - f_none) / 2
+    datasheet, datasheet_source = peak_flops(dev)
+    measured = _measured_matmul_flops(dev)
+    gib = 2**30
+    out = {
+        "card": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        "workload": {
+            "model": dataclasses.asdict(model_cfg),
+            "params": pith_models.param_count(model),
+            "active_params_nonembed": f_none / 6,
+            "seq_len": S,
+            "batch": B,
+            "tokens_per_step": B * S,
+            "data": data or "random tokens, uniform over the vocabulary",
+        },
+        "settings": {
+            "compile": compile and cuda,
+            "ac": ac,
+            "grouped_gemm": grouped_gemm,
+            "steps": steps,
+            "warmup": warmup,
+            "torch": torch.__version__,
+        },  # fmt: skip
+        "step_ms": step_s * 1e3,
+        "step_ms_all": [s * 1e3 for s in seconds],
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token_causal": f_causal,
+        "flops_per_token_full": f_full,
+        "model_tflops_causal": f_causal * tokens_per_s / 1e12,
+        "measured_matmul_tflops": measured / 1e12,
+        "mfu_measured": f_causal * tokens_per_s / measured,
+        "datasheet_tflops": datasheet / 1e12,
+        "datasheet_source": datasheet_source,
+        "mfu_989": f_full * tokens_per_s / datasheet,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / gib if cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / gib if cuda else None,
+        "losses": losses,
+    }
+    if profile_steps:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            for _ in range(profile_steps):
+                step()
+            sync()
+        out["breakdown_ms_per_step"] = breakdown(prof, profile_steps)
+    return out
+
+
+def summary(r: dict) -> str:
+    """The measurements as a few lines of text."""
+    mem = (
+        f"peak memory {r['peak_allocated_gib']:.1f} GiB allocated, {r['peak_reserved_gib']:.1f} GiB reserved"
+        if r["peak_allocated_gib"] is not None
+        else "peak memory: not tracked on cpu"
+    )
+    s = r["settings"]
+    lines = [
+        f"{r['card']}: {r['workload']['tokens_per_step']:,} tokens/step, compile={s['compile']} ac={s['ac']}"
+        f" grouped_gemm={s['grouped_gemm']}",
+        f"  {r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms (median of {s['steps']})",
+        f"  MFU {r['mfu_measured']:.1%}: causal FLOPs over the measured"
+        f" {r['measured_matmul_tflops']:.3g} TFLOP/s bf16 matmul"
+        f" ({r['model_tflops_causal']:.3g} TFLOP/s achieved);"
+        f" {r['mfu_989']:.1%} in the TorchTitan convention over {r['datasheet_tflops']:.3g} TFLOP/s",
+        f"  {mem}",
+    ]
+    if "breakdown_ms_per_step" in r:
+        parts = r["breakdown_ms_per_step"]
+        total = sum(parts.values()) or 1.0
+        lines.append(f"  profile breakdown ({total:.1f} ms/step of kernel time):")
+        lines += [f"    {c:<22} {ms:8.2f} ms  {ms / total:6.1%}" for c, ms in parts.items()]
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+import json
+import math
+
+import pith_models
+import pytest
+from pith_train import bench
+from pith_train.cli import main
+from pith_train.train import flops_per_token
+
+
+def test_workload_is_the_issue_geometry_with_its_parameter_counts():
+    model = pith_models.build(bench.WORKLOAD)  # meta device: no memory
+    c = bench.WORKLOAD
+    D, H, G, Dh, E, K, F, V = (
+        c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.num_experts,
+        c.num_experts_per_tok, c.moe_intermediate_size, c.vocab_size,
+    )  # fmt: skip
+    assert (c.num_hidden_layers, D, H, G, Dh, E, K, F, V) == (4, 2048, 32, 4, 128, 128, 8, 768, 151936)
+    assert round(pith_models.param_count(model) / 1e9, 2) == 3.11
+    # Active weights a token passes through, by hand: attention, router, K of E experts, lm_head.
+    per_layer = D * (H + 2 * G) * Dh + H * Dh * D + D * E + K * 3 * D * F
+    active = c.num_hidden_layers * per_layer + V * D
+    assert flops_per_token(model, 0) == pytest.approx(6 * active, rel=1e-6)
+    assert round((active + V * D) / 1e9, 2) == 0.85  # the issue's 0.85B counts the embedding too
+    S = bench.WORKLOAD_SEQ_LEN  # full-square attention term: 6 * L * S * H * 2 * Dh
+    assert flops_per_token(model, S) - flops_per_token(model, 0) == 6 * 4 * S * H * 2 * Dh
+
+
+@pytest.mark.parametrize(
+    "name, ranges, component",
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", {"lm_head+loss", "ProfilerStep"}, "lm_head + loss"),
+        ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", set(), "optimizer"),
+        ("triton_poi_fused_mul_0", {"optimizer"}, "optimizer"),
+        ("flash_fwd_kernel<Flash_fwd_kernel_traits>", set(), "attention"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", set(), "attention"),
+        ("_grouped_mm_kernel", set(), "expert GEMMs"),
+        ("cutlass::device_kernel<GroupedGemm>", set(), "expert GEMMs"),
+        ("_gather_rows_kernel", set(), "router + permutation"),
+        ("triton_per_fused__softmax_topk_3", set(), "router + permutation"),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", set(), "other GEMMs"),
+        ("triton_poi_fused_add_rms_norm_2", set(), "other"),
+    ],
+)
+def test_profile_components_come_from_ranges_first_then_kernel_names(name, ranges, component):
+    assert bench.classify(name, ranges) == component
+
+
+def test_bench_tiny_on_cpu_reports_consistent_numbers_and_a_breakdown(tmp_path):
+    out = tmp_path / "bench.json"
+    main(["bench", "--tiny", "--steps=1", "--warmup=0", "--profile=1", "--device=cpu", f"--json={out}"])
+    r = json.loads(out.read_text())
+    w = r["workload"]
+    assert r["card"] == "cpu" and w["tokens_per_step"] == bench.TINY_SEQ_LEN * bench.TINY_BATCH
+    assert r["tokens_per_s"] == pytest.approx(w["tokens_per_step"] / (r["step_ms"] / 1e3))
+    full, causal = r["flops_per_token_full"], r["flops_per_token_causal"]
+    assert 6 * w["active_params_nonembed"] < causal < full
+    assert r["mfu_989"] == pytest.approx(full * r["tokens_per_s"] / (r["datasheet_tflops"] * 1e12))
+    assert r["mfu_measured"] == pytest.approx(
+        causal * r["tokens_per_s"] / (r["measured_matmul_tflops"] * 1e12)
+    )
+    # Random tokens against weights drawn with std 0.02: the first loss is about ln(V).
+    assert r["losses"][0] == pytest.approx(math.log(bench.TINY.vocab_size), abs=0.05)
+    parts = r["breakdown_ms_per_step"]
+    assert list(parts) == list(bench.COMPONENTS)
+    assert parts["optimizer"] > 0 and parts["lm_head + loss"] > 0  # the trainer's marked ranges
+
+
+def test_bad_settings_are_value_errors_before_any_compute():
+    with pytest.raises(ValueError, match="expected steps >= 1.*got 0"):
+        bench.run(tiny=True, steps=0)
+    with pytest.raises(ValueError, match="grouped_gemm: expected torch or triton, got 'cublas'"):
+        bench.run(tiny=True, grouped_gemm="cublas")
+    with pytest.raises(ValueError, match="train.ac: expected none, selective or full, got 'some'"):
+        bench.run(tiny=True, ac="some")
