@@ -198,14 +198,17 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> 
     (dense shards over all of it, an EP rank's experts over dp x cp), so the squared norms of the local
     shards sum to the global one; no host sync."""
     local = [_local(p.grad) for p in params if p.grad is not None]
+    # Fused multi-tensor kernels: one read of the gradients for the norm, one read-write to scale them
+    # (a per-tensor pow/sum loop also writes a temporary the size of each gradient: ~10 ms more per
+    # step on the 3B fp32 gradients of the pith-train bench workload).
     sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
-    for g in local:
-        sq += g.float().pow(2).sum()
+    if local:
+        sq += torch.nn.utils.get_total_norm(local, 2.0).float().pow(2)
     norm = all_reduce_sum(sq, mesh).sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in local:
-            g.mul_(coef.to(g.dtype))
+        for dtype in {g.dtype for g in local}:
+            torch._foreach_mul_([g for g in local if g.dtype == dtype], coef.to(dtype))
     return norm
 
 
