@@ -5,9 +5,11 @@ padding when align > 1), B index-building blocks.
 
 Index building runs on the device with no host sync: a histogram per block of routed (t, k) entries
 (Triton), a cumulative sum over blocks (torch), then a kernel that gives each entry its slot
-(expert start + entries of that expert in earlier blocks + earlier entries in its block) and writes
-the owner map row -> entry. Token rows are then scattered to their K slots (each read once), and
-only the rows no entry owns (padding) are zero-filled, not the whole output.
+(expert start + entries of that expert in earlier blocks + earlier entries in its block) and, with
+padding, writes the owner map row -> entry. Token rows are then scattered to their K slots (each
+tile read once, stored K times), and only the rows no entry owns (padding) are zero-filled.
+Eager calls go through torch.autograd.Functions that call the launchers directly; torch.compile sees
+the custom ops (one opaque node each), whose bodies are the same functions.
 
 Expert ids outside [0, E) are checked only for CPU tensors in eager mode: on CUDA the check would
 cost a host sync per call, so there they are the caller's contract (a router's top-k cannot produce
@@ -28,25 +30,25 @@ INDEX_BLOCK = 128  # routed entries per index-building program; the in-block ran
 
 
 @triton.jit
-def _histogram_kernel(ids_ptr, hist_BE_ptr, TK, E, BLOCK: tl.constexpr, BINS: tl.constexpr):
+def _histogram_kernel(ids_ptr, hist_EB_ptr, TK, E, NB, BLOCK: tl.constexpr, BINS: tl.constexpr):
     b = tl.program_id(0)
     offs = b * BLOCK + tl.arange(0, BLOCK)
     # Entries past the end land in bin E, which is never stored (BINS > E).
     ids = tl.load(ids_ptr + offs, mask=offs < TK, other=E).to(tl.int32)
     hist = tl.histogram(ids, BINS)
     bins = tl.arange(0, BINS)
-    tl.store(hist_BE_ptr + b * E + bins, hist, mask=bins < E)
+    tl.store(hist_EB_ptr + bins * NB + b, hist, mask=bins < E)
 
 
 @triton.jit
 def _slots_kernel(
-    ids_ptr, hist_BE_ptr, cum_BE_ptr, slots_ptr, inv_ptr, ends_ptr, TK, E, NB, align,
+    ids_ptr, hist_EB_ptr, cum_EB_ptr, slots_ptr, inv_ptr, ends_ptr, TK, E, NB, align,
     BLOCK: tl.constexpr, E_P2: tl.constexpr, HAS_OWNER: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     experts = tl.arange(0, E_P2)
     # Per-expert totals are the last row of the inclusive cumulative histogram.
-    counts = tl.load(cum_BE_ptr + (NB - 1) * E + experts, mask=experts < E, other=0)
+    counts = tl.load(cum_EB_ptr + experts * NB + NB - 1, mask=experts < E, other=0)
     padded = (counts + align - 1) // align * align
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
@@ -58,8 +60,8 @@ def _slots_kernel(
     ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
     start = tl.sum(tl.where(ids[:, None] == experts[None, :], starts[None, :], 0), axis=1)
     # Entries of the same expert in earlier blocks: exclusive cumulative histogram.
-    before = tl.load(cum_BE_ptr + b * E + ids, mask=valid, other=0) - tl.load(
-        hist_BE_ptr + b * E + ids, mask=valid, other=0
+    before = tl.load(cum_EB_ptr + ids * NB + b, mask=valid, other=0) - tl.load(
+        hist_EB_ptr + ids * NB + b, mask=valid, other=0
     )
     j = tl.arange(0, BLOCK)
     earlier = (ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None]) & valid[None, :]
@@ -229,11 +231,15 @@ def _permute_forward(
         torch.empty(E, dtype=torch.int32, device=dev) if TK else torch.zeros(E, dtype=torch.int32, device=dev)
     )
     if TK:
-        hist_BE = torch.empty(nb, E, dtype=torch.int32, device=dev)
-        _histogram_kernel[(nb,)](ids, hist_BE, TK, E, BLOCK=INDEX_BLOCK, BINS=triton.next_power_of_2(E + 1))
-        cum_BE = torch.cumsum(hist_BE, 0, dtype=torch.int32)
+        # Expert-major histograms: the cumulative sum over blocks then runs along the contiguous
+        # dimension (torch's scan over an outer dimension is one sequential loop per column).
+        hist_EB = torch.empty(E, nb, dtype=torch.int32, device=dev)
+        _histogram_kernel[(nb,)](
+            ids, hist_EB, TK, E, nb, BLOCK=INDEX_BLOCK, BINS=triton.next_power_of_2(E + 1)
+        )
+        cum_EB = torch.cumsum(hist_EB, 1, dtype=torch.int32)
         _slots_kernel[(nb,)](
-            ids, hist_BE, cum_BE, slots, inv if inv is not None else slots, ends, TK, E, nb, align,
+            ids, hist_EB, cum_EB, slots, inv if inv is not None else slots, ends, TK, E, nb, align,
             BLOCK=INDEX_BLOCK, E_P2=triton.next_power_of_2(E), HAS_OWNER=inv is not None,
             num_warps=8,  # [128, E] temporaries
         )  # fmt: skip
