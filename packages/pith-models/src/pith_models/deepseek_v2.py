@@ -30,7 +30,6 @@ N nope dims, P rope dims, R = P/2 rotary pairs, A v head dim, L kv_lora_rank, E 
 those this module holds), G expert groups, F expert width, K top-k, V vocabulary.
 """
 
-import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import ClassVar
 
@@ -38,7 +37,20 @@ import pith_ops
 import torch
 import torch.nn.functional as F
 from pith_engine.attention import attention, attention_reference
-from pith_engine.contract import Positions, Routing, Stage1Out, default_position_ids
+from pith_engine.contract import Positions, Routing, Stage1Out
+from pith_engine.layers import (
+    MLP,
+    DecoderModel,
+    Experts,
+    RMSNorm,
+    combine,
+    from_hf_swiglu_state_dict,
+    init_normal,
+    rope_inv_freq,
+    rotary_positions,
+    to_hf_swiglu_state_dict,
+    yarn_mscale,
+)
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -67,7 +79,7 @@ class Config:
     hidden_size: int  # D
     intermediate_size: int  # width of the dense SwiGLU layers
     moe_intermediate_size: int  # F, width of one routed (and of one shared) expert
-    num_hidden_layers: int
+    num_hidden_layers: int  # decoder layers
     num_attention_heads: int  # H
     q_lora_rank: int | None  # rank of the query LoRA; None: a plain q_proj (V2-Lite)
     kv_lora_rank: int  # L, width of the compressed key/value latent
@@ -199,36 +211,17 @@ def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
     return theta, Yarn(**{k: v for k, v in rope.items() if v is not None})
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def rope_frequencies(cfg: Config, device: torch.device) -> tuple[Tensor, float]:
     """-> (inverse frequencies [R] fp64, factor multiplying cos and sin), YaRN applied when set."""
-    P, y = cfg.qk_rope_head_dim, cfg.yarn
-    inv_freq_R = cfg.rope_theta ** (-torch.arange(0, P, 2, device=device, dtype=torch.float64) / P)
+    y = cfg.yarn
+    inv_freq_R = rope_inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim, device, y)
     if y is None:
         return inv_freq_R, 1.0
-
-    def dim_of(rotations: float) -> float:  # the (fractional) dim completing `rotations` turns in context
-        wavelengths = y.original_max_position_embeddings / (rotations * 2 * math.pi)
-        return P * math.log(wavelengths) / (2 * math.log(cfg.rope_theta))
-
-    low, high = dim_of(y.beta_fast), dim_of(y.beta_slow)
-    if y.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, P - 1)
-    high = high + 0.001 if low == high else high
-    ramp_R = ((torch.arange(P // 2, device=device, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    # High-frequency dims (ramp 0) keep their frequency; low-frequency ones (ramp 1) are interpolated.
-    inv_freq_R = inv_freq_R * (1 - ramp_R) + inv_freq_R / y.factor * ramp_R
     if y.attention_factor is not None:
-        factor = y.attention_factor
-    elif y.mscale and y.mscale_all_dim:
-        factor = yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
-    else:
-        factor = yarn_mscale(y.factor)
-    return inv_freq_R, factor
+        return inv_freq_R, y.attention_factor
+    if y.mscale and y.mscale_all_dim:
+        return inv_freq_R, yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
+    return inv_freq_R, yarn_mscale(y.factor)
 
 
 def softmax_scale(cfg: Config) -> float:
@@ -236,17 +229,6 @@ def softmax_scale(cfg: Config) -> float:
     if cfg.yarn is not None and cfg.yarn.mscale_all_dim:
         scale *= yarn_mscale(cfg.yarn.factor, cfg.yarn.mscale_all_dim) ** 2
     return scale
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
-        norm = pith_ops.rms_norm_reference if reference else pith_ops.rms_norm
-        return norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -294,32 +276,6 @@ class Attention(nn.Module):
         return self.o_proj(o_BSHA.reshape(B, S, H * A))
 
 
-class MLP(nn.Module):
-    """Dense SwiGLU; gate and up projections fused into one GEMM (gate | up halves)."""
-
-    def __init__(self, D: int, F: int):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(D, 2 * F, bias=False)
-        self.down_proj = nn.Linear(F, D, bias=False)
-
-    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
-        swiglu = pith_ops.swiglu_reference if reference else pith_ops.swiglu
-        return self.down_proj(swiglu(self.gate_up_proj(x)))
-
-
-class Experts(nn.Module):
-    """The routed experts, stage 3; a module of their own so the engine can shard them apart."""
-
-    def __init__(self, E: int, D: int, F: int):
-        super().__init__()
-        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate | up halves
-        self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
-
-    def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
-        h_N2F = pith_ops.grouped_gemm(x_ND, self.w_gate_up, group_ends_E)
-        return pith_ops.grouped_gemm(pith_ops.swiglu(h_N2F), self.w_down, group_ends_E)
-
-
 class MoE(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
@@ -351,15 +307,9 @@ class MoE(nn.Module):
 
     def reference(self, x_BSD: Tensor) -> Tensor:
         """Shared experts, routing, then each routed expert over its tokens in a loop (fp32 sum)."""
-        x_TD = x_BSD.flatten(0, 1)
-        r = self.route(x_TD)
-        out_TD = torch.zeros_like(x_TD, dtype=torch.float32)
-        w_gate_up, w_down = self.experts.w_gate_up, self.experts.w_down
-        for e in range(w_gate_up.shape[0]):
-            t, k = (r.expert_ids_TK == e).nonzero(as_tuple=True)
-            y = pith_ops.swiglu_reference(x_TD[t] @ w_gate_up[e]) @ w_down[e]
-            out_TD = out_TD.index_add(0, t, y.float() * r.weights_TK[t, k, None])
-        return self.shared_experts(x_BSD, True) + out_TD.to(x_BSD.dtype).view_as(x_BSD)
+        r = self.route(x_BSD.flatten(0, 1))
+        routed_TD = self.experts.reference(r.x_TD, r.expert_ids_TK, r.weights_TK)
+        return self.shared_experts(x_BSD, True) + routed_TD.view_as(x_BSD)
 
 
 class Layer(nn.Module):
@@ -385,7 +335,7 @@ class Layer(nn.Module):
         return self.mlp.experts(x_ND, group_ends_E)
 
     def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
-        return h_BSD + pith_ops.moe_unpermute(y_ND, slots_TK, weights_TK).view_as(h_BSD)
+        return combine(h_BSD, y_ND, slots_TK, weights_TK)
 
     def reference_forward(self, h_BSD: Tensor, pos: Positions) -> Tensor:
         h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD, True), pos, True)
@@ -394,103 +344,29 @@ class Layer(nn.Module):
         return h_BSD + mlp_BSD
 
 
-class Model(nn.Module):
+class Model(DecoderModel):
     def __init__(self, cfg: Config):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def prologue(self, input_ids_BS: Tensor) -> Tensor:
-        return self.embed_tokens(input_ids_BS)
+        super().__init__(cfg, [Layer(cfg, i) for i in range(cfg.num_hidden_layers)])
 
     def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions:
-        # Angles in fp64: fp32 position * frequency loses ~1e-3 rad at positions near 32K.
         inv_freq_R, factor = rope_frequencies(self.cfg, position_ids_BS.device)
-        angle_BSR = position_ids_BS.double()[..., None] * inv_freq_R
-        cos_BSR, sin_BSR = (angle_BSR.cos() * factor).float(), (angle_BSR.sin() * factor).float()
-        return Positions(position_ids_BS, cos_BSR, sin_BSR, cp_group)
-
-    def epilogue(self, h_BSD: Tensor) -> Tensor:
-        return self.norm(h_BSD)
-
-    def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
-        pos = self.positions(default_position_ids(input_ids_BS))
-        h_BSD = self.embed_tokens(input_ids_BS)
-        for layer in self.layers:
-            h_BSD = layer.reference_forward(h_BSD, pos)
-        return self.lm_head(self.norm(h_BSD, True))
+        return rotary_positions(position_ids_BS, inv_freq_R, cp_group, factor)
 
 
-@torch.no_grad()
 def init_weights(model: Model, seed: int) -> None:
     """Norm weights 1, expert_bias 0, every other weight N(0, initializer_range), reproducible from seed."""
-    std = model.cfg.initializer_range
-    device = model.lm_head.weight.device
-    if device.type == "meta":
-        raise ValueError("the model is on the meta device: materialise it (model.to_empty(device=...)) first")
-    generator = torch.Generator(device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, std, generator=generator)
-    for layer in model.layers:
-        if isinstance(layer.mlp, MoE):
-            layer.mlp.expert_bias.zero_()
+    init_normal(model, seed, model.cfg.initializer_range)
 
 
 def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
     """Hugging Face names/layouts (per-expert [out, in] weights, separate gate and up) -> ours."""
-    out = {k.removeprefix("model."): v for k, v in sd.items() if ".experts." not in k}
-    for i in range(cfg.num_hidden_layers):
-        hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.mlp."
-        dense = "" if not cfg.is_moe(i) else "shared_experts."
-        gate, up = out.pop(f"{ours}{dense}gate_proj.weight"), out.pop(f"{ours}{dense}up_proj.weight")
-        out[f"{ours}{dense}gate_up_proj.weight"] = torch.cat((gate, up))
-        if not cfg.is_moe(i):
-            continue
-        experts = [f"{hf}experts.{e}." for e in range(cfg.n_routed_experts)]
-        out[ours + "experts.w_gate_up"] = torch.stack(
-            [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in experts]
-        )
-        out[ours + "experts.w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in experts])
-        out[ours + "expert_bias"] = torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
-    if cfg.tie_word_embeddings:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    return out
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
+    return from_hf_swiglu_state_dict(sd, moe_layers, cfg.n_routed_experts, cfg.tie_word_embeddings)
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
     """Ours -> Hugging Face. A nonzero expert_bias is an error: DeepSeek-V2 has no selection bias."""
-    out = {}
-    F_ = cfg.moe_intermediate_size
-    for k, v in sd.items():
-        prefix = k.rpartition(".")[0] + "."
-        if k.endswith("expert_bias"):
-            if not v.is_meta and bool(v.any()):
-                raise ValueError(f"{k} is nonzero: HF DeepSeek-V2 has no routing bias to export it to")
-        elif k.endswith("mlp.experts.w_gate_up"):
-            for e in range(v.shape[0]):
-                out[f"model.{prefix}{e}.gate_proj.weight"] = v[e, :, :F_].T
-                out[f"model.{prefix}{e}.up_proj.weight"] = v[e, :, F_:].T
-        elif k.endswith("mlp.experts.w_down"):
-            for e in range(v.shape[0]):
-                out[f"model.{prefix}{e}.down_proj.weight"] = v[e].T
-        elif k.endswith("gate_up_proj.weight"):
-            gate, up = v.chunk(2)
-            out[f"model.{prefix.removesuffix('gate_up_proj.')}gate_proj.weight"] = gate
-            out[f"model.{prefix.removesuffix('gate_up_proj.')}up_proj.weight"] = up
-        elif k == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out[k] = v
-        else:
-            out["model." + k] = v
-    return out
+    return to_hf_swiglu_state_dict(sd, cfg.tie_word_embeddings, "DeepSeek-V2")
 
 
 # For tests (and the trainer: vocab 260 fits its byte tokenizer): a dense layer then two MoE layers;

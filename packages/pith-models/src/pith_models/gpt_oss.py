@@ -22,7 +22,6 @@ Dh head dim, R = Dh/2 rotary pairs, E experts (E_held: those this module holds),
 K top-k, N rows grouped by expert, V vocabulary.
 """
 
-import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import ClassVar
 
@@ -30,7 +29,17 @@ import pith_ops
 import torch
 import torch.nn.functional as F
 from pith_engine.attention import attention, attention_reference
-from pith_engine.contract import Positions, Routing, Stage1Out, default_position_ids
+from pith_engine.contract import Positions, Routing, Stage1Out
+from pith_engine.layers import (
+    DecoderModel,
+    RMSNorm,
+    combine,
+    init_normal,
+    rope_inv_freq,
+    rotary_positions,
+    routed_reference,
+    yarn_mscale,
+)
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -55,7 +64,7 @@ class Config:
     vocab_size: int  # V
     hidden_size: int  # D
     intermediate_size: int  # F, width of one expert
-    num_hidden_layers: int
+    num_hidden_layers: int  # decoder layers
     num_attention_heads: int  # H
     num_key_value_heads: int  # G; H must be a multiple of G
     head_dim: int  # Dh (even)
@@ -63,7 +72,7 @@ class Config:
     num_experts_per_tok: int  # K
     sliding_window: int  # keys visible to a query of a sliding layer: pos_q - pos_k < sliding_window
     layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention"; () alternates
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 150_000.0  # RoPE base
     yarn: Yarn | None = Yarn()  # YaRN rope scaling; None: plain RoPE
     swiglu_alpha: float = 1.702  # sigmoid gain of the clamped SwiGLU
@@ -178,35 +187,8 @@ def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
 
 def rope_frequencies(cfg: Config, device: torch.device) -> tuple[Tensor, float]:
     """-> (inverse frequencies [R] fp64, factor multiplying cos and sin), YaRN applied when set."""
-    Dh, y = cfg.head_dim, cfg.yarn
-    inv_freq_R = cfg.rope_theta ** (-torch.arange(0, Dh, 2, device=device, dtype=torch.float64) / Dh)
-    if y is None:
-        return inv_freq_R, 1.0
-
-    def dim_of(rotations: float) -> float:  # the (fractional) dim completing `rotations` turns in context
-        wavelengths = y.original_max_position_embeddings / (rotations * 2 * math.pi)
-        return Dh * math.log(wavelengths) / (2 * math.log(cfg.rope_theta))
-
-    low, high = dim_of(y.beta_fast), dim_of(y.beta_slow)
-    if y.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, Dh - 1)
-    high = high + 0.001 if low == high else high
-    ramp_R = ((torch.arange(Dh // 2, device=device, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    # High-frequency dims (ramp 0) keep their frequency; low-frequency ones (ramp 1) are interpolated.
-    inv_freq_R = inv_freq_R * (1 - ramp_R) + inv_freq_R / y.factor * ramp_R
-    return inv_freq_R, (0.1 * math.log(y.factor) + 1.0 if y.factor > 1 else 1.0)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
-        norm = pith_ops.rms_norm_reference if reference else pith_ops.rms_norm
-        return norm(x, self.weight, self.eps)
+    inv_freq_R = rope_inv_freq(cfg.rope_theta, cfg.head_dim, device, cfg.yarn)
+    return inv_freq_R, (1.0 if cfg.yarn is None else yarn_mscale(cfg.yarn.factor))
 
 
 class Attention(nn.Module):
@@ -257,14 +239,11 @@ class Experts(nn.Module):
         return pith_ops.grouped_gemm(h_NF, self.w_down, group_ends_E) + self.b_down[expert_N]
 
     def reference(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
-        """Each expert over its tokens in a loop, weighted sum in fp32: stages 2 to 5 unstaged."""
-        out_TD = torch.zeros_like(x_TD, dtype=torch.float32)
-        for e in range(self.w_gate_up.shape[0]):
-            t, k = (expert_ids_TK == e).nonzero(as_tuple=True)
-            h = x_TD[t] @ self.w_gate_up[e] + self.b_gate_up[e]
-            y = pith_ops.swiglu_oss_reference(h, self.alpha, self.limit) @ self.w_down[e] + self.b_down[e]
-            out_TD = out_TD.index_add(0, t, y.float() * weights_TK[t, k, None])
-        return out_TD.to(x_TD.dtype)
+        def expert(e: int, x: Tensor) -> Tensor:
+            h = x @ self.w_gate_up[e] + self.b_gate_up[e]
+            return pith_ops.swiglu_oss_reference(h, self.alpha, self.limit) @ self.w_down[e] + self.b_down[e]
+
+        return routed_reference(x_TD, expert_ids_TK, weights_TK, self.w_gate_up.shape[0], expert)
 
 
 class MoE(nn.Module):
@@ -308,63 +287,26 @@ class Layer(nn.Module):
         return self.mlp.experts(x_ND, group_ends_E)
 
     def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
-        return h_BSD + pith_ops.moe_unpermute(y_ND, slots_TK, weights_TK).view_as(h_BSD)
+        return combine(h_BSD, y_ND, slots_TK, weights_TK)
 
     def reference_forward(self, h_BSD: Tensor, pos: Positions) -> Tensor:
         h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD, True), pos, True)
         return h_BSD + self.mlp.reference(self.post_attention_layernorm(h_BSD, True))
 
 
-class Model(nn.Module):
+class Model(DecoderModel):
     def __init__(self, cfg: Config):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def prologue(self, input_ids_BS: Tensor) -> Tensor:
-        return self.embed_tokens(input_ids_BS)
+        super().__init__(cfg, [Layer(cfg, i) for i in range(cfg.num_hidden_layers)])
 
     def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions:
-        # Angles in fp64: fp32 position * frequency loses ~1e-3 rad at positions near 32K.
         inv_freq_R, factor = rope_frequencies(self.cfg, position_ids_BS.device)
-        angle_BSR = position_ids_BS.double()[..., None] * inv_freq_R
-        cos_BSR, sin_BSR = (angle_BSR.cos() * factor).float(), (angle_BSR.sin() * factor).float()
-        return Positions(position_ids_BS, cos_BSR, sin_BSR, cp_group)
-
-    def epilogue(self, h_BSD: Tensor) -> Tensor:
-        return self.norm(h_BSD)
-
-    def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
-        pos = self.positions(default_position_ids(input_ids_BS))
-        h_BSD = self.embed_tokens(input_ids_BS)
-        for layer in self.layers:
-            h_BSD = layer.reference_forward(h_BSD, pos)
-        return self.lm_head(self.norm(h_BSD, True))
+        return rotary_positions(position_ids_BS, inv_freq_R, cp_group, factor)
 
 
-@torch.no_grad()
 def init_weights(model: Model, seed: int) -> None:
     """Norm weights 1, biases and expert_bias 0, every other weight (sinks included) N(0,
     initializer_range), reproducible from seed."""
-    std = model.cfg.initializer_range
-    device = model.lm_head.weight.device
-    if device.type == "meta":
-        raise ValueError("the model is on the meta device: materialise it (model.to_empty(device=...)) first")
-    generator = torch.Generator(device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name.endswith(("bias", "b_gate_up", "b_down")):
-            p.zero_()
-        else:
-            p.normal_(0.0, std, generator=generator)
-    for layer in model.layers:
-        layer.mlp.expert_bias.zero_()
+    init_normal(model, seed, model.cfg.initializer_range, zero=("bias", "b_gate_up", "b_down"))
 
 
 # Our expert tensor names <-> transformers' (same layouts: [E, in, out], gate/up interleaved).

@@ -24,7 +24,19 @@ import pith_ops
 import torch
 import torch.nn.functional as F
 from pith_engine.attention import attention, attention_reference
-from pith_engine.contract import Positions, Routing, Stage1Out, default_position_ids
+from pith_engine.contract import Positions, Routing, Stage1Out
+from pith_engine.layers import (
+    MLP,
+    DecoderModel,
+    Experts,
+    RMSNorm,
+    combine,
+    from_hf_swiglu_state_dict,
+    init_normal,
+    rope_inv_freq,
+    rotary_positions,
+    to_hf_swiglu_state_dict,
+)
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -37,7 +49,7 @@ class Config:
     hidden_size: int  # D
     intermediate_size: int  # width of the dense SwiGLU layers
     moe_intermediate_size: int  # F, width of one expert
-    num_hidden_layers: int
+    num_hidden_layers: int  # decoder layers
     num_attention_heads: int  # H
     num_key_value_heads: int  # G; H must be a multiple of G
     head_dim: int  # Dh (even)
@@ -47,7 +59,7 @@ class Config:
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     rope_theta: float = 1_000_000.0  # RoPE base
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
     tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight
     max_position_embeddings: int = 40960  # context the checkpoint was trained for (no effect on the math)
     initializer_range: float = 0.02  # std of init_weights' normal draws
@@ -136,17 +148,6 @@ _IGNORED = (
 )  # fmt: skip
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
-        norm = pith_ops.rms_norm_reference if reference else pith_ops.rms_norm
-        return norm(x, self.weight, self.eps)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
@@ -176,32 +177,6 @@ class Attention(nn.Module):
         return self.o_proj(o_BSHD.reshape(B, S, self.H * self.Dh))
 
 
-class MLP(nn.Module):
-    """Dense SwiGLU; gate and up projections fused into one GEMM (gate | up halves)."""
-
-    def __init__(self, D: int, F: int):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(D, 2 * F, bias=False)
-        self.down_proj = nn.Linear(F, D, bias=False)
-
-    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
-        swiglu = pith_ops.swiglu_reference if reference else pith_ops.swiglu
-        return self.down_proj(swiglu(self.gate_up_proj(x)))
-
-
-class Experts(nn.Module):
-    """The routed experts, stage 3; a module of their own so the engine can shard them apart."""
-
-    def __init__(self, E: int, D: int, F: int):
-        super().__init__()
-        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate | up halves
-        self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
-
-    def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
-        h_N2F = pith_ops.grouped_gemm(x_ND, self.w_gate_up, group_ends_E)
-        return pith_ops.grouped_gemm(pith_ops.swiglu(h_N2F), self.w_down, group_ends_E)
-
-
 class MoE(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
@@ -222,16 +197,8 @@ class MoE(nn.Module):
         return Routing(x_TD, expert_ids_TK, weights_TK, probs_TE, logits_TE)
 
     def reference(self, x_BSD: Tensor) -> Tensor:
-        """Routing, then each expert over its tokens in a loop, weighted sum in fp32."""
-        x_TD = x_BSD.flatten(0, 1)
-        r = self.route(x_TD)
-        out_TD = torch.zeros_like(x_TD, dtype=torch.float32)
-        w_gate_up, w_down = self.experts.w_gate_up, self.experts.w_down
-        for e in range(w_gate_up.shape[0]):
-            t, k = (r.expert_ids_TK == e).nonzero(as_tuple=True)
-            y = pith_ops.swiglu_reference(x_TD[t] @ w_gate_up[e]) @ w_down[e]
-            out_TD = out_TD.index_add(0, t, y.float() * r.weights_TK[t, k, None])
-        return out_TD.to(x_BSD.dtype).view_as(x_BSD)
+        r = self.route(x_BSD.flatten(0, 1))
+        return self.experts.reference(r.x_TD, r.expert_ids_TK, r.weights_TK).view_as(x_BSD)
 
 
 class Layer(nn.Module):
@@ -257,7 +224,7 @@ class Layer(nn.Module):
         return self.mlp.experts(x_ND, group_ends_E)
 
     def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
-        return h_BSD + pith_ops.moe_unpermute(y_ND, slots_TK, weights_TK).view_as(h_BSD)
+        return combine(h_BSD, y_ND, slots_TK, weights_TK)
 
     def reference_forward(self, h_BSD: Tensor, pos: Positions) -> Tensor:
         h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD, True), pos, True)
@@ -266,107 +233,29 @@ class Layer(nn.Module):
         return h_BSD + mlp_BSD
 
 
-class Model(nn.Module):
+class Model(DecoderModel):
     def __init__(self, cfg: Config):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def prologue(self, input_ids_BS: Tensor) -> Tensor:
-        return self.embed_tokens(input_ids_BS)
+        super().__init__(cfg, [Layer(cfg, i) for i in range(cfg.num_hidden_layers)])
 
     def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions:
-        # Angles in fp64: fp32 position * frequency loses ~1e-3 rad at positions near 32K.
-        Dh = self.cfg.head_dim
-        dev = position_ids_BS.device
-        inv_freq_R = self.cfg.rope_theta ** (-torch.arange(0, Dh, 2, device=dev, dtype=torch.float64) / Dh)
-        angle_BSR = position_ids_BS.double()[..., None] * inv_freq_R
-        return Positions(position_ids_BS, angle_BSR.cos().float(), angle_BSR.sin().float(), cp_group)
-
-    def epilogue(self, h_BSD: Tensor) -> Tensor:
-        return self.norm(h_BSD)
-
-    def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
-        pos = self.positions(default_position_ids(input_ids_BS))
-        h_BSD = self.embed_tokens(input_ids_BS)
-        for layer in self.layers:
-            h_BSD = layer.reference_forward(h_BSD, pos)
-        return self.lm_head(self.norm(h_BSD, True))
+        inv_freq_R = rope_inv_freq(self.cfg.rope_theta, self.cfg.head_dim, position_ids_BS.device)
+        return rotary_positions(position_ids_BS, inv_freq_R, cp_group)
 
 
-@torch.no_grad()
 def init_weights(model: Model, seed: int) -> None:
     """Norm weights 1, expert_bias 0, every other weight N(0, initializer_range), reproducible from seed."""
-    std = model.cfg.initializer_range
-    device = model.lm_head.weight.device
-    if device.type == "meta":
-        raise ValueError("the model is on the meta device: materialise it (model.to_empty(device=...)) first")
-    generator = torch.Generator(device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, std, generator=generator)
-    for layer in model.layers:
-        if isinstance(layer.mlp, MoE):
-            layer.mlp.expert_bias.zero_()
+    init_normal(model, seed, model.cfg.initializer_range)
 
 
 def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
     """Hugging Face names/layouts (per-expert [out, in] weights) -> ours (stacked [E, in, out])."""
-    out = {}
-    for k, v in sd.items():
-        name = k.removeprefix("model.")
-        if ".experts." not in name and not name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
-            out[name] = v
-    for i in range(cfg.num_hidden_layers):
-        hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.mlp."
-        if not cfg.is_moe(i):
-            gate, up = sd[hf + "gate_proj.weight"], sd[hf + "up_proj.weight"]
-            out[ours + "gate_up_proj.weight"] = torch.cat((gate, up))
-            continue
-        experts = [f"{hf}experts.{e}." for e in range(cfg.num_experts)]
-        out[ours + "experts.w_gate_up"] = torch.stack(
-            [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in experts]
-        )
-        out[ours + "experts.w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in experts])
-        out[ours + "expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32)
-    if cfg.tie_word_embeddings:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    return out
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
+    return from_hf_swiglu_state_dict(sd, moe_layers, cfg.num_experts, cfg.tie_word_embeddings)
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
     """Ours -> Hugging Face. A nonzero expert_bias is an error: HF Qwen3-MoE has no selection bias."""
-    out = {}
-    F_ = cfg.moe_intermediate_size
-    for k, v in sd.items():
-        prefix = k.rpartition(".")[0] + "."
-        if k.endswith("expert_bias"):
-            if not v.is_meta and bool(v.any()):
-                raise ValueError(f"{k} is nonzero: HF Qwen3-MoE has no routing bias to export it to")
-        elif k.endswith("mlp.experts.w_gate_up"):
-            for e in range(v.shape[0]):
-                out[f"model.{prefix}{e}.gate_proj.weight"] = v[e, :, :F_].T
-                out[f"model.{prefix}{e}.up_proj.weight"] = v[e, :, F_:].T
-        elif k.endswith("mlp.experts.w_down"):
-            for e in range(v.shape[0]):
-                out[f"model.{prefix}{e}.down_proj.weight"] = v[e].T
-        elif k.endswith("mlp.gate_up_proj.weight"):
-            gate, up = v.chunk(2)
-            out[f"model.{prefix.removesuffix('gate_up_proj.')}gate_proj.weight"] = gate
-            out[f"model.{prefix.removesuffix('gate_up_proj.')}up_proj.weight"] = up
-        elif k == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out[k] = v
-        else:
-            out["model." + k] = v
-    return out
+    return to_hf_swiglu_state_dict(sd, cfg.tie_word_embeddings, "Qwen3-MoE")
 
 
 # For tests: a dense layer (mlp_only_layers), then a MoE layer; tests also vary decoder_sparse_step.

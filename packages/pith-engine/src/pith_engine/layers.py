@@ -1,0 +1,238 @@
+"""Building blocks that several model files share, so each model file keeps only its own math.
+
+What is here is the same in every model that uses it: RMSNorm, the dense SwiGLU MLP, the routed
+SwiGLU experts (stage 3) and stage 5's weighted combine, the reference loop over experts, RoPE
+tables (plain and YaRN), the embedding / final-norm / lm_head frame of a model, the seeded
+normal initialiser, and the Hugging Face layout conversion of the SwiGLU MLP and experts.
+Parameter names are the checkpoints' and the engine's (`mlp.experts.w_gate_up`, `expert_bias`):
+renaming one here renames it in every model.
+
+Shape legend: B batch, S sequence, T = B*S tokens, D hidden, F (expert) MLP width, E experts
+(those a module holds), K top-k, N rows grouped by expert, R rotary pairs, V vocabulary.
+"""
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import pith_ops
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from pith_engine.contract import Positions, default_position_ids
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
+        norm = pith_ops.rms_norm_reference if reference else pith_ops.rms_norm
+        return norm(x, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU; gate and up projections fused into one GEMM (gate | up halves)."""
+
+    def __init__(self, D: int, F: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(D, 2 * F, bias=False)
+        self.down_proj = nn.Linear(F, D, bias=False)
+
+    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
+        swiglu = pith_ops.swiglu_reference if reference else pith_ops.swiglu
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+
+class Experts(nn.Module):
+    """The routed SwiGLU experts, stage 3; a module of their own so the engine can shard them apart."""
+
+    def __init__(self, E: int, D: int, F: int):
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate | up halves
+        self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
+
+    def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
+        # Weights in the rows' dtype: bf16 rows under autocast meet fp32 master weights (a no-op otherwise).
+        w_gate_up, w_down = self.w_gate_up.to(x_ND.dtype), self.w_down.to(x_ND.dtype)
+        h_N2F = pith_ops.grouped_gemm(x_ND, w_gate_up, group_ends_E)
+        return pith_ops.grouped_gemm(pith_ops.swiglu(h_N2F), w_down, group_ends_E)
+
+    def reference(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        w_gate_up, w_down = self.w_gate_up, self.w_down
+        expert = lambda e, x: pith_ops.swiglu_reference(x @ w_gate_up[e]) @ w_down[e]
+        return routed_reference(x_TD, expert_ids_TK, weights_TK, w_gate_up.shape[0], expert)
+
+
+def routed_reference(
+    x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, E: int, expert: Callable[[int, Tensor], Tensor]
+) -> Tensor:
+    """Stages 2 to 5 unstaged: expert(e, rows) over each expert's tokens in a loop, weighted sum in fp32."""
+    out_TD = torch.zeros_like(x_TD, dtype=torch.float32)
+    for e in range(E):
+        t, k = (expert_ids_TK == e).nonzero(as_tuple=True)
+        out_TD = out_TD.index_add(0, t, expert(e, x_TD[t]).float() * weights_TK[t, k, None])
+    return out_TD.to(x_TD.dtype)
+
+
+def combine(h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
+    """Stage 5: h + sum_k weights[t, k] * y[slots[t, k]] (a slot < 0 contributes nothing)."""
+    return h_BSD + pith_ops.moe_unpermute(y_ND, slots_TK, weights_TK).view_as(h_BSD)
+
+
+class YarnParams(Protocol):
+    """The YaRN fields the frequency blend reads (each model's Yarn config has them)."""
+
+    factor: float  # context extension factor
+    original_max_position_embeddings: int  # pretraining context length
+    beta_fast: float  # rotations bounding the extrapolated (high-frequency) band
+    beta_slow: float  # rotations bounding the interpolated (low-frequency) band
+    truncate: bool  # round the blend range to whole dims
+
+
+def rope_inv_freq(theta: float, dim: int, device: torch.device, yarn: YarnParams | None = None) -> Tensor:
+    """Inverse frequencies [R = dim/2] in fp64 of RoPE with base theta over `dim` rotary dims, with
+    YaRN's blend of the original and the interpolated (divided by factor) frequencies when given."""
+    inv_freq_R = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim)
+    if yarn is None:
+        return inv_freq_R
+
+    def dim_of(rotations: float) -> float:  # the (fractional) dim completing `rotations` turns in context
+        wavelengths = yarn.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(wavelengths) / (2 * math.log(theta))
+
+    low, high = dim_of(yarn.beta_fast), dim_of(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp_R = ((torch.arange(dim // 2, device=device, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    # High-frequency dims (ramp 0) keep their frequency; low-frequency ones (ramp 1) are interpolated.
+    return inv_freq_R * (1 - ramp_R) + inv_freq_R / yarn.factor * ramp_R
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor 0.1 * mscale * ln(factor) + 1 (1 without extension)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rotary_positions(
+    position_ids_BS: Tensor, inv_freq_R: Tensor, cp_group: ProcessGroup | None, scale: float = 1.0
+) -> Positions:
+    """The rotary cos/sin tables (times `scale`, YaRN's attention factor) for these positions."""
+    # Angles in fp64: fp32 position * frequency loses ~1e-3 rad at positions near 32K.
+    angle_BSR = position_ids_BS.double()[..., None] * inv_freq_R
+    cos_BSR, sin_BSR = (angle_BSR.cos() * scale).float(), (angle_BSR.sin() * scale).float()
+    return Positions(position_ids_BS, cos_BSR, sin_BSR, cp_group)
+
+
+class DecoderModel(nn.Module):
+    """The frame of a pith_engine.contract.MoEModel: embed_tokens, the decoder layers, the final
+    RMSNorm `norm` and lm_head (tied to the embedding when cfg.tie_word_embeddings). A model file
+    subclasses it, passing its layers, and defines `positions` (its rotary tables), which
+    reference_forward calls."""
+
+    def __init__(self, cfg, layers: Iterable[nn.Module]):  # cfg: the model's Config
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def prologue(self, input_ids_BS: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids_BS)
+
+    def epilogue(self, h_BSD: Tensor) -> Tensor:
+        return self.norm(h_BSD)
+
+    def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
+        pos = self.positions(default_position_ids(input_ids_BS))
+        h_BSD = self.embed_tokens(input_ids_BS)
+        for layer in self.layers:
+            h_BSD = layer.reference_forward(h_BSD, pos)
+        return self.lm_head(self.norm(h_BSD, True))
+
+
+@torch.no_grad()
+def init_normal(model: nn.Module, seed: int, std: float, zero: tuple[str, ...] = ()) -> None:
+    """Norm weights 1, parameters named ending in one of `zero` 0, expert_bias buffers 0, every other
+    parameter N(0, std) drawn in parameter order from a generator seeded with `seed`."""
+    device = model.lm_head.weight.device
+    if device.type == "meta":
+        raise ValueError("the model is on the meta device: materialise it (model.to_empty(device=...)) first")
+    generator = torch.Generator(device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(zero):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=generator)
+    for name, b in model.named_buffers():
+        if name.endswith("expert_bias"):
+            b.zero_()
+
+
+def from_hf_swiglu_state_dict(
+    sd: dict[str, Tensor], moe_layers: Iterable[int], E: int, tie_word_embeddings: bool
+) -> dict[str, Tensor]:
+    """Hugging Face names and layouts -> ours for a model whose MLPs are MLP and Experts: every
+    gate_proj / up_proj pair [F, D] fuses into gate_up_proj [2F, D]; the per-expert [out, in]
+    weights of layers.{i}.mlp.experts.{e} stack into w_gate_up [E, D, 2F] and w_down [E, F, D];
+    each MoE layer gets a zero expert_bias. Assumes a complete input (hf.py checks it first)."""
+    out = {}
+    for k, v in sd.items():
+        name = k.removeprefix("model.")
+        if ".experts." in name or name.endswith(".up_proj.weight"):
+            continue
+        if name.endswith(".gate_proj.weight"):
+            up = sd[k.replace(".gate_proj.", ".up_proj.")]
+            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat((v, up))
+        else:
+            out[name] = v
+    for i in moe_layers:
+        hf, ours = f"model.layers.{i}.mlp.experts.", f"layers.{i}.mlp."
+        experts = [f"{hf}{e}." for e in range(E)]
+        out[ours + "experts.w_gate_up"] = torch.stack(
+            [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in experts]
+        )
+        out[ours + "experts.w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in experts])
+        out[ours + "expert_bias"] = torch.zeros(E, dtype=torch.float32)
+    if tie_word_embeddings:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def to_hf_swiglu_state_dict(sd: dict[str, Tensor], tie_word_embeddings: bool, hf_name: str) -> dict:
+    """The inverse of from_hf_swiglu_state_dict. A nonzero expert_bias is a ValueError: the Hugging
+    Face architecture (`hf_name`, for the message) has no selection-only bias to export it to."""
+    out = {}
+    for k, v in sd.items():
+        prefix = k.rpartition(".")[0] + "."
+        if k.endswith("expert_bias"):
+            if not v.is_meta and bool(v.any()):
+                raise ValueError(f"{k} is nonzero: HF {hf_name} has no routing bias to export it to")
+        elif k.endswith("mlp.experts.w_gate_up"):
+            for e in range(v.shape[0]):
+                gate, up = v[e].chunk(2, dim=-1)
+                out[f"model.{prefix}{e}.gate_proj.weight"] = gate.T
+                out[f"model.{prefix}{e}.up_proj.weight"] = up.T
+        elif k.endswith("mlp.experts.w_down"):
+            for e in range(v.shape[0]):
+                out[f"model.{prefix}{e}.down_proj.weight"] = v[e].T
+        elif k.endswith("gate_up_proj.weight"):
+            gate, up = v.chunk(2)
+            out[f"model.{prefix.removesuffix('gate_up_proj.')}gate_proj.weight"] = gate
+            out[f"model.{prefix.removesuffix('gate_up_proj.')}up_proj.weight"] = up
+        elif k == "lm_head.weight":
+            if not tie_word_embeddings:
+                out[k] = v
+        else:
+            out["model." + k] = v
+    return out
