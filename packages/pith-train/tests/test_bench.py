@@ -73,3 +73,10 @@ def test_bad_settings_are_value_errors_before_any_compute():
         bench.run(tiny=True, grouped_gemm="cublas")
     with pytest.raises(ValueError, match="train.ac: expected none, selective or full, got 'some'"):
         bench.run(tiny=True, ac="some")
+
+
+def test_recompute_policies_train_exactly_like_no_recompute():
+    # The second step's loss depends on the first step's gradients: equal losses, equal updates.
+    runs = {ac: bench.run(tiny=True, steps=2, warmup=0, ac=ac, device="cpu")["losses"] for ac in bench.AC}
+    assert runs["selective"] == runs["none"] and runs["full"] == runs["none"]
+    assert runs["none"][1] != runs["none"][0]

@@ -45,6 +45,7 @@ WORKLOAD_SEQ_LEN, WORKLOAD_BATCH = 4096, 4
 # CI size: the 2-layer test model (a dense layer, then a MoE layer of 4 experts), 2 sequences of 32.
 TINY, TINY_SEQ_LEN, TINY_BATCH = qwen3_moe.TINY, 32, 2
 LR = 3e-4  # constant: no schedule in a benchmark
+AC = ("none", "selective", "full")  # train.Stages' recompute policies
 
 # Components of the profile breakdown. A kernel launched inside a range the trainer marks
 # (torch.autograd.profiler.record_function) belongs to that range's component; any other kernel goes

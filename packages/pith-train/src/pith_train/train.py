@@ -112,10 +112,12 @@ class Stages:
 
     class Layer:
         def __init__(self, layer: nn.Module, compiled, ac: str):
-            recompute = lambda fn: functools.partial(torch_checkpoint, fn, use_reentrant=False)
-            self.stage1 = recompute(compiled(layer.stage1)) if ac == "full" else compiled(layer.stage1)
+            # Checkpoint inside compile: torch.compile traces it and its partitioner does the recompute.
+            recompute = lambda fn: lambda *args: torch_checkpoint(fn, *args, use_reentrant=False)
+            full = recompute if ac == "full" else lambda fn: fn
+            self.stage1 = compiled(full(layer.stage1))
             self.stage3 = recompute(layer.stage3) if ac != "none" else layer.stage3
-            self.stage5 = recompute(compiled(layer.stage5)) if ac == "full" else compiled(layer.stage5)
+            self.stage5 = compiled(full(layer.stage5))
 
     def __init__(self, model: nn.Module, compile: bool = False, ac: str = "none", dtype=None):
         compiled = functools.partial(torch.compile, fullgraph=True) if compile else lambda fn: fn
