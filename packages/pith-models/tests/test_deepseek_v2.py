@@ -6,13 +6,11 @@ Shape legend: B batch, S sequence, T tokens, V vocabulary, E experts, K top-k, D
 import dataclasses
 
 import pith_models
-import pith_ops._common
 import pytest
 import torch
 from pith_engine.executor import LocalExperts, forward
 from pith_models import deepseek_v2
 from pith_models.deepseek_v2 import Yarn
-from pith_ops import linear_cross_entropy
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
@@ -23,21 +21,13 @@ NORM_TOPK = dataclasses.replace(PLAIN, norm_topk_prob=True, yarn=None)
 FREQ2 = dataclasses.replace(CFG, num_hidden_layers=4, moe_layer_freq=2)  # dense, dense, MoE, dense
 
 
-@pytest.fixture(autouse=True)
-def ops_take_their_torch_path(monkeypatch):
-    """The Triton interpreter would take minutes here; pith-ops tests its kernels, and the gpu test
-    below runs this model through them."""
-    monkeypatch.setattr(pith_ops._common, "INTERPRET", False)
+pytestmark = pytest.mark.usefixtures("ops_take_their_torch_path")  # see conftest.py
 
 
 def make(cfg, seed=0, S=10):
     model = pith_models.build(cfg, device="cpu", seed=seed)
     ids_BS = torch.randint(0, cfg.vocab_size, (2, S), generator=torch.Generator().manual_seed(seed))
     return model, ids_BS
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 STAGED_CASES = {  # (config, row alignment of the expert groups)
@@ -84,22 +74,8 @@ HF_CASES = {
 
 
 @pytest.mark.parametrize("cfg", HF_CASES.values(), ids=HF_CASES.keys())
-def test_logits_match_transformers_on_import_and_export(cfg, tmp_path):
-    hf = random_hf_model(cfg)
-    hf.save_pretrained(tmp_path / "hf")
-    model = pith_models.from_pretrained(tmp_path / "hf")
-    assert model.cfg == cfg
-    ids_BS = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        hf_BSV = hf(ids_BS).logits
-        ours_BSV = model.reference_forward(ids_BS)
-        staged_BSV = model.lm_head(forward(model, ids_BS, LocalExperts())[0])
-    assert rel_err(ours_BSV, hf_BSV) <= 1e-4
-    assert rel_err(staged_BSV, hf_BSV) <= 1e-4
-    pith_models.save_pretrained(model, tmp_path / "ours", dtype=torch.float32)
-    back = DeepseekV2ForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
-    with torch.no_grad():
-        assert rel_err(back(ids_BS).logits, hf_BSV) <= 1e-4
+def test_logits_match_transformers_on_import_and_export(cfg, tmp_path, hf_round_trip):
+    hf_round_trip(random_hf_model(cfg), cfg, tmp_path, S=12)
 
 
 def test_deepseek_original_config_json_reads_as_the_v2_lite_preset():
@@ -132,17 +108,8 @@ def test_v2_lite_builds_on_meta_with_the_parameter_count_of_transformers():
     assert pith_models.param_count(model) == sum(p.numel() for p in hf.parameters()) == 15_706_484_224
 
 
-def test_backward_gives_finite_gradients_equal_to_the_reference():
-    model, ids_BS = make(CFG)
-    labels_T = ids_BS.roll(-1, 1).flatten()
-    h_BSD, _ = forward(model, ids_BS, LocalExperts())
-    loss = linear_cross_entropy(h_BSD.flatten(0, 1), model.lm_head.weight, labels_T)
-    staged = torch.autograd.grad(loss, list(model.parameters()))
-    ref_loss = torch.nn.functional.cross_entropy(model.reference_forward(ids_BS).flatten(0, 1), labels_T)
-    reference = torch.autograd.grad(ref_loss, list(model.parameters()))
-    for (name, _), g, g_ref in zip(model.named_parameters(), staged, reference):
-        assert torch.isfinite(g).all() and g.abs().sum() > 0, name
-        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6, msg=name)
+def test_backward_gives_finite_gradients_equal_to_the_reference(staged_grads_equal_reference):
+    staged_grads_equal_reference(*make(CFG))
 
 
 def test_group_limited_routing_stays_in_the_best_groups_and_differs_from_greedy():
@@ -248,17 +215,5 @@ def test_yarn_without_factor_takes_the_context_ratio():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.bfloat16, 1e-2)])
-def test_staged_forward_and_backward_through_the_kernels_on_gpu(dtype, tol):
-    """The staged path through pith-ops' Triton kernels on CUDA gives the reference's fp32 loss (the
-    loss, not the logits: a near-tie in routing may flip under bf16 or TF32 rounding)."""
-    model, ids_BS = make(CFG)
-    model, ids_BS = model.cuda(), ids_BS.cuda()
-    labels_T = ids_BS.roll(-1, 1).flatten()
-    ref_loss = torch.nn.functional.cross_entropy(model.reference_forward(ids_BS).flatten(0, 1), labels_T)
-    model = model.to(dtype)
-    h_BSD, _ = forward(model, ids_BS, LocalExperts(align=16))
-    loss = linear_cross_entropy(h_BSD.flatten(0, 1), model.lm_head.weight, labels_T)
-    assert abs(loss.item() - ref_loss.item()) <= tol * ref_loss.item()
-    loss.backward()
-    for name, p in model.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+def test_staged_forward_and_backward_through_the_kernels_on_gpu(dtype, tol, kernels_match_reference_on_gpu):
+    kernels_match_reference_on_gpu(*make(CFG), dtype, tol)

@@ -6,12 +6,10 @@ Shape legend: B batch, S sequence, T tokens, V vocabulary, E experts, K top-k, D
 import dataclasses
 
 import pith_models
-import pith_ops._common
 import pytest
 import torch
 from pith_engine.executor import LocalExperts, forward
 from pith_models import gpt_oss
-from pith_ops import linear_cross_entropy
 from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -20,11 +18,7 @@ CFG = dataclasses.replace(gpt_oss.TINY, initializer_range=0.2)
 S = 12  # longer than CFG.sliding_window, so the sliding layers mask keys the full layers see
 
 
-@pytest.fixture(autouse=True)
-def ops_take_their_torch_path(monkeypatch):
-    """The Triton interpreter would take minutes here; pith-ops tests its kernels, and the gpu test
-    below runs this model through them."""
-    monkeypatch.setattr(pith_ops._common, "INTERPRET", False)
+pytestmark = pytest.mark.usefixtures("ops_take_their_torch_path")  # see conftest.py
 
 
 def make(cfg=CFG, seed=0):
@@ -36,10 +30,6 @@ def make(cfg=CFG, seed=0):
                 p.copy_(torch.randn(p.shape, generator=gen))
     ids_BS = torch.randint(0, cfg.vocab_size, (2, S), generator=gen)
     return model, ids_BS
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("align", [1, 4])
@@ -84,40 +74,17 @@ HF_CASES = {
 
 
 @pytest.mark.parametrize("cfg", HF_CASES.values(), ids=HF_CASES.keys())
-def test_logits_match_transformers_on_import_and_export(cfg, tmp_path):
-    hf = random_hf_model(cfg)
-    hf.save_pretrained(tmp_path / "hf")
-    model = pith_models.from_pretrained(tmp_path / "hf")
-    assert model.cfg == cfg
+def test_logits_match_transformers_on_import_and_export(cfg, tmp_path, hf_round_trip):
+    model = hf_round_trip(random_hf_model(cfg), cfg, tmp_path, S)
     x_TD = model.layers[0].post_attention_layernorm(model.embed_tokens.weight[:32])
     gate_up_TF = (x_TD @ model.layers[0].mlp.experts.w_gate_up[0]).detach()
     assert (gate_up_TF.abs() > cfg.swiglu_limit).any()  # the clamps are exercised
-    ids_BS = torch.randint(0, cfg.vocab_size, (2, S), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        hf_BSV = hf(ids_BS).logits
-        ours_BSV = model.reference_forward(ids_BS)
-        staged_BSV = model.lm_head(forward(model, ids_BS, LocalExperts())[0])
-    assert rel_err(ours_BSV, hf_BSV) <= 1e-4
-    assert rel_err(staged_BSV, hf_BSV) <= 1e-4
-    pith_models.save_pretrained(model, tmp_path / "ours", dtype=torch.float32)
-    back = GptOssForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
-    with torch.no_grad():
-        assert rel_err(back(ids_BS).logits, hf_BSV) <= 1e-4
 
 
-def test_backward_gives_finite_gradients_to_every_parameter_sinks_included():
+def test_backward_gives_finite_gradients_to_every_parameter_sinks_included(staged_grads_equal_reference):
     model, ids_BS = make()
-    labels_T = ids_BS.roll(-1, 1).flatten()
-    h_BSD, _ = forward(model, ids_BS, LocalExperts())
-    loss = linear_cross_entropy(h_BSD.flatten(0, 1), model.lm_head.weight, labels_T)
-    staged = torch.autograd.grad(loss, list(model.parameters()))
-    ref_loss = torch.nn.functional.cross_entropy(model.reference_forward(ids_BS).flatten(0, 1), labels_T)
-    reference = torch.autograd.grad(ref_loss, list(model.parameters()))
-    names = [name for name, _ in model.named_parameters()]
-    assert sum(name.endswith("sinks") for name in names) == CFG.num_hidden_layers
-    for name, g, g_ref in zip(names, staged, reference):
-        assert torch.isfinite(g).all() and g.abs().sum() > 0, name
-        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6, msg=name)
+    assert sum(name.endswith("sinks") for name, _ in model.named_parameters()) == CFG.num_hidden_layers
+    staged_grads_equal_reference(model, ids_BS)
 
 
 def test_router_softmaxes_the_chosen_logits_and_expert_bias_only_steers():
@@ -217,17 +184,5 @@ def test_missing_or_misshapen_tensor_is_a_value_error_naming_it(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.bfloat16, 1e-2)])
-def test_staged_forward_and_backward_through_the_kernels_on_gpu(dtype, tol):
-    """The staged path through pith-ops' Triton kernels on CUDA gives the reference's fp32 loss (the
-    loss, not the logits: a near-tie in routing may flip under bf16 or TF32 rounding)."""
-    model, ids_BS = make()
-    model, ids_BS = model.cuda(), ids_BS.cuda()
-    labels_T = ids_BS.roll(-1, 1).flatten()
-    ref_loss = torch.nn.functional.cross_entropy(model.reference_forward(ids_BS).flatten(0, 1), labels_T)
-    model = model.to(dtype)
-    h_BSD, _ = forward(model, ids_BS, LocalExperts(align=16))
-    loss = linear_cross_entropy(h_BSD.flatten(0, 1), model.lm_head.weight, labels_T)
-    assert abs(loss.item() - ref_loss.item()) <= tol * ref_loss.item()
-    loss.backward()
-    for name, p in model.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+def test_staged_forward_and_backward_through_the_kernels_on_gpu(dtype, tol, kernels_match_reference_on_gpu):
+    kernels_match_reference_on_gpu(*make(), dtype, tol)
