@@ -1,6 +1,6 @@
 """Run `pith-train bench` on the reference workload under several settings, one process each (an
-out-of-memory or compile failure costs only its own row), then the profile breakdown of the fastest
-setting that stays within the memory target, and print a table.
+out-of-memory or compile failure costs only its own row), with the profile breakdown of the likeliest
+winners (and of the fastest setting within the memory target if it had none), and print a table.
 
     python3 packages/pith-train/benchmarks/bench_matrix.py [OUT_DIR] [--budget SECONDS]
 
@@ -18,12 +18,13 @@ import time
 from pathlib import Path
 
 MEMORY_TARGET_GIB = 60.0
+PROFILE = "--profile=2"  # the likeliest winners profile two extra steps in the same process
 # (name, bench arguments), most informative first: the eager baseline proves the path works, then
 # compile with each recompute policy, then the eager policies and the other expert-GEMM kernel.
 SETTINGS = [
     ("eager", ["--compile=off", "--ac=none"]),
-    ("compile+sel", ["--compile=on", "--ac=selective"]),
-    ("compile", ["--compile=on", "--ac=none"]),
+    ("compile+sel", ["--compile=on", "--ac=selective", PROFILE]),
+    ("compile", ["--compile=on", "--ac=none", PROFILE]),
     ("compile+full", ["--compile=on", "--ac=full"]),
     ("eager+sel", ["--compile=off", "--ac=selective"]),
     ("compile+sel+tritonGG", ["--compile=on", "--ac=selective", "--grouped-gemm=triton"]),
@@ -60,7 +61,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", nargs="?", default=os.environ.get("OUT", "bench_matrix"))
     parser.add_argument("--budget", type=float, default=270.0, help="seconds for the whole matrix")
-    parser.add_argument("--profile-steps", type=int, default=2)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -76,10 +76,8 @@ def main() -> None:
     fits = {n: r for n, r in results.items() if r and (r["peak_reserved_gib"] or 0) <= MEMORY_TARGET_GIB}
     ran = fits or {n: r for n, r in results.items() if r}
     best = max(ran, key=lambda n: ran[n]["tokens_per_s"], default=None)
-    if best is not None and left() > 40:
-        results[f"{best} profiled"] = bench(
-            out, "profile", [*dict(SETTINGS)[best], f"--profile={args.profile_steps}"], timeout=left()
-        )
+    if best is not None and "breakdown_ms_per_step" not in results[best] and left() > 40:
+        results[f"{best} profiled"] = bench(out, "profile", [*dict(SETTINGS)[best], PROFILE], timeout=left())
     card = next((r["card"] for r in results.values() if r), "no result")
     lines = [
         f"card: {card}; workload: 4-layer Qwen3-30B-A3B, 4 x 4096 tokens/step, random tokens",
@@ -88,6 +86,10 @@ def main() -> None:
         *[row(n, r) for n, r in results.items()],
         f"best within {MEMORY_TARGET_GIB:.0f} GiB reserved: {best}",
     ]
+    for name, r in results.items():
+        if r and "breakdown_ms_per_step" in r:
+            parts = ", ".join(f"{c} {ms:.1f}" for c, ms in r["breakdown_ms_per_step"].items())
+            lines.append(f"{name} kernel ms/step: {parts}")
     table = "\n".join(lines)
     print(table)
     (out / "table.txt").write_text(table + "\n")
