@@ -1,0 +1,137 @@
+"""The skill scripts at tiny sizes on CPU: each runs in a subprocess and must end with PASS; the FAIL
+verdicts and the activation formula of estimate-memory are checked in-process.
+
+The subprocesses run the operators' PyTorch references (no TRITON_INTERPRET: the interpreter takes
+~15 s per tiny forward+backward, and pith-ops tests the kernels against those references).
+
+Shape legend: B batch, S sequence.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pith_models
+import pith_ops
+import pytest
+import torch
+from pith_engine import executor
+from pith_engine.parallel import Layout
+
+SKILLS = Path(__file__).resolve().parent
+
+
+def run(script: str, *args: str) -> list[str]:
+    """Run skills/<script> in a subprocess; its output lines (the verdict is the last)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(SKILLS / script), *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == (0 if lines and lines[-1].startswith("PASS") else 1), done.stderr
+    assert lines, done.stderr
+    return lines
+
+
+def load(script: str):
+    """A skill script as a module, to call its main(argv) in this process."""
+    spec = importlib.util.spec_from_file_location(f"skill_{Path(script).stem}", SKILLS / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def reference_ops(monkeypatch):
+    """In this process too: the operators' PyTorch references instead of Triton's interpreter."""
+    monkeypatch.setattr(pith_ops._common, "INTERPRET", False)
+
+
+def test_validate_correctness_passes_with_hf_parity():
+    lines = run("validate-correctness/validate.py", "qwen3-moe-tiny")
+    assert lines[-1].startswith("PASS"), "\n".join(lines)
+    assert any(line.startswith("HF parity: relative error") for line in lines)
+
+
+def test_validate_correctness_refuses_a_bad_config():
+    with pytest.raises(ValueError, match="head_dim"):  # the verdict turns it into FAIL: bad input: ...
+        load("validate-correctness/validate.py").main(["qwen3-moe-tiny", "--set", "head_dim=15"])
+
+
+def test_add_a_model_check_passes_on_a_model_family():
+    lines = run("add-a-model/check_model.py", "pith_models.gpt_oss", "--no-hf")
+    assert lines[-1].startswith("PASS"), "\n".join(lines)
+
+
+def test_add_a_model_check_names_what_a_module_lacks(tmp_path, reference_ops):
+    family = tmp_path / "half_done.py"
+    family.write_text('"""A family missing its initialiser and state-dict mapping."""\n'
+                      "from pith_models.qwen3_moe import TINY, Config, Model\n")  # fmt: skip
+    ok, reason = load("add-a-model/check_model.py").main([str(family), "--no-hf"])
+    assert not ok and "init_weights" in reason and "to_hf_state_dict" in reason
+
+
+def test_estimate_memory_passes_within_the_budget_and_fails_above_it():
+    lines = run("estimate-memory/estimate.py", "qwen3-30b-a3b", "--dp", "8", "--ep", "8", "--seq-len", "4096",
+                "--gib", "80")  # fmt: skip
+    assert lines[-1].startswith("PASS"), "\n".join(lines)
+    ok, reason = load("estimate-memory/estimate.py").main(["qwen3-30b-a3b", "--ep", "8", "--gib", "80"])
+    assert not ok and "> budget 80" in reason  # 30B fp32 weights, grads and AdamW over 8 GPUs: 57 GiB each
+    with pytest.raises(ValueError, match="do not divide over ep=5"):
+        load("estimate-memory/estimate.py").main(["qwen3-30b-a3b", "--ep", "5", "--gib", "80"])
+
+
+def test_estimate_memory_weights_scale_with_the_layout():
+    estimate = load("estimate-memory/estimate.py").estimate
+    model = pith_models.build("qwen3-30b-a3b")
+    n = pith_models.param_count(model)
+    one = estimate(model, Layout(), 1, 4096, 2)
+    eight = estimate(model, Layout(dp=2, ep=4), 1, 4096, 2)
+    assert one["parameters (fp32, sharded)"] == 4 * n
+    assert eight["AdamW moments (2 x fp32, sharded)"] == pytest.approx(8 * n / 8)
+
+
+def saved_for_backward(model, ids_BS) -> int:
+    """Bytes of the distinct storages the staged forward and fused loss keep for the backward, less the
+    parameters and the reference attention's S x S score matrices (flash kernels on CUDA keep none)."""
+    S, seen = ids_BS.shape[1], {}
+
+    def pack(t):
+        if not (t.ndim >= 2 and t.shape[-1] == t.shape[-2] == S):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        h_BSD, _ = executor.forward(model, ids_BS, executor.LocalExperts())
+        pith_ops.linear_cross_entropy(h_BSD.flatten(0, 1), model.lm_head.weight, ids_BS.flatten())
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(nbytes for ptr, nbytes in seen.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v2-tiny", "gpt-oss-tiny"])
+def test_estimate_memory_activation_formula_errs_high_by_at_most_75_percent(name, reference_ops):
+    activation_bytes = load("estimate-memory/estimate.py").activation_bytes
+    model = pith_models.build(name, "cpu")
+    for B, S in [(2, 16), (4, 64)]:
+        ids_BS = torch.randint(0, model.cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+        measured = saved_for_backward(model, ids_BS)
+        assert 1.0 <= activation_bytes(model, B * S, 4, 4) / measured <= 1.75, (B, S)
+
+
+def test_memory_prints_passes_on_cpu_and_fails_over_budget(reference_ops):
+    lines = run("memory-prints/memory.py", "qwen3-moe-tiny", "--seq-len", "16", "--steps", "2", "--gib", "8")
+    assert lines[-1].startswith("PASS"), "\n".join(lines)
+    assert any("unavailable on CPU" in line for line in lines)
+    ok, reason = load("memory-prints/memory.py").main(["qwen3-moe-tiny", "--seq-len", "8", "--steps", "1",
+                                                       "--gib", "0.01"])  # fmt: skip
+    assert not ok and "> budget 0.01" in reason
+
+
+def test_profile_writes_a_trace(tmp_path):
+    trace = tmp_path / "trace.json"
+    lines = run("profile/profile_steps.py", "qwen3-moe-tiny", "--seq-len", "16", "--trace", str(trace))
+    assert lines[-1].startswith("PASS"), "\n".join(lines)
+    assert json.loads(trace.read_text())["traceEvents"]
