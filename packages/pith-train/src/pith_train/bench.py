@@ -26,6 +26,7 @@ Shape legend: B sequences, S sequence length.
 import collections
 import dataclasses
 import importlib
+import os
 import statistics
 import time
 
@@ -165,6 +166,9 @@ def run(
         [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={B}", f"train.device={device}",
          f"train.compile={str(compile).lower()}", f"train.ac={ac}", f"train.seed={seed}"],
     )  # fmt: skip
+    # Expandable segments, as TorchTitan runs: freed blocks coalesce, so the reserved peak stays near
+    # the allocated one. Read when CUDA first allocates in this process; an explicit setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     dev = torch.device("cuda" if torch.cuda.is_available() and device != "cpu" else "cpu")
     if device == "cuda" and dev.type != "cuda":
         raise ValueError("device is cuda, but torch sees no CUDA device")
