@@ -1,8 +1,10 @@
 import json
 import math
+from types import SimpleNamespace
 
 import pith_models
 import pytest
+import torch
 from pith_train import bench
 from pith_train.cli import main
 from pith_train.train import flops_per_token
@@ -80,3 +82,28 @@ def test_recompute_policies_train_exactly_like_no_recompute():
     runs = {ac: bench.run(tiny=True, steps=2, warmup=0, ac=ac, device="cpu")["losses"] for ac in bench.AC}
     assert runs["selective"] == runs["none"] and runs["full"] == runs["none"]
     assert runs["none"][1] != runs["none"][0]
+
+
+def test_cuda_breakdown_attributes_linked_kernels_by_range_and_counts_each_once():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, device_type, us=0.0, parent=None, kernels=(), annotation=False):
+        return SimpleNamespace(
+            name=name, device_type=device_type, time_range=SimpleNamespace(start=0.0, end=us),
+            cpu_parent=parent, kernels=list(kernels), is_user_annotation=annotation, self_cpu_time_total=0.0,
+        )  # fmt: skip
+
+    gemm = SimpleNamespace(name="nvjet_gemm", duration=300.0)
+    loss_range = event("lm_head+loss", cpu)
+    mm = event("aten::mm", cpu, parent=loss_range, kernels=[gemm])  # the loss's chunk matmul
+    events = [
+        loss_range,
+        mm,
+        event("lm_head+loss", cuda, 900.0, annotation=True),  # the range's device-side span: not work
+        event("nvjet_gemm", cuda, 300.0),  # linked to aten::mm above
+        event("nvjet_gemm", cuda, 200.0),  # an attention projection's matmul, unlinked
+        event("flash_fwd_kernel", cuda, 100.0),
+    ]
+    parts = bench.breakdown(SimpleNamespace(events=lambda: events), steps=2)
+    assert parts["lm_head + loss"] == 0.15 and parts["other GEMMs"] == 0.1 and parts["attention"] == 0.05
+    assert sum(parts.values()) == pytest.approx(0.3)

@@ -88,15 +88,18 @@ def breakdown(prof, steps: int) -> dict[str, float]:
     kernels): the self time of each op."""
     events = prof.events()
     totals = collections.Counter()
-    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
-    if kernels:
-        unlinked = collections.Counter((k.name, k.time_range.end - k.time_range.start) for k in kernels)
+    cpu = torch.autograd.DeviceType.CPU
+    # Device activity (kernels, copies, fills), not the device-side spans of record_function ranges.
+    device = [e for e in events if e.device_type != cpu and not getattr(e, "is_user_annotation", False)]
+    if device:
+        unlinked = collections.Counter((e.name, e.time_range.end - e.time_range.start) for e in device)
         for e in events:
-            for k in getattr(e, "kernels", ()):
-                totals[classify(k.name, _ranges_above(e))] += k.duration
-                unlinked[(k.name, k.duration)] -= 1
+            for k in e.kernels if e.device_type == cpu else ():
+                if unlinked[(k.name, k.duration)] > 0:  # each device activity is counted once
+                    unlinked[(k.name, k.duration)] -= 1
+                    totals[classify(k.name, _ranges_above(e))] += k.duration
         for (name, us), n in unlinked.items():
-            totals[classify(name, set())] += us * max(n, 0)
+            totals[classify(name, set())] += us * n
     else:
         for e in events:
             totals[classify(e.name, _ranges_above(e))] += e.self_cpu_time_total
