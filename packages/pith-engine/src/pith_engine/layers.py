@@ -3,7 +3,8 @@
 What is here is the same in every model that uses it: RMSNorm, the dense SwiGLU MLP, the routed
 SwiGLU experts (stage 3) and stage 5's weighted combine, the reference loop over experts, RoPE
 tables (plain and YaRN), the embedding / final-norm / lm_head frame of a model, the seeded
-normal initialiser, and the Hugging Face layout conversion of the SwiGLU MLP and experts.
+normal initialiser, the field checks closing every Config.from_hf, and the Hugging Face layout
+conversion of the SwiGLU MLP and experts.
 Parameter names are the checkpoints' and the engine's (`mlp.experts.w_gate_up`, `expert_bias`):
 renaming one here renames it in every model.
 
@@ -13,6 +14,7 @@ Shape legend: B batch, S sequence, T = B*S tokens, D hidden, F (expert) MLP widt
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import MISSING, fields
 from typing import Protocol
 
 import pith_ops
@@ -177,6 +179,24 @@ def init_normal(model: nn.Module, seed: int, std: float, zero: tuple[str, ...] =
     for name, b in model.named_buffers():
         if name.endswith("expert_bias"):
             b.zero_()
+
+
+def config_kwargs_from_hf(d: dict, cls: type, fixed: dict, ignored: tuple[str, ...]) -> dict:
+    """The checks every Config.from_hf ends with, on config.json's dict once the model converted its
+    own fields: a `fixed` field (its other values would change the math) holding another value, a
+    field the dataclass `cls` lacks, or a required field absent is a ValueError naming it; `ignored`
+    fields (no effect on the math) are dropped. -> the keyword arguments of cls."""
+    d = {k: v for k, v in d.items() if k not in ignored}
+    for key, allowed in fixed.items():
+        if key in d and d.pop(key) != allowed:
+            raise ValueError(f"config field {key}: only {allowed!r} is supported")
+    unknown = sorted(set(d) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"unsupported {cls.model_type} config fields: {unknown}")
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
+    if missing:
+        raise ValueError(f"{cls.model_type} config lacks required fields: {missing}")
+    return d
 
 
 def from_hf_swiglu_state_dict(

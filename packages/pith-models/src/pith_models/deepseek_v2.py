@@ -30,7 +30,7 @@ N nope dims, P rope dims, R = P/2 rotary pairs, A v head dim, L kv_lora_rank, E 
 those this module holds), G expert groups, F expert width, K top-k, V vocabulary.
 """
 
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
 import pith_ops
@@ -44,6 +44,7 @@ from pith_engine.layers import (
     Experts,
     RMSNorm,
     combine,
+    config_kwargs_from_hf,
     from_hf_swiglu_state_dict,
     init_normal,
     rope_inv_freq,
@@ -146,18 +147,7 @@ class Config:
                 f"num_attention_heads ({heads}), got {kv_heads}"
             )
         d["rope_theta"], d["yarn"] = _rope_from_hf(d)
-        for key, allowed in _FIXED.items():
-            if key in d and d.pop(key) != allowed:
-                raise ValueError(f"config field {key}: only {allowed!r} is supported")
-        for key in _IGNORED:
-            d.pop(key, None)
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unsupported deepseek_v2 config fields: {unknown}")
-        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
-        if missing:
-            raise ValueError(f"deepseek_v2 config fields missing: {missing}")
-        return cls(**d)
+        return cls(**config_kwargs_from_hf(d, cls, _FIXED, _IGNORED))
 
     def to_hf(self) -> dict:
         d = asdict(self)

@@ -22,7 +22,7 @@ Dh head dim, R = Dh/2 rotary pairs, E experts (E_held: those this module holds),
 K top-k, N rows grouped by expert, V vocabulary.
 """
 
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
 import pith_ops
@@ -34,6 +34,7 @@ from pith_engine.layers import (
     DecoderModel,
     RMSNorm,
     combine,
+    config_kwargs_from_hf,
     init_normal,
     rope_inv_freq,
     rotary_positions,
@@ -119,17 +120,7 @@ class Config:
                 "load a dequantized (bf16) checkpoint"
             )
         d["rope_theta"], d["yarn"] = _rope_from_hf(d)
-        for key, allowed in _FIXED.items():
-            if key in d and d.pop(key) != allowed:
-                raise ValueError(f"config field {key}: only {allowed!r} is supported")
-        for key in _IGNORED:
-            d.pop(key, None)
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unsupported gpt_oss config fields: {unknown}")
-        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
-        if missing:
-            raise ValueError(f"gpt_oss config fields missing: {missing}")
+        d = config_kwargs_from_hf(d, cls, _FIXED, _IGNORED)
         return cls(**{**d, "layer_types": tuple(d.get("layer_types") or ())})
 
     def to_hf(self) -> dict:

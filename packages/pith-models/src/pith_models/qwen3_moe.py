@@ -17,7 +17,7 @@ Dh head dim, R = Dh/2 rotary pairs, E experts (E_held: those this module holds),
 K top-k, N rows grouped by expert, V vocabulary.
 """
 
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import pith_ops
@@ -31,6 +31,7 @@ from pith_engine.layers import (
     Experts,
     RMSNorm,
     combine,
+    config_kwargs_from_hf,
     from_hf_swiglu_state_dict,
     init_normal,
     rope_inv_freq,
@@ -104,26 +105,13 @@ class Config:
                 raise ValueError(f"{key}: rope type {rope_type!r} is not supported (only 'default')")
             if "rope_theta" in rope:
                 d["rope_theta"] = rope["rope_theta"]
-        for key, allowed in _FIXED.items():
-            if key in d and d.pop(key) != allowed:
-                raise ValueError(f"config field {key}: only {allowed!r} is supported")
-        if not d.pop("use_sliding_window", False):
-            d.pop("sliding_window", None)  # HF ignores it then
-            d.pop("max_window_layers", None)
-        else:
+        if d.pop("use_sliding_window", False):
             raise ValueError("config field use_sliding_window: only False is supported")
-        for key in _IGNORED:
-            d.pop(key, None)
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unsupported qwen3_moe config fields: {unknown}")
+        d.pop("sliding_window", None)  # HF ignores it then
+        d.pop("max_window_layers", None)
         if "head_dim" not in d and {"hidden_size", "num_attention_heads"} <= set(d):
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]  # transformers' default
-        missing = sorted(f.name for f in fields(cls) if f.default is MISSING and f.name not in d)
-        if missing:
-            raise ValueError(f"qwen3_moe config lacks required fields: {missing}")
-        return cls(**d)
+        return cls(**config_kwargs_from_hf(d, cls, _FIXED, _IGNORED))
 
     def to_hf(self) -> dict:
         d = asdict(self)
