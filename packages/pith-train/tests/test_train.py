@@ -43,8 +43,8 @@ import os, signal, sys
 import torch.distributed.checkpoint as dcp
 from pith_train.cli import main
 real_save = dcp.save
-def save_then_die(state, checkpoint_id):  # the DCP files are written, the rename has not happened
-    real_save(state, checkpoint_id=checkpoint_id)
+def save_then_die(state, checkpoint_id, **options):  # DCP files written, the rename not done yet
+    real_save(state, checkpoint_id=checkpoint_id, **options)
     if str(checkpoint_id).endswith("step_000004.tmp"):
         os.kill(os.getpid(), signal.SIGKILL)
 dcp.save = save_then_die

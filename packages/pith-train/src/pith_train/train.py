@@ -304,6 +304,8 @@ def pretrain(
     Returns a summary: final step, last loss, validation loss, and the run's paths.
     """
     device = _device(cfg)
+    if device.type == "cpu" and cfg.train.cpu_threads:
+        torch.set_num_threads(cfg.train.cpu_threads)
     layout = layout or parallel_layout(cfg, device)
     run_dir = Path(run_dir)
     main = layout.rank == 0
