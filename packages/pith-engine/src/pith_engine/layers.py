@@ -199,6 +199,27 @@ def config_kwargs_from_hf(d: dict, cls: type, fixed: dict, ignored: tuple[str, .
     return d
 
 
+def yarn_params_from_hf(d: dict, default_theta: float, yarn_cls: type) -> tuple[float, dict | None]:
+    """Pop rope_parameters (transformers 5) or rope_scaling + rope_theta (4.x) from config.json's dict
+    -> (theta, the YaRN parameters; None for the default rope). Another rope type, a parameter of the
+    default rope or a YaRN parameter that is no field of the dataclass `yarn_cls` is a ValueError."""
+    rope = dict(d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {})
+    theta = float(rope.pop("rope_theta", d.pop("rope_theta", default_theta)))
+    d.pop("rope_scaling", None)
+    rope_type = rope.pop("rope_type", rope.get("type", "default"))
+    rope.pop("type", None)
+    if rope_type == "default":
+        if rope:
+            raise ValueError(f"unsupported parameters of the default rope: {sorted(rope)}")
+        return theta, None
+    if rope_type != "yarn":
+        raise ValueError(f"rope type {rope_type!r} is not supported (only default and yarn)")
+    unknown = sorted(set(rope) - {f.name for f in fields(yarn_cls)})
+    if unknown:
+        raise ValueError(f"unsupported yarn rope parameters: {unknown}")
+    return theta, rope
+
+
 def from_hf_swiglu_state_dict(
     sd: dict[str, Tensor], moe_layers: Iterable[int], E: int, tie_word_embeddings: bool
 ) -> dict[str, Tensor]:

@@ -30,7 +30,7 @@ N nope dims, P rope dims, R = P/2 rotary pairs, A v head dim, L kv_lora_rank, E 
 those this module holds), G expert groups, F expert width, K top-k, V vocabulary.
 """
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import pith_ops
@@ -51,6 +51,7 @@ from pith_engine.layers import (
     rotary_positions,
     to_hf_swiglu_state_dict,
     yarn_mscale,
+    yarn_params_from_hf,
 )
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -181,20 +182,9 @@ _IGNORED = (
 
 def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
     """Pop rope_parameters (transformers 5) or rope_scaling + rope_theta (4.x, DeepSeek) -> (theta, yarn)."""
-    rope = dict(d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {})
-    theta = float(rope.pop("rope_theta", d.pop("rope_theta", 10_000.0)))
-    d.pop("rope_scaling", None)
-    rope_type = rope.pop("rope_type", rope.get("type", "default"))
-    rope.pop("type", None)
-    if rope_type == "default":
-        if rope:
-            raise ValueError(f"unsupported parameters of the default rope for deepseek_v2: {sorted(rope)}")
+    theta, rope = yarn_params_from_hf(d, 10_000.0, Yarn)
+    if rope is None:
         return theta, None
-    if rope_type != "yarn":
-        raise ValueError(f"rope type {rope_type!r} is not supported by deepseek_v2 (only default and yarn)")
-    unknown = sorted(set(rope) - {f.name for f in fields(Yarn)})
-    if unknown:
-        raise ValueError(f"unsupported yarn rope parameters for deepseek_v2: {unknown}")
     rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
     if rope.get("factor") is None:  # transformers' rule: the context extension actually configured
         rope["factor"] = d["max_position_embeddings"] / rope["original_max_position_embeddings"]

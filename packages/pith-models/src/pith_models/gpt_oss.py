@@ -22,7 +22,7 @@ Dh head dim, R = Dh/2 rotary pairs, E experts (E_held: those this module holds),
 K top-k, N rows grouped by expert, V vocabulary.
 """
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import pith_ops
@@ -40,6 +40,7 @@ from pith_engine.layers import (
     rotary_positions,
     routed_reference,
     yarn_mscale,
+    yarn_params_from_hf,
 )
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -156,20 +157,9 @@ def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
     Neither present means transformers' GPT-OSS default, the Yarn() defaults here."""
     if "rope_parameters" not in d and "rope_scaling" not in d:
         return float(d.pop("rope_theta", 150_000.0)), Yarn()
-    rope = dict(d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {})
-    theta = float(rope.pop("rope_theta", d.pop("rope_theta", 150_000.0)))
-    d.pop("rope_scaling", None)
-    rope_type = rope.pop("rope_type", rope.get("type", "default"))
-    rope.pop("type", None)
-    if rope_type == "default":
-        if rope:
-            raise ValueError(f"unsupported parameters of the default rope for gpt_oss: {sorted(rope)}")
+    theta, rope = yarn_params_from_hf(d, 150_000.0, Yarn)
+    if rope is None:
         return theta, None
-    if rope_type != "yarn":
-        raise ValueError(f"rope type {rope_type!r} is not supported by gpt_oss (only default and yarn)")
-    unknown = sorted(set(rope) - {f.name for f in fields(Yarn)})
-    if unknown:
-        raise ValueError(f"unsupported yarn rope parameters for gpt_oss: {unknown}")
     # transformers' yarn defaults when a key is absent: truncate True, the model's context length.
     rope.setdefault("truncate", True)
     rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 131072))
