@@ -24,15 +24,43 @@ from pith_engine.parallel import Layout
 SKILLS = Path(__file__).resolve().parent
 
 
-def run(script: str, *args: str) -> list[str]:
-    """Run skills/<script> in a subprocess; its output lines (the verdict is the last)."""
+# The subprocess runs: they all start at once when the first test asks for one (each spends most of
+# its time importing torch, so on several cores they overlap), and each test reads its own.
+RUNS = {
+    "validate": ["validate-correctness/validate.py", "qwen3-moe-tiny"],
+    "check": ["add-a-model/check_model.py", "pith_models.gpt_oss", "--no-hf"],
+    "estimate": ["estimate-memory/estimate.py", "qwen3-30b-a3b", "--dp", "8", "--ep", "8", "--gib", "80"],
+    "memory": ["memory-prints/memory.py", "qwen3-moe-tiny", "--seq-len", "16", "--steps", "2", "--gib", "8"],
+    "profile": ["profile/profile_steps.py", "qwen3-moe-tiny", "--seq-len", "16", "--trace"],  # + path
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    trace = tmp_path_factory.mktemp("profile") / "trace.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, str(SKILLS / script), *args], env=env, capture_output=True, text=True, timeout=300
-    )
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == (0 if lines and lines[-1].startswith("PASS") else 1), done.stderr
-    assert lines, done.stderr
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(SKILLS / script), *args, *([str(trace)] if name == "profile" else [])],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for name, (script, *args) in RUNS.items()
+    }
+    yield procs, trace
+    for proc in procs.values():
+        proc.kill()
+        proc.communicate()
+
+
+def passed(runs, name: str) -> list[str]:
+    """The output lines of a run, which must end with PASS and exit 0."""
+    out, err = runs[0][name].communicate(timeout=300)
+    lines = out.strip().splitlines()
+    assert lines and lines[-1].startswith("PASS"), out + err
+    assert runs[0][name].returncode == 0, err
     return lines
 
 
@@ -50,9 +78,8 @@ def reference_ops(monkeypatch):
     monkeypatch.setattr(pith_ops._common, "INTERPRET", False)
 
 
-def test_validate_correctness_passes_with_hf_parity():
-    lines = run("validate-correctness/validate.py", "qwen3-moe-tiny")
-    assert lines[-1].startswith("PASS"), "\n".join(lines)
+def test_validate_correctness_passes_with_hf_parity(runs):
+    lines = passed(runs, "validate")
     assert any(line.startswith("HF parity: relative error") for line in lines)
 
 
@@ -61,9 +88,9 @@ def test_validate_correctness_refuses_a_bad_config():
         load("validate-correctness/validate.py").main(["qwen3-moe-tiny", "--set", "head_dim=15"])
 
 
-def test_add_a_model_check_passes_on_a_model_family():
-    lines = run("add-a-model/check_model.py", "pith_models.gpt_oss", "--no-hf")
-    assert lines[-1].startswith("PASS"), "\n".join(lines)
+def test_add_a_model_check_passes_on_a_model_family(runs):
+    lines = passed(runs, "check")
+    assert sum(line.lstrip().startswith("ok") for line in lines) >= 20
 
 
 def test_add_a_model_check_names_what_a_module_lacks(tmp_path, reference_ops):
@@ -74,10 +101,8 @@ def test_add_a_model_check_names_what_a_module_lacks(tmp_path, reference_ops):
     assert not ok and "init_weights" in reason and "to_hf_state_dict" in reason
 
 
-def test_estimate_memory_passes_within_the_budget_and_fails_above_it():
-    lines = run("estimate-memory/estimate.py", "qwen3-30b-a3b", "--dp", "8", "--ep", "8", "--seq-len", "4096",
-                "--gib", "80")  # fmt: skip
-    assert lines[-1].startswith("PASS"), "\n".join(lines)
+def test_estimate_memory_passes_within_the_budget_and_fails_above_it(runs):
+    assert "total per GPU" in passed(runs, "estimate")[-2]
     ok, reason = load("estimate-memory/estimate.py").main(["qwen3-30b-a3b", "--ep", "8", "--gib", "80"])
     assert not ok and "> budget 80" in reason  # 30B fp32 weights, grads and AdamW over 8 GPUs: 57 GiB each
     with pytest.raises(ValueError, match="do not divide over ep=5"):
@@ -121,17 +146,14 @@ def test_estimate_memory_activation_formula_errs_high_by_at_most_75_percent(name
         assert 1.0 <= activation_bytes(model, B * S, 4, 4) / measured <= 1.75, (B, S)
 
 
-def test_memory_prints_passes_on_cpu_and_fails_over_budget(reference_ops):
-    lines = run("memory-prints/memory.py", "qwen3-moe-tiny", "--seq-len", "16", "--steps", "2", "--gib", "8")
-    assert lines[-1].startswith("PASS"), "\n".join(lines)
+def test_memory_prints_passes_on_cpu_and_fails_over_budget(runs, reference_ops):
+    lines = passed(runs, "memory")
     assert any("unavailable on CPU" in line for line in lines)
     ok, reason = load("memory-prints/memory.py").main(["qwen3-moe-tiny", "--seq-len", "8", "--steps", "1",
                                                        "--gib", "0.01"])  # fmt: skip
     assert not ok and "> budget 0.01" in reason
 
 
-def test_profile_writes_a_trace(tmp_path):
-    trace = tmp_path / "trace.json"
-    lines = run("profile/profile_steps.py", "qwen3-moe-tiny", "--seq-len", "16", "--trace", str(trace))
-    assert lines[-1].startswith("PASS"), "\n".join(lines)
-    assert json.loads(trace.read_text())["traceEvents"]
+def test_profile_writes_a_trace(runs):
+    assert "trace events in" in passed(runs, "profile")[-1]
+    assert json.loads(runs[1].read_text())["traceEvents"]
