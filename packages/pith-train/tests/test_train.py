@@ -165,3 +165,21 @@ def test_lr_schedules():
     assert lr_at(10, wsd) == lr_at(79, wsd) == peak
     assert lr_at(99, wsd) == pytest.approx(peak * wsd.optim.min_lr_ratio)
     assert lr_at(80, wsd) < peak
+
+
+@pytest.mark.gpu
+def test_default_model_trains_on_cuda_with_compile_bf16_and_resumes(tmp_path):
+    """The GPU path: bf16 autocast, compiled stages, fused AdamW; learns, and resumes from a checkpoint."""
+    args = ["--train.steps=40", "--checkpoint.every=20", "--log.progress=false", "--log.eval_every=20"]
+    cfg = load_config(None, args)
+    assert cfg.train.compile and cfg.train.device == "auto"
+    pretrain(cfg, tmp_path, stop_at=20)
+    out = pretrain(cfg, tmp_path)
+    losses = _losses(tmp_path)
+    assert sorted(losses) == list(range(1, 41)) and out["step"] == 40
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[1] > 5 and out["val_loss"] < losses[1] - 2  # 5.55 (ln 257) at the start
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")] == [
+        "step_000020",
+        "step_000040",
+    ]
