@@ -125,13 +125,14 @@ def test_aux_losses_match_their_definitions():
         expected += (0.3 * lbl + 0.2 * z) / len(routings)
     assert math.isclose(float(aux), expected, rel_tol=1e-6)
     assert counts_LE.sum(1).tolist() == [T * K] * 3
-    # Two halves of the tokens, each given the whole micro-batch's counts, add up to the whole (data ranks).
+    # Two data ranks, each with half the tokens, divide by the whole micro-batch's token count: their
+    # z-loss shares add up to the whole (the load-balancing part also needs the all-reduced counts,
+    # which the multi-process tests cover).
     halves = [
         Routing(r.x_TD[sl], r.expert_ids_TK[sl], r.weights_TK[sl], r.probs_TE[sl], r.logits_TE[sl])
         for r in routings
         for sl in (slice(0, T // 2), slice(T // 2, T))
     ]
-    # With counts from half the tokens only, f differs: check the probability/z parts are additive instead.
     cfg_z = load_config(None, ["--train.lbl_coef=0", "--train.z_loss_coef=1"])
     whole = float(moe_aux(routings, cfg_z, T, None)[0])
     parts = float(moe_aux(halves[0::2], cfg_z, T, None)[0] + moe_aux(halves[1::2], cfg_z, T, None)[0])

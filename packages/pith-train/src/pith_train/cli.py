@@ -38,8 +38,15 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
 
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     out = pretrain(cfg, run_dir)
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun rank 0 reports
+        return
+    done = "already complete" if out["loss"] is None else f"loss {out['loss']:.4f}"
+    if out["val_loss"] is not None:
+        done += f", validation loss {out['val_loss']:.4f}"
     print(
-        f"done: step {out['step']}, loss {out['loss']:.4f}, validation loss {out['val_loss']:.4f}\n"
+        f"done: step {out['step']}, {done}\n"
         f"  run directory  {out['run_dir']}\n  metrics        {out['metrics']}\n"
         f"  checkpoints    {out['checkpoints']}\n  plot with      pith-train plot {out['run_dir']}"
     )
@@ -60,7 +67,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
     if (src / ".metadata").is_file():
         model = pith_models.build(config_from_hf(json.loads((src / "config.json").read_text())), "cpu")
         checkpoint.load(src, model)
-        pith_models.save_pretrained(model, args.dst, dtype=getattr(torch, args.dtype))
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+        pith_models.save_pretrained(model, args.dst, dtype=dtype)
         print(f"wrote Hugging Face directory {args.dst}")
     elif (src / "config.json").is_file():
         model = pith_models.from_pretrained(src)
