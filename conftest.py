@@ -1,8 +1,9 @@
 """Repository-wide pytest setup.
 
 CPU runs execute the Triton kernels through Triton's interpreter, so TRITON_INTERPRET must be set
-before anything imports triton; the gpu marker skips when CUDA is absent; hypothesis gets a
-deterministic `ci` profile (default) and a wider `dev` profile (HYPOTHESIS_PROFILE=dev).
+before anything imports triton; OMP_NUM_THREADS=1 keeps CPU numerics and timing stable; the gpu
+marker skips when CUDA is absent; hypothesis gets a deterministic `ci` profile (default) and a
+wider `dev` profile (HYPOTHESIS_PROFILE=dev).
 """
 
 import os
@@ -10,6 +11,10 @@ import shutil
 
 if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread: OpenMP workers spin-wait, and on a 2-core box shared by the multi-process
+# tests two threads per process ran the tiny models 10x slower (and MKL varied its thread count
+# with load, which changed fp32 rounding between identical runs).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
