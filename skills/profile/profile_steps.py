@@ -39,7 +39,8 @@ def main(argv: list[str] | None) -> tuple[bool, str]:
         if cuda:
             torch.cuda.synchronize(device)
 
-    _common.train_steps(model, stages, optimizer, ids_BS, args.warmup, mark)
+    if args.warmup:
+        _common.train_steps(model, stages, optimizer, ids_BS, args.warmup, mark)
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
     with profile(activities=activities) as prof, record_function(f"{args.steps} training steps"):
         loss = _common.train_steps(model, stages, optimizer, ids_BS, args.steps, mark)
