@@ -67,6 +67,8 @@ def test_permute_and_unpermute_match_reference_with_gradients(T, K, E, D, align,
         (1, 8, 256, 5, 16),  # many experts, nearly all empty, padded
         (70, 2, 256, 7, 1),  # many experts over two index blocks of 128 entries
         (300, 1, 3, 4, 4),  # k = 1, three index blocks (128 entries each)
+        (700, 2, 5, 2, 3),  # two histogram blocks of 1024 entries, the second partial
+        (1100, 4, 4096, 1, 1),  # the most experts: the block scan steps over 4 blocks at a time
         (3, 3, 4, 1030, 2),  # rows wider than one 1024-column step: the weight gradient sums over steps
     ],
 )

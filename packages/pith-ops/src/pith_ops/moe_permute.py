@@ -1,13 +1,14 @@
 """Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute).
 
 Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows (T*K, plus per-expert
-padding when align > 1), B index-building blocks.
+padding when align > 1), C chunks of CHUNK routed entries, B blocks of CHUNKS_PER_BLOCK chunks.
 
-Index building runs on the device with no host sync: a histogram per block of routed (t, k) entries
-(Triton), a cumulative sum over blocks (torch), then a kernel that gives each entry its slot
-(expert start + entries of that expert in earlier blocks + earlier entries in its block) and, with
-padding, writes the owner map row -> entry. Token rows are then scattered to their K slots (each
-tile read once, stored K times), and only the rows no entry owns (padding) are zero-filled.
+Index building is three launches with no host sync and no torch op between them: per block, each
+chunk's per-expert counts in the block's earlier chunks and the block's totals; one program scanning
+the [E, B] totals into expert starts (padded to `align`) plus entries in earlier blocks; per chunk, each
+entry's slot (that base + the earlier-chunks count + earlier entries of its expert in the chunk) and,
+with padding, the owner map row -> entry. Token rows are then scattered to their K slots (each tile
+read once, stored K times), and only the rows no entry owns (padding) are zero-filled.
 Eager calls go through torch.autograd.Functions that call the launchers directly; torch.compile sees
 the custom ops (one opaque node each), whose bodies are the same functions.
 
@@ -26,47 +27,72 @@ from torch import Tensor
 
 from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, INTERPRET, check, use_triton
 
-INDEX_BLOCK = 128  # routed entries per index-building program; the in-block rank is a 128x128 compare
+CHUNK = 128  # routed entries per slot program; the in-chunk rank is a CHUNK x CHUNK compare
+CHUNKS_PER_BLOCK = 8  # chunks per histogram program: 1024 entries, so E x blocks stays one small scan
+EXPERT_TILE = 16  # experts per step of the chunk histograms: a [8, 128, 16] compare, 64 values a thread
 
 
 @triton.jit
-def _histogram_kernel(ids_ptr, hist_EB_ptr, TK, E, NB, BLOCK: tl.constexpr, BINS: tl.constexpr):
+def _histogram_kernel(
+    ids_ptr, pre_CE_ptr, hist_EB_ptr, TK, E, NB,
+    CHUNK: tl.constexpr, CPB: tl.constexpr, ET: tl.constexpr,
+):  # fmt: skip
+    """Per chunk: entries of each expert in earlier chunks of the same block (pre); per block: totals.
+
+    Counted by comparison against a tile of experts rather than tl.histogram: one histogram per chunk
+    would be CPB dependent steps, one over (chunk, expert) bins costs the GPU lowering O(bins) per value.
+    """
     b = tl.program_id(0)
-    offs = b * BLOCK + tl.arange(0, BLOCK)
-    # Entries past the end land in bin E, which is never stored (BINS > E).
-    ids = tl.load(ids_ptr + offs, mask=offs < TK, other=E).to(tl.int32)
-    hist = tl.histogram(ids, BINS)
-    bins = tl.arange(0, BINS)
-    tl.store(hist_EB_ptr + bins * NB + b, hist, mask=bins < E)
+    chunks = b * CPB + tl.arange(0, CPB)
+    offs = chunks[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    ids = tl.load(ids_ptr + offs, mask=offs < TK, other=-1).to(tl.int32)  # -1 matches no expert
+    for e0 in range(0, E, ET):
+        experts = e0 + tl.arange(0, ET)
+        counts = tl.sum((ids[:, :, None] == experts[None, None, :]).to(tl.int32), axis=1)  # [CPB, ET]
+        incl = tl.cumsum(counts, 0)
+        e_ok = experts < E
+        tl.store(pre_CE_ptr + chunks[:, None] * E + experts[None, :], incl - counts, mask=e_ok[None, :])
+        tl.store(hist_EB_ptr + experts * NB + b, tl.sum(counts, 0), mask=e_ok)
+
+
+@triton.jit
+def _scan_kernel(hist_EB_ptr, base_EB_ptr, ends_ptr, E, NB, align, E_P2: tl.constexpr, BT: tl.constexpr):
+    """One program: expert totals -> padded group ends; base[e, b] = e's start + its entries in blocks < b."""
+    experts = tl.arange(0, E_P2)
+    e_ok = experts < E
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for b0 in range(0, NB, BT):
+        blocks = b0 + tl.arange(0, BT)
+        m = e_ok[:, None] & (blocks[None, :] < NB)
+        counts += tl.sum(tl.load(hist_EB_ptr + experts[:, None] * NB + blocks[None, :], mask=m, other=0), 1)
+    padded = (counts + align - 1) // align * align
+    ends = tl.cumsum(padded, 0)
+    tl.store(ends_ptr + experts, ends, mask=e_ok)
+    carry = ends - padded
+    for b0 in range(0, NB, BT):
+        blocks = b0 + tl.arange(0, BT)
+        p = experts[:, None] * NB + blocks[None, :]
+        m = e_ok[:, None] & (blocks[None, :] < NB)
+        hist = tl.load(hist_EB_ptr + p, mask=m, other=0)
+        tl.store(base_EB_ptr + p, carry[:, None] + tl.cumsum(hist, 1) - hist, mask=m)
+        carry += tl.sum(hist, 1)
 
 
 @triton.jit
 def _slots_kernel(
-    ids_ptr, hist_EB_ptr, cum_EB_ptr, slots_ptr, inv_ptr, ends_ptr, TK, E, NB, align,
-    BLOCK: tl.constexpr, E_P2: tl.constexpr, HAS_OWNER: tl.constexpr,
+    ids_ptr, pre_CE_ptr, base_EB_ptr, slots_ptr, inv_ptr, TK, E, NB,
+    CHUNK: tl.constexpr, CPB: tl.constexpr, HAS_OWNER: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    experts = tl.arange(0, E_P2)
-    # Per-expert totals are the last row of the inclusive cumulative histogram.
-    counts = tl.load(cum_EB_ptr + experts * NB + NB - 1, mask=experts < E, other=0)
-    padded = (counts + align - 1) // align * align
-    ends = tl.cumsum(padded, 0)
-    starts = ends - padded
-    if b == 0:
-        tl.store(ends_ptr + experts, ends, mask=experts < E)
-
-    offs = b * BLOCK + tl.arange(0, BLOCK)
+    """slot = base[e, block] + entries of e in earlier chunks of the block + earlier entries in the chunk."""
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
     valid = offs < TK
     ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
-    start = tl.sum(tl.where(ids[:, None] == experts[None, :], starts[None, :], 0), axis=1)
-    # Entries of the same expert in earlier blocks: exclusive cumulative histogram.
-    before = tl.load(cum_EB_ptr + ids * NB + b, mask=valid, other=0) - tl.load(
-        hist_EB_ptr + ids * NB + b, mask=valid, other=0
-    )
-    j = tl.arange(0, BLOCK)
-    earlier = (ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None]) & valid[None, :]
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
-    slot = start + before + rank
+    base = tl.load(base_EB_ptr + ids * NB + c // CPB, mask=valid, other=0)
+    pre = tl.load(pre_CE_ptr + c * E + ids, mask=valid, other=0)
+    j = tl.arange(0, CHUNK)
+    earlier = (ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None])
+    slot = base + pre + tl.sum(earlier.to(tl.int32), axis=1)
     tl.store(slots_ptr + offs, slot.to(tl.int64), mask=valid)
     if HAS_OWNER:
         tl.store(inv_ptr + slot, offs, mask=valid)
@@ -222,26 +248,31 @@ def _permute_forward(
     TK, E, dev = T * K, num_experts, x_TD.device
     N = _static_rows(T, K, E, align)
     ids = expert_ids_TK.contiguous().view(-1)
-    nb = triton.cdiv(TK, INDEX_BLOCK)
+    n_chunks = triton.cdiv(TK, CHUNK)
+    nb = triton.cdiv(n_chunks, CHUNKS_PER_BLOCK)
     slots = torch.empty(TK, dtype=torch.int64, device=dev)
     # The owner map is needed only to find padding rows; without padding every row is some entry's.
     inv = torch.full((N,), -1, dtype=torch.int32, device=dev) if align > 1 else None
-    # The slot kernel writes every expert's end; only with no entries do they need a zero fill.
+    # The scan kernel writes every expert's end; only with no entries do they need a zero fill.
     ends = (
         torch.empty(E, dtype=torch.int32, device=dev) if TK else torch.zeros(E, dtype=torch.int32, device=dev)
     )
     if TK:
-        # Expert-major histograms: the cumulative sum over blocks then runs along the contiguous
-        # dimension (torch's scan over an outer dimension is one sequential loop per column).
+        # Three launches, no torch op between them: chunk/block histograms, one program scanning the
+        # [E, blocks] table (128 x 128 at T=16384, K=8, E=128), the slots.
+        pre_CE = torch.empty(nb * CHUNKS_PER_BLOCK, E, dtype=torch.int32, device=dev)
         hist_EB = torch.empty(E, nb, dtype=torch.int32, device=dev)
+        base_EB = torch.empty_like(hist_EB)
         _histogram_kernel[(nb,)](
-            ids, hist_EB, TK, E, nb, BLOCK=INDEX_BLOCK, BINS=triton.next_power_of_2(E + 1)
+            ids, pre_CE, hist_EB, TK, E, nb, CHUNK=CHUNK, CPB=CHUNKS_PER_BLOCK, ET=EXPERT_TILE, num_warps=8
         )
-        cum_EB = torch.cumsum(hist_EB, 1, dtype=torch.int32)
-        _slots_kernel[(nb,)](
-            ids, hist_EB, cum_EB, slots, inv if inv is not None else slots, ends, TK, E, nb, align,
-            BLOCK=INDEX_BLOCK, E_P2=triton.next_power_of_2(E), HAS_OWNER=inv is not None,
-            num_warps=8,  # [128, E] temporaries
+        e_p2 = triton.next_power_of_2(E)
+        _scan_kernel[(1,)](
+            hist_EB, base_EB, ends, E, nb, align, E_P2=e_p2, BT=max(1, 16384 // e_p2), num_warps=16
+        )
+        _slots_kernel[(n_chunks,)](
+            ids, pre_CE, base_EB, slots, inv if inv is not None else slots, TK, E, nb,
+            CHUNK=CHUNK, CPB=CHUNKS_PER_BLOCK, HAS_OWNER=inv is not None, num_warps=4,
         )  # fmt: skip
     x_ND, _ = _scatter_rows(x_TD, slots.view(T, K), N, inv)
     return x_ND, slots.view(T, K), ends
