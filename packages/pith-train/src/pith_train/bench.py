@@ -43,8 +43,9 @@ from pith_train.train import Stages, flops_per_token, parallel_layout, train_ste
 
 WORKLOAD = dataclasses.replace(qwen3_moe.QWEN3_30B_A3B, num_hidden_layers=4)
 WORKLOAD_SEQ_LEN, WORKLOAD_BATCH = 4096, 4
-# CI size: the 2-layer test model (a dense layer, then a MoE layer of 4 experts), 2 sequences of 32.
-TINY, TINY_SEQ_LEN, TINY_BATCH = qwen3_moe.TINY, 32, 2
+# CI size: the 2-layer test model (a dense layer, then a MoE layer of 4 experts) with a vocabulary the
+# byte tokenizer fits (--data), 2 sequences of 32 tokens.
+TINY, TINY_SEQ_LEN, TINY_BATCH = dataclasses.replace(qwen3_moe.TINY, vocab_size=260), 32, 2
 LR = 3e-4  # constant: no schedule in a benchmark
 AC = ("none", "selective", "full")  # train.Stages' recompute policies
 
