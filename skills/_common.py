@@ -146,9 +146,12 @@ def rel_err(a: Tensor, b: Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-# fp32 tolerances, relative (norm of the difference over the norm): staged vs reference run the same
-# math in another order (measured ~1e-7 on the tiny presets); transformers computes it differently still.
-LOGITS_TOL, GRAD_TOL, HF_TOL = 1e-5, 1e-4, 1e-4
+# fp32 tolerances, relative (norm of the difference over the norm). On CPU staged and reference run the
+# same math in another order (measured <= 1e-6 on the tiny presets); transformers computes it otherwise.
+# On CUDA the Triton kernels' fp32 tl.dot rounds its inputs to TF32 (10-bit mantissa, ~1e-3 per product):
+# bounds set from that, not yet measured.
+TOLERANCES = {"cpu": (1e-5, 1e-4), "cuda": (5e-3, 3e-2)}  # device type -> (logits, gradients)
+HF_TOL = 1e-4
 
 
 def correctness(model: nn.Module, ids_BS: Tensor, hf: bool, hf_dir: Path | None = None) -> list[str]:
@@ -156,13 +159,14 @@ def correctness(model: nn.Module, ids_BS: Tensor, hf: bool, hf_dir: Path | None 
     gets a finite gradient equal to the reference's, and (hf) logits == transformers' for the same
     weights, read from hf_dir or from our own export."""
     failures = []
+    logits_tol, grad_tol = TOLERANCES[ids_BS.device.type]
     params = dict(model.named_parameters())
     labels_T = ids_BS.roll(-1, 1).flatten()
     h_BSD, _ = executor.forward(model, ids_BS, executor.LocalExperts())
     ref_BSV = model.reference_forward(ids_BS)
     err = rel_err(model.lm_head(h_BSD), ref_BSV)
-    print(f"staged vs reference logits: relative error {err:.2e} (tolerance {LOGITS_TOL:.0e})")
-    if not err <= LOGITS_TOL:
+    print(f"staged vs reference logits: relative error {err:.2e} (tolerance {logits_tol:.0e})")
+    if not err <= logits_tol:
         failures.append(f"staged logits differ from reference_forward by {err:.2e}")
     loss = pith_ops.linear_cross_entropy(h_BSD.flatten(0, 1), model.lm_head.weight, labels_T)
     ref_loss = torch.nn.functional.cross_entropy(ref_BSV.flatten(0, 1).float(), labels_T)
@@ -186,7 +190,7 @@ def correctness(model: nn.Module, ids_BS: Tensor, hf: bool, hf_dir: Path | None 
     )
     if zero:  # e.g. an expert no token chose: not an error, but it went unchecked
         print(f"  zero in the reference (unchecked; try a longer --seq-len): {zero}")
-    if worst > GRAD_TOL:
+    if worst > grad_tol:
         failures.append(f"gradient of {worst_name} differs from the reference's by {worst:.2e}")
     if hf:
         failures += hf_parity(model, ids_BS, ref_BSV, hf_dir)

@@ -157,3 +157,44 @@ def test_memory_prints_passes_on_cpu_and_fails_over_budget(runs, reference_ops):
 def test_profile_writes_a_trace(runs):
     assert "trace events in" in passed(runs, "profile")[-1]
     assert json.loads(runs[1].read_text())["traceEvents"]
+
+
+GPU_RUNS = {
+    "validate-qwen3": ["validate-correctness/validate.py", "qwen3-moe-tiny", "--device", "cuda"],
+    "validate-deepseek": ["validate-correctness/validate.py", "deepseek-v2-tiny", "--device", "cuda"],
+    "validate-gpt-oss": ["validate-correctness/validate.py", "gpt-oss-tiny", "--device", "cuda"],
+    "memory": ["memory-prints/memory.py", "tiny-moe", "--micro-batch", "8", "--seq-len", "256", "--gib", "8"],
+    "memory-ac": [
+        "memory-prints/memory.py",
+        "tiny-moe",
+        "--micro-batch",
+        "8",
+        "--seq-len",
+        "256",
+        "--ac",
+        "full",
+        "--gib",
+        "8",
+    ],  # fmt: skip
+    "profile": [
+        "profile/profile_steps.py",
+        "tiny-moe",
+        "--micro-batch",
+        "8",
+        "--seq-len",
+        "256",
+        "--compile",
+    ],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_RUNS)
+def test_skill_passes_on_cuda(name, tmp_path):
+    script, *args = GPU_RUNS[name]
+    args += ["--trace", str(tmp_path / "trace.json")] if name == "profile" else []
+    done = subprocess.run(
+        [sys.executable, str(SKILLS / script), *args], capture_output=True, text=True, timeout=600
+    )
+    print(done.stdout)
+    assert done.stdout.strip().splitlines()[-1].startswith("PASS"), done.stdout + done.stderr
