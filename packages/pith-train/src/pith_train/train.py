@@ -328,7 +328,7 @@ def pretrain(
     step, cursor = 0, 0
     found = checkpoint.checkpoints(ckpt_root) if cfg.checkpoint.resume else []
     if found:
-        checkpoint.load(found[-1], model, optimizer)
+        checkpoint.load(found[-1], model, optimizer, layout.mesh)
         state = json.loads((found[-1] / "trainer.json").read_text())
         step, cursor = state["step"], state["cursor"]
     # Not compiled under FSDP: its unshard/reshard hooks in the stage methods break fullgraph.
@@ -361,7 +361,7 @@ def pretrain(
             "trainer.json": json.dumps({"step": step, "cursor": cursor}),
             "config.json": json.dumps(model.cfg.to_hf(), indent=1),
         }
-        path = checkpoint.save(ckpt_root / f"step_{step:06d}", model, optimizer, files)
+        path = checkpoint.save(ckpt_root / f"step_{step:06d}", model, optimizer, files, layout.mesh)
         checkpoint.prune(ckpt_root, cfg.checkpoint.keep)
         return path
 
