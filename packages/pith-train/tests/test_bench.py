@@ -107,3 +107,16 @@ def test_cuda_breakdown_attributes_linked_kernels_by_range_and_counts_each_once(
     parts = bench.breakdown(SimpleNamespace(events=lambda: events), steps=2)
     assert parts["lm_head + loss"] == 0.15 and parts["other GEMMs"] == 0.1 and parts["attention"] == 0.05
     assert sum(parts.values()) == pytest.approx(0.3)
+
+
+@pytest.mark.gpu
+def test_bench_on_cuda_names_every_component_of_a_reduced_workload():
+    # Full width, one layer, 2 x 1024 tokens: the real kernels, so the name rules meet real names.
+    r = bench.run(layers=1, seq_len=1024, batch=2, steps=2, warmup=1, compile=False, profile_steps=1)
+    assert r["card"] == torch.cuda.get_device_name() and r["peak_allocated_gib"] > 0
+    assert all(math.isfinite(x) for x in r["losses"])
+    parts = r["breakdown_ms_per_step"]
+    for component in ("attention", "expert GEMMs", "router + permutation", "lm_head + loss", "optimizer"):
+        assert parts[component] > 0, (component, parts)
+    # The fused loss and AdamW dominate at one layer; "other" must not swallow them.
+    assert parts["lm_head + loss"] + parts["optimizer"] > parts["other"], parts
