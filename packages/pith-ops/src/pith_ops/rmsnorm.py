@@ -5,10 +5,11 @@ Shape legend: N rows (leading dims flattened), D normalised width; weight_D.
 Memory-bound. Each program holds whole rows in registers (BLOCK_D = next_pow2(D)), so the forward
 reads x once and writes y once, and the backward reads x and dy once and writes dx once,
 recomputing 1/rms from the row it already holds instead of saving it. The weight gradient is summed
-over rows: 2 backward programs per SM each stream a contiguous run of row tiles (the next tile's load
-issued before the current one is reduced), keep their partial sum in registers and write one fp32
-row of partials; a second small kernel sums the [P, D] partials and casts (2 MB at D=2048 on 132
-SMs, L2-resident, against the ~200 MB the 16384 x 2048 bf16 backward moves), with no atomics.
+over rows: 2 or 4 (tuned) backward programs per SM each stream a contiguous run of row tiles (the
+next tile's load issued before the current one is reduced), keep their partial sum in registers and
+write one fp32 row of partials; a second small kernel sums the [P, D] partials and casts (2-4 MB at
+D=2048 on 132 SMs, L2-resident, against the ~200 MB the 16384 x 2048 bf16 backward moves), with no
+atomics.
 """
 
 import functools
@@ -21,13 +22,17 @@ from torch import Tensor
 from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, use_triton
 
 # ELEMS elements per program (ROWS = ELEMS / BLOCK_D rows, at least one) and warps, autotuned per
-# width on the GPU: D=2048 and D=128 rows want different shapes. The interpreter (CPU tests) would
-# run every config, so it gets one.
-_CONFIGS = [
-    triton.Config({"ELEMS": e}, num_warps=w)
-    for e, w in ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16))
+# width on the GPU: D=2048 and D=128 rows want different shapes. The backward also tunes how many
+# programs share an SM (PER_SM; more hide latency, fewer write fewer partials). The interpreter (CPU
+# tests) would run every config, so it gets one.
+_SHAPES = ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16))
+_CONFIGS = [triton.Config({"ELEMS": e}, num_warps=w) for e, w in _SHAPES]
+_BACKWARD_CONFIGS = [
+    triton.Config({"ELEMS": e, "PER_SM": s}, num_warps=w) for e, w in _SHAPES for s in (2, 4)
 ]
-_CONFIGS = _CONFIGS[2:3] if INTERPRET else _CONFIGS
+_CONFIGS, _BACKWARD_CONFIGS = (
+    (_CONFIGS[2:3], _BACKWARD_CONFIGS[4:5]) if INTERPRET else (_CONFIGS, _BACKWARD_CONFIGS)
+)
 
 
 @triton.autotune(_CONFIGS, key=["D", "UNIT_OFFSET"])
@@ -48,7 +53,7 @@ def _rms_norm_forward_kernel(
     tl.store(y_ptr + offs, x * rstd[:, None] * w[None, :], mask=mask)
 
 
-@triton.autotune(_CONFIGS, key=["D", "UNIT_OFFSET"])
+@triton.autotune(_BACKWARD_CONFIGS, key=["D", "UNIT_OFFSET"])
 @triton.jit
 def _rms_norm_backward_kernel(
     x_ptr,
@@ -62,6 +67,7 @@ def _rms_norm_backward_kernel(
     BLOCK_D: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
     ELEMS: tl.constexpr,
+    PER_SM: tl.constexpr,  # sizes the grid (programs per SM), read by the launcher
 ):
     """dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * w; dw partial = sum over rows of dy * xhat.
 
@@ -136,14 +142,15 @@ def _backward_launch(
     N, D = x_ND.shape
     dx_ND = x_ND.new_empty(x_ND.shape)
     dw_D = weight_D.new_empty(D)
-    # 2 programs per SM stream their row tiles (a prefetched tile each keeps ~32-64 KB per SM in
-    # flight); every program writes one fp32 row of partials, 2 MB at D=2048 on 132 SMs, L2-resident
-    # for the finishing sum. Programs left without a tile (N < P rows) write zeros.
-    P = max(1, min(N, 2 * _sm_count(x_ND.device)))
-    dw_partial_PD = x_ND.new_empty(P, D, dtype=torch.float32)
-    _rms_norm_backward_kernel[(P,)](
+    # PER_SM programs per SM stream their row tiles; each writes one fp32 row of partials (2-4 MB at
+    # D=2048 on 132 SMs, L2-resident for the finishing sum). Programs without a tile write zeros.
+    sms = _sm_count(x_ND.device)
+    dw_partial_PD = x_ND.new_empty(max(1, min(N, 4 * sms)), D, dtype=torch.float32)
+    kernel = _rms_norm_backward_kernel
+    kernel[lambda meta: (max(1, min(N, meta["PER_SM"] * sms)),)](
         x_ND, weight_D, dy_ND, dx_ND, dw_partial_PD, N, D, eps, triton.next_power_of_2(D), unit_offset
     )
+    P = max(1, min(N, kernel.best_config.kwargs["PER_SM"] * sms))  # the grid the tuned config ran
     _sum_partials_kernel[(triton.cdiv(D, 32),)](dw_partial_PD, dw_D, P, D, BLOCK_P=128, BLOCK_C=32)
     return dx_ND, dw_D
 
