@@ -29,7 +29,9 @@ from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, INTERPRET, check, use_t
 
 CHUNK = 128  # routed entries per slot program; the in-chunk rank is a CHUNK x CHUNK compare
 CHUNKS_PER_BLOCK = 8  # chunks per histogram program: 1024 entries, so E x blocks stays one small scan
-EXPERT_TILE = 16  # experts per step of the chunk histograms: a [8, 128, 16] compare, 64 values a thread
+# Experts per step of the chunk histograms: a [8, 128, 16] compare is 64 values a thread on the GPU; the
+# interpreter pays per step, not per value (4096 experts in steps of 16: 10 s a call on CPU).
+EXPERT_TILE = 256 if INTERPRET else 16
 
 
 @triton.jit
