@@ -277,7 +277,7 @@ def summary(r: dict) -> str:
         f" grouped_gemm={s['grouped_gemm']}",
         f"  {r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms (median of {s['steps']})",
         f"  MFU {r['mfu_measured']:.1%}: causal FLOPs over the measured"
-        f" {r['measured_matmul_tflops']:.3g} TFLOP/s bf16 matmul"
+        f" {r['measured_matmul_tflops']:.3g} TFLOP/s matmul (bf16 on CUDA)"
         f" ({r['model_tflops_causal']:.3g} TFLOP/s achieved);"
         f" {r['mfu_989']:.1%} in the TorchTitan convention over {r['datasheet_tflops']:.3g} TFLOP/s",
         f"  {mem}",
