@@ -274,7 +274,7 @@ def _permute_forward(
         )
         _slots_kernel[(n_chunks,)](
             ids, pre_CE, base_EB, slots, inv if inv is not None else slots, TK, E, nb,
-            CHUNK=CHUNK, CPB=CHUNKS_PER_BLOCK, HAS_OWNER=inv is not None, num_warps=4,
+            CHUNK=CHUNK, CPB=CHUNKS_PER_BLOCK, HAS_OWNER=inv is not None, num_warps=8,  # [128, 128] compare
         )  # fmt: skip
     x_ND, _ = _scatter_rows(x_TD, slots.view(T, K), N, inv)
     return x_ND, slots.view(T, K), ends
