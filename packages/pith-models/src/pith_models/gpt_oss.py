@@ -215,9 +215,13 @@ class Experts(nn.Module):
         # The expert of each row, for its biases; rows past the last end are padding (any expert does).
         rows_N = torch.arange(x_ND.shape[0], device=x_ND.device, dtype=group_ends_E.dtype)
         expert_N = torch.searchsorted(group_ends_E, rows_N, right=True).clamp(max=group_ends_E.shape[0] - 1)
-        h_N2F = pith_ops.grouped_gemm(x_ND, self.w_gate_up, group_ends_E) + self.b_gate_up[expert_N]
+        # Parameters in the rows' dtype: bf16 rows under autocast meet fp32 master weights.
+        w_gate_up, b_gate_up, w_down, b_down = (
+            p.to(x_ND.dtype) for p in (self.w_gate_up, self.b_gate_up, self.w_down, self.b_down)
+        )
+        h_N2F = pith_ops.grouped_gemm(x_ND, w_gate_up, group_ends_E) + b_gate_up[expert_N]
         h_NF = pith_ops.swiglu_oss(h_N2F, self.alpha, self.limit)
-        return pith_ops.grouped_gemm(h_NF, self.w_down, group_ends_E) + self.b_down[expert_N]
+        return pith_ops.grouped_gemm(h_NF, w_down, group_ends_E) + b_down[expert_N]
 
     def reference(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
         def expert(e: int, x: Tensor) -> Tensor:
