@@ -23,8 +23,9 @@ from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, use_triton
 
 # ELEMS elements per program (ROWS = ELEMS / BLOCK_D rows, at least one) and warps, autotuned per
 # width on the GPU: D=2048 and D=128 rows want different shapes. The backward also tunes how many
-# programs share an SM (PER_SM; more hide latency, fewer write fewer partials). The interpreter (CPU
-# tests) would run every config, so it gets one.
+# programs share an SM (PER_SM; more hide latency, fewer write fewer partials): with its prefetched
+# tile it takes 60-128 registers a thread (ptxas, sm_90), so 1 to 4 programs fit an SM by shape.
+# The interpreter (CPU tests) would run every config, so it gets one.
 _SHAPES = ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16))
 _CONFIGS = [triton.Config({"ELEMS": e}, num_warps=w) for e, w in _SHAPES]
 _BACKWARD_CONFIGS = [
@@ -82,25 +83,29 @@ def _rms_norm_backward_kernel(
     if UNIT_OFFSET:
         w += 1.0
     row_end = tl.minimum(end * ROWS, N)  # this program's rows end here
-    rows = first * ROWS + tl.arange(0, ROWS)
-    mask = (rows[:, None] < row_end) & (cols[None, :] < D)
-    offs = rows[:, None] * D + cols[None, :]
-    x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    dy_raw = tl.load(dy_ptr + offs, mask=mask, other=0.0)
+    # Only the scalar first row is carried and advanced: 2D int64 offsets cost registers per element.
+    r = tl.arange(0, ROWS)
+    tile_offs = r[:, None] * D + cols[None, :]
+    col_mask = cols[None, :] < D
+    row0 = first * ROWS
+    mask = (row0 + r[:, None] < row_end) & col_mask
+    x_raw = tl.load(x_ptr + row0 * D + tile_offs, mask=mask, other=0.0)
+    dy_raw = tl.load(dy_ptr + row0 * D + tile_offs, mask=mask, other=0.0)
     # Summed over rows once after the loop: a per-tile sum over rows would cross warps every tile.
     dw_acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     for _ in range(first, end):
-        next_mask = (rows[:, None] + ROWS < row_end) & (cols[None, :] < D)
-        x_next = tl.load(x_ptr + offs + ROWS * D, mask=next_mask, other=0.0)
-        dy_next = tl.load(dy_ptr + offs + ROWS * D, mask=next_mask, other=0.0)
+        next_mask = (row0 + ROWS + r[:, None] < row_end) & col_mask
+        x_next = tl.load(x_ptr + (row0 + ROWS) * D + tile_offs, mask=next_mask, other=0.0)
+        dy_next = tl.load(dy_ptr + (row0 + ROWS) * D + tile_offs, mask=next_mask, other=0.0)
         x, dy = x_raw.to(tl.float32), dy_raw.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
         xhat = x * rstd[:, None]
         g = dy * w[None, :]
         c = tl.sum(g * xhat, axis=1) / D
-        tl.store(dx_ptr + offs, (g - xhat * c[:, None]) * rstd[:, None], mask=mask)
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + row0 * D + tile_offs, dx, mask=(row0 + r[:, None] < row_end) & col_mask)
         dw_acc += dy * xhat
-        rows, offs, mask, x_raw, dy_raw = rows + ROWS, offs + ROWS * D, next_mask, x_next, dy_next
+        row0, x_raw, dy_raw = row0 + ROWS, x_next, dy_next
     tl.store(dw_partial_ptr + pid * D + cols, tl.sum(dw_acc, axis=0), mask=cols < D)
 
 
