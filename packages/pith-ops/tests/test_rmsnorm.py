@@ -5,7 +5,13 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pith_ops.rmsnorm import _rms_norm_backward_op, _rms_norm_op, rms_norm, rms_norm_reference
+from pith_ops.rmsnorm import (
+    _rms_norm_backward_op,
+    _rms_norm_op,
+    _sum_partials_kernel,
+    rms_norm,
+    rms_norm_reference,
+)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -52,6 +58,15 @@ def test_one_token_many_rows_and_empty_batch():
     # accumulates dweight over several tiles.
     assert_matches_float64(torch.randn(70, 300), torch.randn(300), unit_offset=True)
     assert rms_norm(torch.randn(0, 4, 8), torch.ones(8), 1e-6).shape == (0, 4, 8)
+
+
+def test_dweight_partials_sum_over_more_programs_than_one_block():
+    # On the GPU P is 2-4 per SM (264-528 rows); CPU runs have P <= 2, so test the finishing kernel
+    # alone: 300 partial rows (three blocks of 128, the last partial) over 45 columns (two programs).
+    partial_PD = torch.randn(300, 45, dtype=torch.float64).float()
+    dw_D = torch.empty(45, dtype=torch.float16)
+    _sum_partials_kernel[(2,)](partial_PD, dw_D, 300, 45, BLOCK_P=128, BLOCK_C=32)
+    torch.testing.assert_close(dw_D.double(), partial_PD.double().sum(0), rtol=1e-3, atol=1e-2)
 
 
 def test_non_contiguous_input_is_handled():
