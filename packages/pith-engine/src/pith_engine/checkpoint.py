@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from pith_engine.parallel import Layout, Mesh, expert_param_names
@@ -94,6 +95,10 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh
     """The canonical state dict, every entry a view of this rank's live tensors; and the optimizer's
     own state dict (to give back to it after loading)."""
     experts = expert_param_names(model)
+    # The sharded parameters: a forward without backward (evaluation) leaves the FSDP root unsharded.
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
     params = {n: p.detach() for n, p in model.named_parameters()}
     state = {
         "model": _split_experts(params, experts, mesh),
