@@ -1,6 +1,8 @@
-"""Input checks and the kernel-or-reference decision shared by the operators."""
+"""Input checks, the kernel-or-reference decision and the eager/compiled switch shared by the
+operators."""
 
 import os
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -33,3 +35,30 @@ def check(
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def eager_or_custom(
+    custom_op: Callable, setup_context: Callable, forward_fn: Callable, backward_fn: Callable
+) -> Callable:
+    """-> a callable running custom_op under torch.compile (one opaque node) and otherwise a
+    torch.autograd.Function with the same forward (forward_fn, then setup_context(ctx, inputs, output))
+    and backward_fn(ctx, *grads). Skipping the custom op's dispatch layers costs ~4 us against ~50 us
+    forward with trivial bodies on CPU (~3x less forward+backward). The Function's forward is
+    ctx-style because a separate setup_context makes Function.apply bind arguments by signature
+    (~60 us); it is built here once, not per call."""
+
+    class _Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = forward_fn(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
+
+        backward = staticmethod(backward_fn)
+
+    eager = _Eager.apply
+
+    def call(*inputs):
+        return custom_op(*inputs) if torch.compiler.is_compiling() else eager(*inputs)
+
+    return call

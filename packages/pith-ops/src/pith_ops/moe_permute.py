@@ -9,8 +9,8 @@ the [E, B] totals into expert starts (padded to `align`) plus entries in earlier
 entry's slot (that base + the earlier-chunks count + earlier entries of its expert in the chunk) and,
 with padding, the owner map row -> entry. Token rows are then scattered to their K slots (each tile
 read once, stored K times), and only the rows no entry owns (padding) are zero-filled.
-Eager calls go through torch.autograd.Functions that call the launchers directly; torch.compile sees
-the custom ops (one opaque node each), whose bodies are the same functions.
+Eager calls skip the custom ops' dispatch layers (_common.eager_or_custom); torch.compile sees the
+custom ops (one opaque node each), whose bodies are the same functions.
 
 Expert ids outside [0, E) are checked only for CPU tensors in eager mode: on CUDA the check would
 cost a host sync per call, so there they are the caller's contract (a router's top-k cannot produce
@@ -20,12 +20,21 @@ moe_permute returns); its backward scatters w * dout to the referenced rows of d
 weight gradient from the same loads, and zero-fills the rows no slot references.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, INTERPRET, check, use_triton
+from pith_ops._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    INTERPRET,
+    check,
+    eager_or_custom,
+    use_triton,
+)
 
 CHUNK = 128  # routed entries per slot program; the in-chunk rank is a CHUNK x CHUNK compare
 CHUNKS_PER_BLOCK = 8  # chunks per histogram program: 1024 entries, so E x blocks stays one small scan
@@ -312,28 +321,20 @@ def _permute_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _permute_op_backward(ctx, dx_ND, _dslots, _dends):
+def _permute_grads(ctx, dx_ND, _dslots, _dends, backward):
     (slots_TK,) = ctx.saved_tensors
-    return _permute_backward_op(dx_ND, slots_TK), None, None, None
+    return backward(dx_ND, slots_TK), None, None, None
 
 
-_permute_op.register_autograd(_permute_op_backward, setup_context=_permute_setup)
-
-
-class _EagerPermute(torch.autograd.Function):
-    """The eager path: the custom op's forward/backward without its dispatch layers (swiglu.py has the
-    measured cost); torch.compile takes the custom op (one opaque node)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _permute_forward(*inputs)
-        _permute_setup(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, dx_ND, _dslots, _dends):
-        (slots_TK,) = ctx.saved_tensors
-        return _permute_backward(dx_ND, slots_TK), None, None, None
+_permute_op.register_autograd(
+    functools.partial(_permute_grads, backward=_permute_backward_op), setup_context=_permute_setup
+)
+_permute = eager_or_custom(
+    _permute_op,
+    _permute_setup,
+    _permute_forward,
+    functools.partial(_permute_grads, backward=_permute_backward),
+)
 
 
 def moe_permute(
@@ -350,14 +351,14 @@ def moe_permute(
         raise ValueError(f"num_experts: expected 1..4096, got {num_experts}")
     if align < 1:
         raise ValueError(f"align: expected a positive row multiple, got {align}")
-    compiling = torch.compiler.is_compiling()
-    if not expert_ids_TK.is_cuda and expert_ids_TK.numel() and not compiling:
+    # A data-dependent check (a host sync on CUDA, a graph break under compile): eager CPU only.
+    if not expert_ids_TK.is_cuda and expert_ids_TK.numel() and not torch.compiler.is_compiling():
         lo, hi = int(expert_ids_TK.min()), int(expert_ids_TK.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert_ids_TK: expected ids in [0, {num_experts}), got ids in [{lo}, {hi}]")
     if not use_triton(x_TD):
         return moe_permute_reference(x_TD, expert_ids_TK, num_experts, align)
-    return (_permute_op if compiling else _EagerPermute.apply)(x_TD, expert_ids_TK, num_experts, align)
+    return _permute(x_TD, expert_ids_TK, num_experts, align)
 
 
 # --- moe_unpermute -------------------------------------------------------------------------------
@@ -411,26 +412,21 @@ def _unpermute_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _unpermute_op_backward(ctx, dout_TD):
-    dy, dw = _unpermute_backward_op(dout_TD, *ctx.saved_tensors)
+def _unpermute_grads(ctx, dout_TD, backward):
+    dy, dw = backward(dout_TD, *ctx.saved_tensors)
     return dy, None, dw
 
 
-_unpermute_op.register_autograd(_unpermute_op_backward, setup_context=_unpermute_setup)
-
-
-class _EagerUnpermute(torch.autograd.Function):
-    """The eager path, as _EagerPermute."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        _unpermute_setup(ctx, inputs, None)
-        return _unpermute_forward(*inputs)
-
-    @staticmethod
-    def backward(ctx, dout_TD):
-        dy, dw = _unpermute_backward(dout_TD, *ctx.saved_tensors)
-        return dy, None, dw
+_unpermute_op.register_autograd(
+    functools.partial(_unpermute_grads, backward=_unpermute_backward_op),
+    setup_context=_unpermute_setup,
+)
+_unpermute = eager_or_custom(
+    _unpermute_op,
+    _unpermute_setup,
+    _unpermute_forward,
+    functools.partial(_unpermute_grads, backward=_unpermute_backward),
+)
 
 
 def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
@@ -444,8 +440,7 @@ def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
         )
     if not use_triton(y_ND):
         return moe_unpermute_reference(y_ND, slots_TK, weights_TK)
-    op = _unpermute_op if torch.compiler.is_compiling() else _EagerUnpermute.apply
-    return op(y_ND, slots_TK, weights_TK)
+    return _unpermute(y_ND, slots_TK, weights_TK)
 
 
 # --- specification -------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, use_triton
+from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, eager_or_custom, use_triton
 
 # ELEMS elements per program (ROWS = ELEMS / BLOCK_D rows, at least one) and warps, autotuned per
 # width on the GPU: D=2048 and D=128 rows want different shapes. The backward also tunes how many
@@ -194,31 +194,18 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_ND, weight_D)
 
 
-def _op_backward(ctx, dy_ND):
+def _grads(ctx, dy_ND, backward):
     x_ND, weight_D = ctx.saved_tensors
-    dx_ND, dw_D = _rms_norm_backward_op(dy_ND, x_ND, weight_D, ctx.eps, ctx.unit_offset)
+    dx_ND, dw_D = backward(dy_ND, x_ND, weight_D, ctx.eps, ctx.unit_offset)
     return dx_ND, dw_D, None, None
 
 
-_rms_norm_op.register_autograd(_op_backward, setup_context=_setup_context)
-
-
-class _EagerRMSNorm(torch.autograd.Function):
-    """The eager path: the same forward/backward as the custom op without its dispatch layers (with
-    trivial bodies on CPU: ~4 us against ~50 us forward, ~3x less forward+backward). A ctx-style
-    forward: a separate setup_context makes Function.apply bind arguments by signature (~60 us).
-    torch.compile takes the custom op (one opaque node)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        _setup_context(ctx, inputs, None)
-        return _forward(*inputs)
-
-    @staticmethod
-    def backward(ctx, dy_ND):
-        x_ND, weight_D = ctx.saved_tensors
-        dx_ND, dw_D = _backward(dy_ND, x_ND, weight_D, ctx.eps, ctx.unit_offset)
-        return dx_ND, dw_D, None, None
+_rms_norm_op.register_autograd(
+    functools.partial(_grads, backward=_rms_norm_backward_op), setup_context=_setup_context
+)
+_rms_norm = eager_or_custom(
+    _rms_norm_op, _setup_context, _forward, functools.partial(_grads, backward=_backward)
+)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
@@ -234,8 +221,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -
     if not eps > 0:  # eps > 0 also keeps the kernels' masked padding rows finite
         raise ValueError(f"eps: expected a positive float, got {eps}")
     D = x.shape[-1]
-    op = _rms_norm_op if torch.compiler.is_compiling() else _EagerRMSNorm.apply
-    return op(x.reshape(-1, D), weight, float(eps), unit_offset).view(x.shape)
+    return _rms_norm(x.reshape(-1, D), weight, float(eps), unit_offset).view(x.shape)
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pith_ops._common import FLOAT_DTYPES, check, use_triton
+from pith_ops._common import FLOAT_DTYPES, check, eager_or_custom, use_triton
 
 
 @triton.jit
@@ -139,29 +139,14 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(cos_BSR, sin_BSR)
 
 
-def _op_backward(ctx, dy_BSHD):
+def _grads(ctx, dy_BSHD, rotate):
+    # The backward rotates by the opposite angle: the same kernel with inverse flipped.
     cos_BSR, sin_BSR = ctx.saved_tensors
-    return _rope_op(dy_BSHD, cos_BSR, sin_BSR, ctx.interleaved, not ctx.inverse), None, None, None, None
+    return rotate(dy_BSHD, cos_BSR, sin_BSR, ctx.interleaved, not ctx.inverse), None, None, None, None
 
 
-_rope_op.register_autograd(_op_backward, setup_context=_setup_context)
-
-
-class _EagerRope(torch.autograd.Function):
-    """The eager path: the same forward/backward as the custom op without its dispatch layers (with
-    trivial bodies on CPU: ~4 us against ~50 us forward, ~3x less forward+backward). A ctx-style
-    forward: a separate setup_context makes Function.apply bind arguments by signature (~60 us).
-    torch.compile takes the custom op (one opaque node)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        _setup_context(ctx, inputs, None)
-        return _forward(*inputs)
-
-    @staticmethod
-    def backward(ctx, dy_BSHD):
-        cos_BSR, sin_BSR = ctx.saved_tensors
-        return _forward(dy_BSHD, cos_BSR, sin_BSR, ctx.interleaved, not ctx.inverse), None, None, None, None
+_rope_op.register_autograd(functools.partial(_grads, rotate=_rope_op), setup_context=_setup_context)
+_rope = eager_or_custom(_rope_op, _setup_context, _forward, functools.partial(_grads, rotate=_forward))
 
 
 def apply_rope(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool = False) -> Tensor:
@@ -177,8 +162,7 @@ def apply_rope(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bo
             f"cos_BSR, sin_BSR: expected equal shapes ({B} or 1, {S}, R) with 0 < 2R <= {D} for x of "
             f"shape {tuple(x_BSHD.shape)}, got {tuple(cos_BSR.shape)} and {tuple(sin_BSR.shape)}"
         )
-    op = _rope_op if torch.compiler.is_compiling() else _EagerRope.apply
-    return op(x_BSHD, cos_BSR, sin_BSR, interleaved, False)
+    return _rope(x_BSHD, cos_BSR, sin_BSR, interleaved, False)
 
 
 def apply_rope_reference(

@@ -8,12 +8,14 @@ Memory-bound: the forward reads 2F and writes F elements per row, the backward r
 stored for the backward and each pass touches memory once.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, use_triton
+from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, eager_or_custom, use_triton
 
 # Rows per program and warps, autotuned per width on the GPU; the interpreter (CPU tests) would run every
 # config, so it gets one. Columns come in blocks of 256 (F=768: three unmasked blocks).
@@ -126,29 +128,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_N2F)
 
 
-def _op_backward(ctx, dy_NF):
+def _grads(ctx, dy_NF, backward):
     (x_N2F,) = ctx.saved_tensors
-    return _swiglu_backward_op(dy_NF, x_N2F, ctx.oss, ctx.alpha, ctx.limit), None, None, None
+    return backward(dy_NF, x_N2F, ctx.oss, ctx.alpha, ctx.limit), None, None, None
 
 
-_swiglu_op.register_autograd(_op_backward, setup_context=_setup_context)
-
-
-class _EagerSwiGLU(torch.autograd.Function):
-    """The eager path: the same forward/backward as the custom op without its dispatch layers (with
-    trivial bodies on CPU: ~4 us against ~50 us forward, ~3x less forward+backward). A ctx-style
-    forward: a separate setup_context makes Function.apply bind arguments by signature (~60 us).
-    torch.compile takes the custom op (one opaque node)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        _setup_context(ctx, inputs, None)
-        return _forward(*inputs)
-
-    @staticmethod
-    def backward(ctx, dy_NF):
-        (x_N2F,) = ctx.saved_tensors
-        return _backward(dy_NF, x_N2F, ctx.oss, ctx.alpha, ctx.limit), None, None, None
+_swiglu_op.register_autograd(
+    functools.partial(_grads, backward=_swiglu_backward_op), setup_context=_setup_context
+)
+_swiglu = eager_or_custom(_swiglu_op, _setup_context, _forward, functools.partial(_grads, backward=_backward))
 
 
 def _apply(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
@@ -158,8 +146,7 @@ def _apply(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
             f"x_N2F: expected a last dimension 2F > 0 holding gate and up, got shape {tuple(x_N2F.shape)}"
         )
     F = x_N2F.shape[-1] // 2
-    op = _swiglu_op if torch.compiler.is_compiling() else _EagerSwiGLU.apply
-    y_NF = op(x_N2F.reshape(-1, 2 * F), oss, alpha, limit)
+    y_NF = _swiglu(x_N2F.reshape(-1, 2 * F), oss, alpha, limit)
     return y_NF.view(*x_N2F.shape[:-1], F)
 
 
