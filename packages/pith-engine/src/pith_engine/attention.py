@@ -49,10 +49,7 @@ def attention_reference(
     kf = kf.repeat_interleave(Hq // Hk, dim=1)
     vf = vf.repeat_interleave(Hq // Hk, dim=1)
     scores = (qf @ kf.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
-    dist = pos_q_BS[:, None, :, None] - pos_k_BS[:, None, None, :]
-    visible = dist >= 0
-    if window is not None:
-        visible = visible & (dist < window)
+    visible = band_visible(pos_q_BS[:, None, :, None] - pos_k_BS[:, None, None, :], window)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     denom = lse if sinks_H is None else torch.logaddexp(lse, sinks_H.to(compute)[None, :, None])
@@ -75,6 +72,11 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
     return out.transpose(1, 2)
 
 
+def band_visible(dist: Tensor, window: int | None) -> Tensor:
+    """Whether a query sees a key dist = q_pos - k_pos ahead of it: causal, banded when window is set."""
+    return (dist >= 0) & (dist < window) if window is not None else dist >= 0
+
+
 @functools.cache
 def _compiled_flex_attention():
     # imported on first use: flex_attention's import costs about half of torch's own
@@ -89,8 +91,7 @@ def _band_block_mask(seq_len: int, window: int | None, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, q_idx, kv_idx):
-        dist = q_idx - kv_idx
-        return (dist >= 0) & (dist < window) if window is not None else dist >= 0
+        return band_visible(q_idx - kv_idx, window)
 
     return create_block_mask(visible, None, None, seq_len, seq_len, device=device)
 
@@ -99,9 +100,18 @@ def flex_attention(
     q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: int | None, sinks_H: Tensor | None
 ) -> Tensor:
     """Causal / sliding-window attention over in-order positions with compiled flex_attention (CUDA)."""
-    from torch.nn.attention.flex_attention import AuxRequest
+    out, lse_BHS = flex_attention_lse(q, k, v, _band_block_mask(q.shape[1], window, q.device), scale)
+    if sinks_H is None:
+        return out
+    keep_BHS = torch.sigmoid(lse_BHS - sinks_H.float()[None, :, None])
+    return (out.float() * keep_BHS.transpose(1, 2)[..., None]).to(q.dtype)
 
-    block_mask = _band_block_mask(q.shape[1], window, q.device)
+
+def flex_attention_lse(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -> tuple[Tensor, Tensor]:
+    """Compiled flex_attention of [B, S, H, D] tensors under block_mask (GQA allowed) ->
+    (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32)."""
+    from torch.nn.attention.flex_attention import AuxRequest  # here: flex's import is slow, CUDA-only
+
     out_BHSD, aux = _compiled_flex_attention()(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -111,10 +121,7 @@ def flex_attention(
         enable_gqa=True,
         return_aux=AuxRequest(lse=True),
     )
-    if sinks_H is not None:
-        keep_BHS = torch.sigmoid(aux.lse - sinks_H.float()[None, :, None])
-        out_BHSD = (out_BHSD.float() * keep_BHS[..., None]).to(q.dtype)
-    return out_BHSD.transpose(1, 2)
+    return out_BHSD.transpose(1, 2), aux.lse
 
 
 def attention(

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from pith_engine.attention import _compiled_flex_attention, attention_reference
+from pith_engine.attention import attention_reference, band_visible, flex_attention_lse
 from pith_engine.contract import Positions
 
 
@@ -114,24 +114,13 @@ def _block_attention(
     # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
     if not (q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16):
         return attention_reference(q, k, v, pos_q_BS, pos_k_BS, scale=scale, window=window)
-    from torch.nn.attention.flex_attention import AuxRequest  # here: flex's import is slow, CUDA-only
 
     def visible(b, h, qi, ki):
-        dist_ = pos_q_BS[b, qi] - pos_k_BS[b, ki]
-        return (dist_ >= 0) & (dist_ < window) if window is not None else dist_ >= 0
+        return band_visible(pos_q_BS[b, qi] - pos_k_BS[b, ki], window)
 
     B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
     block_mask = _compiled_create_block_mask()(visible, B, None, Sq, Sk, device=q.device)
-    out, aux = _compiled_flex_attention()(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=True,
-        return_aux=AuxRequest(lse=True),
-    )
-    return out.transpose(1, 2), aux.lse
+    return flex_attention_lse(q, k, v, block_mask, scale)
 
 
 def _block_backward(
