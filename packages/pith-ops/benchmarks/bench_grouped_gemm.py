@@ -7,31 +7,27 @@ per-expert loop (the reference). FLOPs: 2*T*K*I*O forward, 3x that forward+backw
 Run on a CUDA machine: python3 packages/pith-ops/benchmarks/bench_grouped_gemm.py
 """
 
-import importlib
-
 import torch
 from harness import header, median_ms, report
+from pith_ops import _common, grouped_gemm, grouped_gemm_reference
 from pith_ops.moe_permute import moe_permute
-
-# The module, not the function of the same name that pith_ops re-exports over it.
-gg = importlib.import_module("pith_ops.grouped_gemm")
 
 T, K, E = 16384, 8, 128
 SHAPES = {"gate_up": (2048, 1536), "down": (768, 2048)}
 
 
 def forward(impl: str, x, w, ends_E):
-    return gg.grouped_gemm_reference(x, w, ends_E) if impl == "loop" else gg.grouped_gemm(x, w, ends_E)
+    return grouped_gemm_reference(x, w, ends_E) if impl == "loop" else grouped_gemm(x, w, ends_E)
 
 
 def timed(impl: str, fn) -> float:
     """Median ms of fn with grouped_gemm's one implementation switch set for impl (forward and
     backward both run under it), restored after."""
-    saved, gg.USE_TORCH_GROUPED_MM = gg.USE_TORCH_GROUPED_MM, impl == "torch"
+    saved, _common.USE_TORCH_GROUPED_MM = _common.USE_TORCH_GROUPED_MM, impl == "torch"
     try:
         return median_ms(fn)
     finally:
-        gg.USE_TORCH_GROUPED_MM = saved
+        _common.USE_TORCH_GROUPED_MM = saved
 
 
 def bench(name: str, I: int, O: int, ends_E: torch.Tensor, align: int) -> None:

@@ -3,16 +3,11 @@
 Shape legend: N grouped rows, I input features, O output features, E experts.
 """
 
-import importlib
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pith_ops import grouped_gemm, grouped_gemm_reference
-
-# The module, not the function of the same name that pith_ops re-exports over it.
-gg = importlib.import_module("pith_ops.grouped_gemm")
+from pith_ops import _common, grouped_gemm, grouped_gemm_reference
 
 
 def check_grouped_gemm(sizes, tail, I, O, seed, dtype=torch.float32, device="cpu", tol=1e-4):
@@ -102,7 +97,7 @@ def moe_sizes(E: int, total: int, align: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("torch_mm", [True, False])
 @pytest.mark.parametrize("align", [1, 16])
 def test_bf16_on_gpu(torch_mm, align, monkeypatch):
-    monkeypatch.setattr(gg, "USE_TORCH_GROUPED_MM", torch_mm)
+    monkeypatch.setattr(_common, "USE_TORCH_GROUPED_MM", torch_mm)
     check_grouped_gemm(
         moe_sizes(32, 4096, align, seed=align),
         7,

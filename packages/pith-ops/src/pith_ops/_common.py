@@ -1,5 +1,6 @@
 """Input checks, the kernel-or-reference decision and the eager/compiled switch shared by the
-operators."""
+operators, and the grouped-GEMM implementation switch (kept here because pith_ops re-exports the
+function grouped_gemm over the name of its module, so the module is awkward to reach)."""
 
 import os
 from collections.abc import Callable
@@ -62,3 +63,11 @@ def eager_or_custom(
         return custom_op(*inputs) if torch.compiler.is_compiling() else eager(*inputs)
 
     return call
+
+
+# torch's grouped matmul (CUTLASS) is the default on CUDA bf16: measured on an NVIDIA H200 with
+# benchmarks/bench_grouped_gemm.py at T=16384, K=8, E=128 (2026-12-02), fwd+bwd, unpadded groups:
+# gate_up [131072, 2048] x [128, 2048, 1536] 4.58 ms (540 TFLOP/s) vs 6.22 ms (398) for the Triton kernel;
+# down [131072, 768] x [128, 768, 2048] 2.36 ms (524) vs 3.26 ms (379). The Triton kernel serves
+# what torch's does not take (fp32/fp16, feature sizes not a multiple of 8) and the CPU interpreter.
+USE_TORCH_GROUPED_MM = True

@@ -16,14 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pith_ops import _common
 from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, INTERPRET, check, use_triton
-
-# torch's grouped matmul (CUTLASS) is the default on CUDA bf16: measured on an NVIDIA H200 with
-# bench_grouped_gemm.py at T=16384, K=8, E=128 (2026-12-02), fwd+bwd, unpadded groups: gate_up
-# [131072, 2048] x [128, 2048, 1536] 4.58 ms (540 TFLOP/s) vs 6.22 ms (398) for the Triton kernel;
-# down [131072, 768] x [128, 768, 2048] 2.36 ms (524) vs 3.26 ms (379). The Triton kernel serves
-# what torch's does not take (fp32/fp16, feature sizes not a multiple of 8) and the CPU interpreter.
-USE_TORCH_GROUPED_MM = True
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): H100-sized tiles; small ones for the CPU interpreter.
 TILES = (32, 32, 32, 1, 1) if INTERPRET else (128, 128, 64, 8, 3)
@@ -120,7 +114,12 @@ def _zero_tail(y_NO: Tensor, ends: Tensor) -> Tensor:
 
 def _torch_path(x: Tensor, *sizes: int) -> bool:
     # CUTLASS grouped GEMM: bf16 on CUDA, 16-byte strides (feature sizes a multiple of 8).
-    return USE_TORCH_GROUPED_MM and x.is_cuda and x.dtype == torch.bfloat16 and all(s % 8 == 0 for s in sizes)
+    return (
+        _common.USE_TORCH_GROUPED_MM
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and all(s % 8 == 0 for s in sizes)
+    )
 
 
 def _mm(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> Tensor:

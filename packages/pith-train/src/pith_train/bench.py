@@ -25,12 +25,12 @@ Shape legend: B sequences, S sequence length.
 
 import collections
 import dataclasses
-import importlib
 import os
 import statistics
 import time
 
 import pith_models
+import pith_ops._common
 import torch
 from pith_models import qwen3_moe
 from torch.profiler import ProfilerActivity, profile
@@ -119,8 +119,7 @@ def breakdown(prof, steps: int) -> dict[str, float]:
 
 
 def _set_grouped_gemm_backend(backend: str) -> None:
-    # The grouped-GEMM module's own switch (pith_ops re-exports the function over the module's name).
-    importlib.import_module("pith_ops.grouped_gemm").USE_TORCH_GROUPED_MM = backend == "torch"
+    pith_ops._common.USE_TORCH_GROUPED_MM = backend == "torch"
 
 
 def _measured_matmul_flops(device: torch.device) -> float:
