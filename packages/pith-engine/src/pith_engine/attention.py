@@ -77,6 +77,9 @@ def band_visible(dist: Tensor, window: int | None) -> Tensor:
     return (dist >= 0) & (dist < window) if window is not None else dist >= 0
 
 
+_FP32_BLOCKS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
+
+
 @functools.cache
 def _compiled_flex_attention():
     # imported on first use: flex_attention's import costs about half of torch's own
@@ -120,6 +123,9 @@ def flex_attention_lse(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float
         scale=scale,
         enable_gqa=True,
         return_aux=AuxRequest(lse=True),
+        # fp32 tiles at flex's default block sizes overflow shared memory for head dims above 128 (MLA's
+        # 192): 32-row blocks fit every head dim here; bf16 keeps the tuned defaults.
+        kernel_options=dict.fromkeys(_FP32_BLOCKS, 32) if q.dtype == torch.float32 else None,
     )
     return out_BHSD.transpose(1, 2), aux.lse
 

@@ -79,12 +79,10 @@ class ExpertParallel:
             raise ValueError(f"expert parallelism: {E} experts do not divide over ep={R} ranks")
         El = E // R
         dest_TK = r.expert_ids_TK // El
-        need_RT = torch.zeros(R, T, dtype=torch.bool, device=dev)
-        need_RT[dest_TK.T.flatten(), torch.arange(T, device=dev).repeat(K)] = True
-        pairs_R = torch.zeros(R, dtype=torch.long, device=dev).index_add_(
-            0, dest_TK.flatten(), torch.ones(T * K, dtype=torch.long, device=dev)
-        )
-        send_counts_R2 = torch.stack([need_RT.sum(1), pairs_R], 1)
+        # A one-hot [R, T, K] (small: R*T*K bools), not an index_put of True, whose scalar is a host copy.
+        hit_RTK = dest_TK[None] == torch.arange(R, device=dev)[:, None, None]
+        need_RT = hit_RTK.any(2)
+        send_counts_R2 = torch.stack([need_RT.sum(1), hit_RTK.sum((1, 2))], 1)
         recv_counts_R2 = torch.empty_like(send_counts_R2)
         dist.all_to_all_single(recv_counts_R2, send_counts_R2, group=self.group)
         # The layer's one host sync: split sizes for the exchanges (and the pair count for shapes).
