@@ -1,7 +1,8 @@
-"""Every parallel layout trains like one process: for tiny Qwen3-MoE and DeepSeek-V2 (MLA) configs
-with 8 experts, in fp32, the layouts dp2, ep2, cp2 (2 gloo processes) and dp2 x ep2, cp2 x ep2, ep4
-(4 processes) reproduce the single-process per-step losses over 5 AdamW steps (with gradient
-clipping active) to a relative error <= 1e-5, and every parameter's gradient after the first step.
+"""Every parallel layout trains like one process: for tiny Qwen3-MoE, DeepSeek-V2 (MLA) and GPT-OSS
+(sliding window, sinks) configs with 8 experts, in fp32, the layouts dp2, ep2, cp2 (2 gloo
+processes) and dp2 x ep2, cp2 x ep2, ep4 (4 processes) reproduce the single-process per-step losses
+over 5 AdamW steps (with gradient clipping active) to a relative error <= 1e-5, and every
+parameter's gradient after the first step.
 
 The step is the engine's part of training only: the five-stage executor, FSDP2, EP all-to-alls, ring
 attention on a zigzag split, cross-entropy summed and divided by the global label-token count (so
@@ -31,11 +32,13 @@ from pith_engine.parallel import (
     parallelize,
 )
 from pith_engine.ring_attention import zigzag_positions, zigzag_split
-from pith_models import deepseek_v2, qwen3_moe
+from pith_models import deepseek_v2, gpt_oss, qwen3_moe
 
 MODELS = {
     "qwen3_moe": (qwen3_moe, dataclasses.replace(qwen3_moe.TINY, num_experts=8, mlp_only_layers=())),
     "deepseek_v2": (deepseek_v2, dataclasses.replace(deepseek_v2.TINY, num_hidden_layers=2)),
+    # one sliding-window layer (window 5: across the cp2 zigzag chunks of 4) and one full, both with sinks
+    "gpt_oss": (gpt_oss, dataclasses.replace(gpt_oss.TINY, num_hidden_layers=2, layer_types=())),
 }
 LAYOUTS = {
     2: [Layout(dp=2), Layout(ep=2), Layout(cp=2)],
