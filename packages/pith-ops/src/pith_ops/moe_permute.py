@@ -1,14 +1,15 @@
 """Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute).
 
 Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows (T*K, plus per-expert
-padding when align > 1), C chunks of CHUNK routed entries, B blocks of CHUNKS_PER_BLOCK chunks.
+padding when align > 1), C chunks of CT tokens (CT * K <= CHUNK routed entries), R rows of a tile.
 
-Index building is three launches with no host sync and no torch op between them: per block, each
-chunk's per-expert counts in the block's earlier chunks and the block's totals; one program scanning
-the [E, B] totals into expert starts (padded to `align`) plus entries in earlier blocks; per chunk, each
-entry's slot (that base + the earlier-chunks count + earlier entries of its expert in the chunk) and,
-with padding, the owner map row -> entry. Token rows are then scattered to their K slots (each tile
-read once, stored K times), and only the rows no entry owns (padding) are zero-filled.
+moe_permute is three launches with no host sync and no torch op between them: each chunk's per-expert
+counts; per expert, a scan over the chunks (its entries in earlier chunks), the last program to finish
+turning the totals into group starts and ends (padded to `align`); per chunk, each entry's slot (start
++ earlier chunks' count + earlier entries of its expert in the chunk), then, in the same program, the
+chunk's token rows scattered to their K slots (each tile read once, stored K times), so the slot work
+overlaps other programs' row stores. With padding that program also writes the owner map row -> entry,
+and a fourth launch zero-fills the rows no entry owns.
 Eager calls skip the custom ops' dispatch layers (_common.eager_or_custom); torch.compile sees the
 custom ops (one opaque node each), whose bodies are the same functions.
 
@@ -36,103 +37,94 @@ from pith_ops._common import (
     use_triton,
 )
 
-CHUNK = 128  # routed entries per slot program; the in-chunk rank is a CHUNK x CHUNK compare
-CHUNKS_PER_BLOCK = 8  # chunks per histogram program: 1024 entries, so E x blocks stays one small scan
-# Experts per step of the chunk histograms: a [8, 128, 16] compare is 64 values a thread on the GPU; the
-# interpreter pays per step, not per value (4096 experts in steps of 16: 10 s a call on CPU).
-EXPERT_TILE = 256 if INTERPRET else 16
+# Experts per compare step of the chunk counts: on the GPU a [128, 64] compare is 64 values a thread at
+# 4 warps; the interpreter (CPU tests) pays per step, not per value.
+EXPERT_TILE = 256 if INTERPRET else 64
+# The per-expert scan is [SCAN_CHUNKS, EXPERT_SCAN] a step: 1024 chunks cover T=16384 at top-8 in one
+# step; at 8 warps that is 125 registers (sm_90 build), where 8 or 16 experts a program spill. The
+# interpreter pays per program (4096 experts in programs of 4: 35 s on CPU), and gets a short step so
+# that CPU tests with a few chunks go through the carried loop.
+EXPERT_SCAN = 256 if INTERPRET else 4
+SCAN_CHUNKS = 4 if INTERPRET else 1024
+# Entries a chunk holds at most: the in-chunk rank is a [CHUNK, CHUNK] compare; a chunk holds at least
+# one token, so this also bounds top-k. (A constexpr global: kernels read it.)
+CHUNK = tl.constexpr(128)
 
 
 @triton.jit
-def _histogram_kernel(
-    ids_ptr, pre_CE_ptr, hist_EB_ptr, TK, E, NB,
-    CHUNK: tl.constexpr, CPB: tl.constexpr, ET: tl.constexpr,
-):  # fmt: skip
-    """Per chunk: entries of each expert in earlier chunks of the same block (pre); per block: totals.
+def _chunk_ids(ids_TK_ptr, c, T, K: tl.constexpr, CT: tl.constexpr):
+    """-> (entries, ok, ids) of chunk c: the CT * K <= CHUNK entries t * K + k of its CT tokens, in CHUNK
+    lanes; ids -1 (no expert) where not ok."""
+    j = tl.arange(0, CHUNK)
+    entries = c * CT * K + j
+    ok = (j < CT * K) & (entries < T * K)
+    return entries, ok, tl.load(ids_TK_ptr + entries, mask=ok, other=-1).to(tl.int32)
 
-    Counted by comparison against a tile of experts rather than tl.histogram: one histogram per chunk
-    would be CPB dependent steps, one over (chunk, expert) bins costs the GPU lowering O(bins) per value.
+
+@triton.jit
+def _chunk_histogram_kernel(
+    ids_TK_ptr, counts_CE_ptr, arrivals_ptr, T, E, K: tl.constexpr, CT: tl.constexpr, ET: tl.constexpr
+):  # fmt: skip
+    """counts[c, e] = entries of expert e in chunk c, by comparison against a tile of experts at a time;
+    program 0 also resets the scan's arrival counter.
+
+    Compares rather than tl.histogram: its GPU lowering costs O(bins) per value and wants a power-of-two,
+    compile-time bin count.
     """
-    b = tl.program_id(0)
-    chunks = b * CPB + tl.arange(0, CPB)
-    offs = chunks[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    ids = tl.load(ids_ptr + offs, mask=offs < TK, other=-1).to(tl.int32)  # -1 matches no expert
+    c = tl.program_id(0)
+    if c == 0:
+        tl.store(arrivals_ptr, 0)
+    _, _, ids = _chunk_ids(ids_TK_ptr, c, T, K, CT)
     for e0 in range(0, E, ET):
         experts = e0 + tl.arange(0, ET)
-        counts = tl.sum((ids[:, :, None] == experts[None, None, :]).to(tl.int32), axis=1)  # [CPB, ET]
-        incl = tl.cumsum(counts, 0)
-        e_ok = experts < E
-        tl.store(pre_CE_ptr + chunks[:, None] * E + experts[None, :], incl - counts, mask=e_ok[None, :])
-        tl.store(hist_EB_ptr + experts * NB + b, tl.sum(counts, 0), mask=e_ok)
+        counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        tl.store(counts_CE_ptr + c * E + experts, counts, mask=experts < E)
 
 
 @triton.jit
-def _scan_kernel(hist_EB_ptr, base_EB_ptr, ends_ptr, E, NB, align, E_P2: tl.constexpr, BT: tl.constexpr):
-    """One program: expert totals -> padded group ends; base[e, b] = e's start + its entries in blocks < b."""
-    experts = tl.arange(0, E_P2)
+def _histogram_scan_kernel(
+    counts_CE_ptr, pre_CE_ptr, total_E_ptr, arrivals_ptr, starts_E_ptr, ends_E_ptr, C, E, align,
+    CB: tl.constexpr, EB: tl.constexpr, E_P2: tl.constexpr,
+):  # fmt: skip
+    """Per expert (EB of them a program): pre[c, e] = entries of e in chunks < c; total[e] = all of them.
+    The last program to finish turns the totals into group starts and ends (padded to `align`), so the
+    slot kernel gathers a start per entry instead of scanning E totals in each of its programs."""
+    experts = tl.program_id(0) * EB + tl.arange(0, EB)
     e_ok = experts < E
-    counts = tl.zeros([E_P2], dtype=tl.int32)
-    for b0 in range(0, NB, BT):
-        blocks = b0 + tl.arange(0, BT)
-        m = e_ok[:, None] & (blocks[None, :] < NB)
-        counts += tl.sum(tl.load(hist_EB_ptr + experts[:, None] * NB + blocks[None, :], mask=m, other=0), 1)
-    padded = (counts + align - 1) // align * align
-    ends = tl.cumsum(padded, 0)
-    tl.store(ends_ptr + experts, ends, mask=e_ok)
-    carry = ends - padded
-    for b0 in range(0, NB, BT):
-        blocks = b0 + tl.arange(0, BT)
-        p = experts[:, None] * NB + blocks[None, :]
-        m = e_ok[:, None] & (blocks[None, :] < NB)
-        hist = tl.load(hist_EB_ptr + p, mask=m, other=0)
-        tl.store(base_EB_ptr + p, carry[:, None] + tl.cumsum(hist, 1) - hist, mask=m)
-        carry += tl.sum(hist, 1)
+    carry = tl.zeros([EB], dtype=tl.int32)
+    for c0 in range(0, C, CB):
+        chunks = c0 + tl.arange(0, CB)
+        p = chunks[:, None] * E + experts[None, :]
+        m = (chunks < C)[:, None] & e_ok[None, :]
+        counts = tl.load(counts_CE_ptr + p, mask=m, other=0)
+        tl.store(pre_CE_ptr + p, carry[None, :] + tl.cumsum(counts, 0) - counts, mask=m)
+        carry += tl.sum(counts, 0)
+    tl.store(total_E_ptr + experts, carry, mask=e_ok)
+    tl.debug_barrier()  # all of this program's totals are written before its arrival (a release) counts
+    if tl.atomic_add(arrivals_ptr, 1) == tl.num_programs(0) - 1:
+        every = tl.arange(0, E_P2)
+        # Written by programs on other SMs: read at L2 (.cg), past this SM's L1.
+        total = tl.load(total_E_ptr + every, mask=every < E, other=0, cache_modifier=".cg")
+        padded = (total + align - 1) // align * align
+        ends = tl.cumsum(padded, 0)
+        tl.store(ends_E_ptr + every, ends, mask=every < E)
+        tl.store(starts_E_ptr + every, ends - padded, mask=every < E)
 
 
 @triton.jit
-def _slots_kernel(
-    ids_ptr, pre_CE_ptr, base_EB_ptr, slots_ptr, inv_ptr, TK, E, NB,
-    CHUNK: tl.constexpr, CPB: tl.constexpr, HAS_OWNER: tl.constexpr,
+def _store_rows(
+    src_TD_ptr, slots_TK_ptr, w_TK_ptr, y_ND_ptr, out_ND_ptr, dw_TK_ptr, tokens, T, D,
+    K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """slot = base[e, block] + entries of e in earlier chunks of the block + earlier entries in the chunk."""
-    c = tl.program_id(0)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    valid = offs < TK
-    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
-    base = tl.load(base_EB_ptr + ids * NB + c // CPB, mask=valid, other=0)
-    pre = tl.load(pre_CE_ptr + c * E + ids, mask=valid, other=0)
-    j = tl.arange(0, CHUNK)
-    earlier = (ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None])
-    slot = base + pre + tl.sum(earlier.to(tl.int32), axis=1)
-    tl.store(slots_ptr + offs, slot.to(tl.int64), mask=valid)
-    if HAS_OWNER:
-        tl.store(inv_ptr + slot, offs, mask=valid)
+    """out[slots[t, k]] = src[t] for the program's token rows (slots < 0 skipped); WEIGHTED (moe_unpermute's
+    backward): out[slots[t, k]] = w[t, k] * src[t] and dw[t, k] = <src[t], y[slots[t, k]]>.
 
-
-# Elements per program (ROWS = ELEMS / BLOCK_D token rows, at least one) and warps for the row kernels,
-# autotuned per shape on the GPU; the interpreter (CPU tests) would run every config, so it gets one.
-_CONFIGS = [
-    triton.Config({"ELEMS": e}, num_warps=w)
-    for e, w in ((4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16), (2048, 4))
-]
-_CONFIGS = _CONFIGS[:1] if INTERPRET else _CONFIGS
-
-
-@triton.autotune(_CONFIGS, key=["D", "K", "HAS_W", "HAS_Y"])
-@triton.jit
-def _scatter_rows_kernel(
-    src_TD_ptr, slots_TK_ptr, w_TK_ptr, y_ND_ptr, out_ND_ptr, dw_TK_ptr, T, D,
-    K: tl.constexpr, K_P2: tl.constexpr, HAS_W: tl.constexpr, HAS_Y: tl.constexpr,
-    BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
-):  # fmt: skip
-    """out[slots[t, k]] = w[t, k] * src[t] (slots < 0 skipped); HAS_Y: dw[t, k] = <src[t], y[slots[t, k]]>.
-
-    Each src tile is loaded once and stored to its K destinations (K unrolled, so the stores and, with
-    HAS_Y, the y loads of all K are in flight together); gathering by output row instead would fetch
-    each src row K times, and src is larger than L2 at training sizes.
+    Each src tile is loaded once and stored to its K destinations (K unrolled, so the stores and, when
+    WEIGHTED, the y loads of all K are in flight together); gathering by output row instead would fetch
+    each src row K times, and src is larger than L2 at training sizes. The slots are loaded inside the
+    column loop (L1 hits): values computed before it would be hoisted by the compiler together with their
+    [ROWS, BLOCK_D] pointer broadcasts, K of them live at once (sm_90 build: 255 registers and spills).
     """
-    ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
-    tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     tok_ok = tokens < T
     src_rows = tokens.to(tl.int64)[:, None] * D
     ks = tl.arange(0, K_P2)
@@ -145,18 +137,77 @@ def _scatter_rows_kernel(
             slot = tl.load(slots_TK_ptr + tokens * K + k, mask=tok_ok, other=-1).to(tl.int64)
             m = (slot >= 0)[:, None] & col_ok
             out_p = out_ND_ptr + slot[:, None] * D + cols[None, :]
-            if HAS_W:
+            if WEIGHTED:
                 scale = tl.load(w_TK_ptr + tokens * K + k, mask=slot >= 0, other=0).to(tl.float32)
                 tl.store(out_p, scale[:, None] * src.to(tl.float32), mask=m)
-            else:
-                tl.store(out_p, src.to(out_ND_ptr.dtype.element_ty), mask=m)
-            if HAS_Y:
                 y = tl.load(y_ND_ptr + slot[:, None] * D + cols[None, :], mask=m, other=0)
                 part = tl.sum(src.to(tl.float32) * y.to(tl.float32), axis=1)
                 dot_RK += tl.where(ks[None, :] == k, part[:, None], 0.0)
-    if HAS_Y:
+            else:
+                tl.store(out_p, src.to(out_ND_ptr.dtype.element_ty), mask=m)
+    if WEIGHTED:
         dw_p = dw_TK_ptr + tokens[:, None] * K + ks[None, :]
         tl.store(dw_p, dot_RK, mask=tok_ok[:, None] & (ks[None, :] < K))
+
+
+# Store tile (TILE elements: the chunk's CT rows x TILE / CT columns) and warps of the fused slots +
+# scatter kernel, autotuned per shape on the GPU; small tiles leave registers for a second program per
+# SM, whose row stores hide this one's index work. The interpreter would run every config, so it gets one.
+_SLOTS_CONFIGS = [
+    triton.Config({"TILE": t}, num_warps=w)
+    for t, w in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (2048, 4))
+]
+_SLOTS_CONFIGS = _SLOTS_CONFIGS[:1] if INTERPRET else _SLOTS_CONFIGS
+
+
+@triton.autotune(_SLOTS_CONFIGS, key=["D", "K", "HAS_OWNER"])
+@triton.jit
+def _slots_scatter_kernel(
+    x_TD_ptr, ids_TK_ptr, pre_CE_ptr, starts_E_ptr, slots_TK_ptr, owner_N_ptr, out_ND_ptr, T, D, E,
+    K: tl.constexpr, K_P2: tl.constexpr, CT: tl.constexpr, HAS_OWNER: tl.constexpr, D_P2: tl.constexpr,
+    TILE: tl.constexpr,
+):  # fmt: skip
+    """Per chunk: slot = start[e] + pre[c, e] + earlier entries of e in the chunk; store the slots (and,
+    with padding, the owner map row -> entry), then the chunk's CT token rows to their K slots."""
+    BLOCK_D: tl.constexpr = TILE // CT if TILE // CT < D_P2 else D_P2
+    c = tl.program_id(0)
+    entries, ok, ids = _chunk_ids(ids_TK_ptr, c, T, K, CT)
+    j = tl.arange(0, CHUNK)
+    earlier = (ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None])
+    slot = tl.load(starts_E_ptr + ids, mask=ok, other=0) + tl.load(pre_CE_ptr + c * E + ids, mask=ok, other=0)
+    slot += tl.sum(earlier.to(tl.int32), axis=1)
+    tl.store(slots_TK_ptr + entries, slot.to(tl.int64), mask=ok)
+    if HAS_OWNER:
+        tl.store(owner_N_ptr + slot, entries, mask=ok)
+    tl.debug_barrier()  # the row stores read back the slots other threads of this program just wrote
+    _store_rows(
+        x_TD_ptr, slots_TK_ptr, x_TD_ptr, x_TD_ptr, out_ND_ptr, out_ND_ptr, c * CT + tl.arange(0, CT), T, D,
+        K, K_P2, CT, False, BLOCK_D,
+    )  # fmt: skip
+
+
+# Elements per program (ROWS = ELEMS / BLOCK_D token rows, at least one) and warps for the row kernels,
+# autotuned per shape on the GPU; the interpreter (CPU tests) would run every config, so it gets one.
+_CONFIGS = [
+    triton.Config({"ELEMS": e}, num_warps=w)
+    for e, w in ((4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16), (2048, 4))
+]
+_CONFIGS = _CONFIGS[:1] if INTERPRET else _CONFIGS
+
+
+@triton.autotune(_CONFIGS, key=["D", "K"])
+@triton.jit
+def _scatter_rows_kernel(
+    src_TD_ptr, slots_TK_ptr, w_TK_ptr, y_ND_ptr, out_ND_ptr, dw_TK_ptr, T, D,
+    K: tl.constexpr, K_P2: tl.constexpr, BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
+):  # fmt: skip
+    """The weighted _store_rows over given slots (moe_unpermute's backward), ROWS tokens a program."""
+    ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
+    tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    _store_rows(
+        src_TD_ptr, slots_TK_ptr, w_TK_ptr, y_ND_ptr, out_ND_ptr, dw_TK_ptr, tokens, T, D,
+        K, K_P2, ROWS, True, BLOCK_D,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -212,22 +263,26 @@ def _rows(meta: dict, block_d: int) -> int:
     return triton.cdiv(meta["ELEMS"], block_d)
 
 
-def _scatter_rows(src_TD, slots_TK, N, owner_N, w_TK=None, y_ND=None, out_dtype=None):
-    """-> (out_ND, dw_TK fp32 or None): the scatter, then zeros in the rows no entry owns."""
+def _zero_unowned(out_ND: Tensor, owner_N: Tensor) -> None:
+    N, D = out_ND.shape
+    if N * D:
+        block_d = _block_d(D)
+        rows = triton.cdiv(4096, block_d)
+        _zero_unowned_rows_kernel[(triton.cdiv(N, rows),)](out_ND, owner_N, N, D, ROWS=rows, BLOCK_D=block_d)
+
+
+def _scatter_rows(src_TD, slots_TK, N, owner_N, w_TK, y_ND, out_dtype):
+    """-> (out_ND, dw_TK fp32): the weighted scatter, then zeros in the rows no entry owns."""
     (T, K), D = slots_TK.shape, src_TD.shape[1]
-    out = torch.empty(N, D, dtype=out_dtype or src_TD.dtype, device=src_TD.device)
-    dw = torch.empty(T, K, dtype=torch.float32, device=src_TD.device) if y_ND is not None else None
+    out = torch.empty(N, D, dtype=out_dtype, device=src_TD.device)
+    dw = torch.empty(T, K, dtype=torch.float32, device=src_TD.device)
     block_d = _block_d(D)
     if T:
         _scatter_rows_kernel[lambda meta: (triton.cdiv(T, _rows(meta, block_d)),)](
-            src_TD, slots_TK, w_TK if w_TK is not None else slots_TK, y_ND if y_ND is not None else out,
-            out, dw if dw is not None else out, T, D,
-            K=K, K_P2=triton.next_power_of_2(K), HAS_W=w_TK is not None, HAS_Y=y_ND is not None,
-            BLOCK_D=block_d,
+            src_TD, slots_TK, w_TK, y_ND, out, dw, T, D,
+            K=K, K_P2=triton.next_power_of_2(K), BLOCK_D=block_d,
         )  # fmt: skip
-    if owner_N is not None and N * D:
-        rows = triton.cdiv(4096, block_d)
-        _zero_unowned_rows_kernel[(triton.cdiv(N, rows),)](out, owner_N, N, D, ROWS=rows, BLOCK_D=block_d)
+    _zero_unowned(out, owner_N)
     return out, dw
 
 
@@ -255,38 +310,40 @@ def _static_rows(T: int, K: int, num_experts: int, align: int) -> int:
 def _permute_forward(
     x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    T, K = expert_ids_TK.shape
-    TK, E, dev = T * K, num_experts, x_TD.device
+    (T, K), D = expert_ids_TK.shape, x_TD.shape[1]
+    E, dev = num_experts, x_TD.device
     N = _static_rows(T, K, E, align)
-    ids = expert_ids_TK.contiguous().view(-1)
-    n_chunks = triton.cdiv(TK, CHUNK)
-    nb = triton.cdiv(n_chunks, CHUNKS_PER_BLOCK)
-    slots = torch.empty(TK, dtype=torch.int64, device=dev)
+    ids = expert_ids_TK.contiguous()
+    x_ND = torch.empty(N, D, dtype=x_TD.dtype, device=dev)
+    slots = torch.empty(T, K, dtype=torch.int64, device=dev)
     # The owner map is needed only to find padding rows; without padding every row is some entry's.
-    inv = torch.full((N,), -1, dtype=torch.int32, device=dev) if align > 1 else None
-    # The scan kernel writes every expert's end; only with no entries do they need a zero fill.
-    ends = (
-        torch.empty(E, dtype=torch.int32, device=dev) if TK else torch.zeros(E, dtype=torch.int32, device=dev)
-    )
-    if TK:
-        # Three launches, no torch op between them: chunk/block histograms, one program scanning the
-        # [E, blocks] table (128 x 128 at T=16384, K=8, E=128), the slots.
-        pre_CE = torch.empty(nb * CHUNKS_PER_BLOCK, E, dtype=torch.int32, device=dev)
-        hist_EB = torch.empty(E, nb, dtype=torch.int32, device=dev)
-        base_EB = torch.empty_like(hist_EB)
-        _histogram_kernel[(nb,)](
-            ids, pre_CE, hist_EB, TK, E, nb, CHUNK=CHUNK, CPB=CHUNKS_PER_BLOCK, ET=EXPERT_TILE, num_warps=8
-        )
-        e_p2 = triton.next_power_of_2(E)
-        _scan_kernel[(1,)](
-            hist_EB, base_EB, ends, E, nb, align, E_P2=e_p2, BT=max(1, 16384 // e_p2), num_warps=16
-        )
-        _slots_kernel[(n_chunks,)](
-            ids, pre_CE, base_EB, slots, inv if inv is not None else slots, TK, E, nb,
-            CHUNK=CHUNK, CPB=CHUNKS_PER_BLOCK, HAS_OWNER=inv is not None, num_warps=8,  # [128, 128] compare
+    owner = torch.full((N,), -1, dtype=torch.int32, device=dev) if align > 1 else None
+    if T * K == 0:
+        ends = torch.zeros(E, dtype=torch.int32, device=dev)
+    else:
+        # Chunks of ct tokens, ct * K <= CHUNK entries (K <= CHUNK is checked). Three launches, no torch
+        # op between them: chunk counts, per-expert scans over the chunks, slots + row scatter.
+        k_p2 = triton.next_power_of_2(K)
+        ct = CHUNK.value // k_p2
+        C = triton.cdiv(T, ct)
+        counts_CE = torch.empty(C, E, dtype=torch.int32, device=dev)
+        pre_CE = torch.empty_like(counts_CE)
+        total_E, starts_E = torch.empty(2, E, dtype=torch.int32, device=dev)
+        ends = torch.empty(E, dtype=torch.int32, device=dev)  # an output: its own storage, not a view
+        arrivals = torch.empty(1, dtype=torch.int32, device=dev)  # reset by the first launch
+        _chunk_histogram_kernel[(C,)](ids, counts_CE, arrivals, T, E, K=K, CT=ct, ET=EXPERT_TILE, num_warps=4)
+        _histogram_scan_kernel[(triton.cdiv(E, EXPERT_SCAN),)](
+            counts_CE, pre_CE, total_E, arrivals, starts_E, ends, C, E, align,
+            CB=min(SCAN_CHUNKS, triton.next_power_of_2(C)), EB=EXPERT_SCAN, E_P2=triton.next_power_of_2(E),
+            num_warps=8,
         )  # fmt: skip
-    x_ND, _ = _scatter_rows(x_TD, slots.view(T, K), N, inv)
-    return x_ND, slots.view(T, K), ends
+        _slots_scatter_kernel[(C,)](
+            x_TD, ids, pre_CE, starts_E, slots, owner if owner is not None else slots, x_ND, T, D, E,
+            K=K, K_P2=k_p2, CT=ct, HAS_OWNER=owner is not None, D_P2=triton.next_power_of_2(max(D, 1)),
+        )  # fmt: skip
+    if owner is not None:
+        _zero_unowned(x_ND, owner)
+    return x_ND, slots, ends
 
 
 def _permute_backward(dx_ND: Tensor, slots_TK: Tensor) -> Tensor:
@@ -346,6 +403,10 @@ def moe_permute(
     if expert_ids_TK.shape[0] != x_TD.shape[0]:
         raise ValueError(
             f"expert_ids_TK: expected {x_TD.shape[0]} rows (one per token), got {expert_ids_TK.shape[0]}"
+        )
+    if expert_ids_TK.shape[1] > CHUNK.value:
+        raise ValueError(
+            f"expert_ids_TK: expected at most {CHUNK.value} columns (top-k), got {expert_ids_TK.shape[1]}"
         )
     if not 1 <= num_experts <= 4096:
         raise ValueError(f"num_experts: expected 1..4096, got {num_experts}")
