@@ -48,15 +48,19 @@ def check_permute(T, K, E, D, align, seed, dtype=torch.float32, device="cpu", to
     torch.testing.assert_close(dw.double(), ref_dw, rtol=tol, atol=tol * D)
 
 
+# Experts, then a top-k that fits (routing draws K distinct experts per token).
+experts_and_top_k = st.integers(1, 256).flatmap(lambda E: st.tuples(st.just(E), st.integers(1, min(E, 8))))
+
+
 @given(
-    T=st.integers(1, 12),
-    K=st.integers(1, 4),
-    E=st.integers(4, 19),
-    D=st.integers(1, 40),
+    T=st.integers(1, 40),
+    E_K=experts_and_top_k,
+    D=st.integers(1, 24),
     align=st.sampled_from([1, 2, 8]),
     seed=st.integers(0, 2**16),
 )
-def test_permute_and_unpermute_match_reference_with_gradients(T, K, E, D, align, seed):
+def test_permute_and_unpermute_match_reference_with_gradients(T, E_K, D, align, seed):
+    E, K = E_K
     check_permute(T, K, E, D, align, seed)
 
 
@@ -65,11 +69,14 @@ def test_permute_and_unpermute_match_reference_with_gradients(T, K, E, D, align,
     [
         (1, 1, 1, 3, 1),  # one token, one expert
         (1, 8, 256, 5, 16),  # many experts, nearly all empty, padded
-        (70, 2, 256, 7, 1),  # many experts over two index blocks of 128 entries
-        (300, 1, 3, 4, 4),  # k = 1, three index blocks (128 entries each)
-        (700, 2, 5, 2, 3),  # two histogram blocks of 1024 entries, the second partial
-        (1100, 4, 4096, 1, 1),  # the most experts: the block scan steps over 4 blocks at a time
-        (3, 3, 4, 1030, 2),  # rows wider than one 1024-column step: the weight gradient sums over steps
+        (70, 2, 256, 7, 1),  # chunks of 64 tokens: the second one partial
+        (300, 1, 3, 4, 4),  # k = 1: chunks of 128 tokens, the third partial
+        (45, 3, 7, 9, 2),  # k = 3: 32-token chunks of 96 entries, in 128 lanes; T*K no multiple of it
+        (21, 6, 11, 6, 4),  # k = 6: 16-token chunks of 96 entries
+        (700, 2, 5, 2, 3),  # 11 chunks: the per-expert scan carries over steps (4 chunks in the interpreter)
+        (1100, 4, 4096, 1, 1),  # the most experts: chunk counts in 16 expert tiles, a 4096-wide start scan
+        (3, 3, 4, 1030, 2),  # rows wider than one column step: the weight gradient sums over steps
+        (3, 128, 130, 2, 2),  # the largest top-k: one token a chunk
     ],
 )
 def test_permute_edge_shapes(T, K, E, D, align):
@@ -122,6 +129,8 @@ def test_bad_inputs_raise_value_error():
         moe_permute(x_TD, ids_TK, 4)
     with pytest.raises(ValueError, match="align"):
         moe_permute(x_TD, ids_TK, 6, align=0)
+    with pytest.raises(ValueError, match=r"expert_ids_TK: expected at most 128 columns \(top-k\), got 129"):
+        moe_permute(x_TD, torch.zeros(4, 129, dtype=torch.long), 6)
     x_ND, slots_TK, _ = moe_permute(x_TD, ids_TK, 6)
     with pytest.raises(ValueError, match=r"weights_TK: expected shape \(4, 2\)"):
         moe_unpermute(x_ND, slots_TK, torch.rand(4, 3))
@@ -130,9 +139,17 @@ def test_bad_inputs_raise_value_error():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("align", [1, 16])
-def test_bf16_on_gpu_at_model_scale(align):
-    T, K, E, D = 4096, 8, 128, 2048
+@pytest.mark.parametrize(
+    "T,K,E,align",
+    [
+        (4096, 8, 128, 1),
+        (4096, 8, 128, 16),
+        (20000, 8, 128, 128),  # 1250 chunks: the per-expert scan carries over two steps of 1024
+        (3000, 6, 4096, 4),  # top-6 of the most experts
+    ],
+)
+def test_bf16_on_gpu_at_model_scale(T, K, E, align):
+    D = 2048
     g = torch.Generator(device="cuda").manual_seed(0)
     ids_TK = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices
     x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -153,6 +170,23 @@ def test_bf16_on_gpu_at_model_scale(align):
     (dx,) = torch.autograd.grad(x_ND, x_TD, y_ND.detach())
     ref_dx = y_ND.detach().double()[slots_TK].sum(1)
     torch.testing.assert_close(dx.double(), ref_dx, rtol=1e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_with_new_routing():
+    """No host sync (capturable), and the launches' state (the scan's arrival counter) resets each replay."""
+    T, K, E, D, align = 2048, 8, 128, 256, 16
+    x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    ids_TK = torch.rand(T, E, device="cuda").topk(K, dim=1).indices
+    moe_permute(x_TD, ids_TK, E, align)  # autotuning runs outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = moe_permute(x_TD, ids_TK, E, align)
+    for _ in range(3):
+        ids_TK.copy_(torch.rand(T, E, device="cuda").topk(K, dim=1).indices)
+        graph.replay()
+        for got, want in zip(outputs, moe_permute_reference(x_TD, ids_TK, E, align), strict=True):
+            assert torch.equal(got, want)
 
 
 def test_compiles_to_one_graph_with_gradients():
