@@ -430,7 +430,8 @@ def moe_permute(
         hi = int(expert_ids_TK.max()) if expert_ids_TK.numel() else -1
         if hi >= num_experts:
             raise ValueError(f"expert_ids_TK: expected ids < {num_experts} (< 0: no expert), got {hi}")
-        need += int((expert_ids_TK >= 0).sum())
+        if rows is not None:
+            need += int((expert_ids_TK >= 0).sum())
     if rows is not None and rows < need:
         raise ValueError(f"rows: expected at least {need} (routed entries plus padding), got {rows}")
     if not use_triton(x_TD):
@@ -551,10 +552,13 @@ def moe_permute_reference(
     slots = torch.empty_like(flat).scatter_(0, order, starts[e_sorted] + rank_in_expert)
     slots = torch.where(routed, slots, -1)
     N = _static_rows(T, K, E, align, rows)
-    # Unrouted entries write to a sink row N, cut off (index writes rather than a boolean mask: no sync).
-    x_ND = x_TD.new_zeros(N + 1, x_TD.shape[1])
-    x_ND[torch.where(routed, slots, N)] = x_TD.repeat_interleave(K, dim=0)
-    return x_ND[:N], slots.view(T, K), ends.to(torch.int32)
+    # Each row's token, T (a zero row appended to x) where no entry owns it; unrouted entries write to
+    # a sink N, cut off (index writes rather than a boolean mask: no host sync). A gather of the N rows
+    # rather than a scatter of T*K copies: far fewer when most entries are unrouted (EP's receiver).
+    token_N = torch.full((N + 1,), T, dtype=torch.long, device=flat.device)
+    token_N.scatter_(0, torch.where(routed, slots, N), torch.arange(T * K, device=flat.device) // K)
+    x_ND = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])[token_N[:N]]
+    return x_ND, slots.view(T, K), ends.to(torch.int32)
 
 
 def moe_unpermute_reference(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
