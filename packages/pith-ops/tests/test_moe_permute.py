@@ -10,22 +10,57 @@ from hypothesis import strategies as st
 from pith_ops import moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference
 
 
-def routing(T: int, K: int, E: int, seed: int, device="cpu") -> torch.Tensor:
-    """Top-k style ids: K distinct experts per token (K <= E)."""
+def routing(T: int, K: int, E: int, seed: int, device="cpu", unrouted=0.0) -> torch.Tensor:
+    """Top-k style ids: K distinct experts per token (K <= E); with unrouted > 0, that share of the ids
+    and every id of token 0 are -1 (no expert)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(device)
+    ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    if unrouted:
+        ids_TK = torch.where(torch.rand(T, K, generator=g) < unrouted, -1, ids_TK)
+        ids_TK[:1] = -1
+    return ids_TK.to(device)
 
 
-def check_permute(T, K, E, D, align, seed, dtype=torch.float32, device="cpu", tol=1e-5):
+def permute_by_hand(x_TD, ids_TK, E, align, N):
+    """The layout spelled out entry by entry: (expert, token) order, each group start rounded up to a
+    multiple of align, ids < 0 no row. -> (x_ND, slots_TK, group_ends_E)."""
+    T, K = ids_TK.shape
+    entries_of = [[] for _ in range(E)]
+    for t, ids in enumerate(ids_TK.tolist()):
+        for k, e in enumerate(ids):
+            if e >= 0:
+                entries_of[e].append((t, k))
+    x_ND = torch.zeros(N, x_TD.shape[1], dtype=x_TD.dtype)
+    slots, ends, row = [[-1] * K for _ in range(T)], [], 0
+    for entries in entries_of:
+        for t, k in entries:
+            x_ND[row], slots[t][k], row = x_TD[t], row, row + 1
+        row = -(-row // align) * align
+        ends.append(row)
+    return x_ND, torch.tensor(slots, dtype=torch.long).view(T, K), torch.tensor(ends, dtype=torch.int32)
+
+
+def check_permute(
+    T, K, E, D, align, seed, dtype=torch.float32, device="cpu", tol=1e-5, unrouted=0.0, spare_rows=None
+):
+    """spare_rows: None for the default N, else pass rows = (the routed entries + padding) + spare_rows."""
     g = torch.Generator().manual_seed(seed)
-    ids_TK = routing(T, K, E, seed, device)
+    ids_TK = routing(T, K, E, seed, device, unrouted)
+    pad = E * (align - 1) if align > 1 else 0
+    rows = None if spare_rows is None else int((ids_TK >= 0).sum()) + pad + spare_rows
     x_TD = torch.randn(T, D, generator=g).to(device, dtype).requires_grad_()
-    x_ND, slots_TK, ends_E = moe_permute(x_TD, ids_TK, E, align)
+    x_ND, slots_TK, ends_E = moe_permute(x_TD, ids_TK, E, align, rows=rows)
     x64 = x_TD.detach().double().requires_grad_()
-    ref_ND, ref_slots, ref_ends = moe_permute_reference(x64, ids_TK, E, align)
+    ref_ND, ref_slots, ref_ends = moe_permute_reference(x64, ids_TK, E, align, rows=rows)
+    N = T * K + pad if rows is None else rows
+    assert x_ND.shape == ref_ND.shape == (N, D)
+    by_hand = permute_by_hand(x64.detach().cpu(), ids_TK.cpu(), E, align, N)  # the reference's own spec
+    for got, want in zip((ref_ND, ref_slots, ref_ends), by_hand):
+        assert torch.equal(got.detach().cpu(), want)
     assert torch.equal(slots_TK, ref_slots) and torch.equal(ends_E, ref_ends)
-    assert x_ND.shape == (T * K + E * (align - 1) if align > 1 else T * K, D)
-    torch.testing.assert_close(x_ND.double(), ref_ND, rtol=0, atol=0)  # a permutation copies exactly
+    # Rows no entry owns are zero, except the tail negative ids leave without rows or padding (unwritten).
+    written = N if rows is not None or align > 1 else int(ends_E[-1])
+    torch.testing.assert_close(x_ND[:written].double(), ref_ND[:written], rtol=0, atol=0)  # exact copies
 
     dx_ND = torch.randn(x_ND.shape, generator=g).to(device, dtype)
     (dx,) = torch.autograd.grad(x_ND, x_TD, dx_ND)
@@ -58,10 +93,12 @@ experts_and_top_k = st.integers(1, 256).flatmap(lambda E: st.tuples(st.just(E), 
     D=st.integers(1, 24),
     align=st.sampled_from([1, 2, 8]),
     seed=st.integers(0, 2**16),
+    unrouted=st.sampled_from([0.0, 0.3, 1.0]),
+    spare_rows=st.sampled_from([None, 0, 5]),
 )
-def test_permute_and_unpermute_match_reference_with_gradients(T, E_K, D, align, seed):
+def test_permute_and_unpermute_match_reference_with_gradients(T, E_K, D, align, seed, unrouted, spare_rows):
     E, K = E_K
-    check_permute(T, K, E, D, align, seed)
+    check_permute(T, K, E, D, align, seed, unrouted=unrouted, spare_rows=spare_rows)
 
 
 @pytest.mark.parametrize(
@@ -83,6 +120,18 @@ def test_permute_edge_shapes(T, K, E, D, align):
     check_permute(T, K, E, D, align, seed=T + K + E)
 
 
+@pytest.mark.parametrize(
+    "T,K,E,D,align,spare_rows",
+    [
+        (700, 2, 5, 2, 3, None),  # the scan carries over steps; default N (unrouted entries' rows spare)
+        (45, 3, 7, 9, 1, 0),  # k = 3: 96 entries in 128 lanes; exactly the rows needed
+        (3, 128, 130, 2, 2, 7),  # the largest top-k
+    ],
+)
+def test_unrouted_entries_edge_shapes(T, K, E, D, align, spare_rows):
+    check_permute(T, K, E, D, align, seed=T + K + E, unrouted=0.5, spare_rows=spare_rows)
+
+
 def test_permute_fp16_matches_reference():
     check_permute(9, 3, 5, 17, 4, seed=1, dtype=torch.float16, tol=2e-3)
 
@@ -96,11 +145,23 @@ def test_empty_experts_get_empty_groups():
     assert x_ND.shape == (6 + 5 * 3, 2) and x_ND[[3, 7, 8]].abs().sum() == 0
 
 
+def test_negative_ids_get_no_row_and_rows_fixes_n():
+    ids_TK = torch.tensor([[3, -1], [-1, -1], [0, 3]])
+    x_TD = torch.arange(1.0, 7.0).view(3, 2)
+    x_ND, slots_TK, ends_E = moe_permute(x_TD, ids_TK, 5, align=4, rows=20)
+    assert ends_E.tolist() == [4, 4, 4, 8, 8]
+    assert slots_TK.tolist() == [[4, -1], [-1, -1], [0, 5]]
+    assert x_ND.shape == (20, 2) and x_ND[[0, 4, 5]].tolist() == [[5, 6], [1, 2], [5, 6]]
+    assert x_ND.abs().sum() == 5 + 6 + 1 + 2 + 5 + 6  # every other row zero
+
+
 def test_opcheck():
     ids_TK = routing(6, 2, 5, seed=0)
     x_TD = torch.randn(6, 8, requires_grad=True)
-    torch.library.opcheck(torch.ops.pith.moe_permute, (x_TD, ids_TK, 5, 4))
-    x_ND, slots_TK, _ = moe_permute(x_TD, ids_TK, 5, 4)
+    torch.library.opcheck(torch.ops.pith.moe_permute, (x_TD, ids_TK, 5, 4, None))
+    ids_TK = routing(6, 2, 5, seed=0, unrouted=0.3)  # then slots -1 in every op below
+    torch.library.opcheck(torch.ops.pith.moe_permute, (x_TD, ids_TK, 5, 1, 11))
+    x_ND, slots_TK, _ = moe_permute(x_TD, ids_TK, 5, 4, rows=30)
     y_ND = torch.randn(x_ND.shape, requires_grad=True)
     w_TK = torch.rand(6, 2, requires_grad=True)
     torch.library.opcheck(torch.ops.pith.moe_unpermute, (y_ND, slots_TK, w_TK))
@@ -125,8 +186,14 @@ def test_bad_inputs_raise_value_error():
         moe_permute(x_TD.T, routing(8, 2, 6, seed=0), 6)
     with pytest.raises(ValueError, match="on cpu"):
         moe_permute(x_TD, ids_TK.to("meta"), 6)
-    with pytest.raises(ValueError, match=r"ids in \[0, 4\), got ids in \[0, 5\]"):
+    with pytest.raises(ValueError, match=r"expected ids < 4 \(< 0: no expert\), got 5"):
         moe_permute(x_TD, ids_TK, 4)
+    one_unrouted = ids_TK.clone()
+    one_unrouted[0, 0] = -1
+    with pytest.raises(ValueError, match=r"rows: expected at least 7 \(routed entries plus padding\), got 6"):
+        moe_permute(x_TD, one_unrouted, 6, rows=6)
+    with pytest.raises(ValueError, match="rows: expected at least 14 .*, got 13"):
+        moe_permute(x_TD, ids_TK, 6, align=2, rows=13)
     with pytest.raises(ValueError, match="align"):
         moe_permute(x_TD, ids_TK, 6, align=0)
     with pytest.raises(ValueError, match=r"expert_ids_TK: expected at most 128 columns \(top-k\), got 129"):
@@ -190,25 +257,27 @@ def test_cuda_graph_replays_with_new_routing():
 
 
 def test_compiles_to_one_graph_with_gradients():
-    ids_TK = routing(6, 2, 5, seed=3)
+    ids_TK = routing(6, 2, 5, seed=3, unrouted=0.3)  # token 0 and others route to nothing
     x_TD = torch.randn(6, 8, requires_grad=True)
     w_TK = torch.rand(6, 2, requires_grad=True)
+    routed_TK = (ids_TK >= 0).float()
 
     def roundtrip(x, w):
-        x_ND, slots_TK, _ = moe_permute(x, ids_TK, 5, 4)
+        x_ND, slots_TK, _ = moe_permute(x, ids_TK, 5, 4, rows=40)
         return moe_unpermute(x_ND * 2, slots_TK, w)
 
     out = torch.compile(roundtrip, backend="aot_eager", fullgraph=True)(x_TD, w_TK)
-    torch.testing.assert_close(out, 2 * x_TD * w_TK.sum(1, keepdim=True))
+    torch.testing.assert_close(out, 2 * x_TD * (w_TK * routed_TK).sum(1, keepdim=True))
     dx, dw = torch.autograd.grad(out.sum(), (x_TD, w_TK))
-    torch.testing.assert_close(dx, 2 * w_TK.sum(1, keepdim=True).expand(6, 8))
-    torch.testing.assert_close(dw, 2 * x_TD.sum(1, keepdim=True).expand(6, 2))
+    torch.testing.assert_close(dx, 2 * (w_TK * routed_TK).sum(1, keepdim=True).expand(6, 8))
+    torch.testing.assert_close(dw, 2 * x_TD.sum(1, keepdim=True) * routed_TK)
 
 
 def test_no_tokens():
     x_TD = torch.randn(0, 4, requires_grad=True)
     x_ND, slots_TK, ends_E = moe_permute(x_TD, torch.zeros(0, 2, dtype=torch.long), 3, align=4)
     assert x_ND.shape == (9, 4) and (x_ND == 0).all()
+    assert moe_permute(x_TD, torch.zeros(0, 2, dtype=torch.long), 3, rows=5)[0].equal(torch.zeros(5, 4))
     assert slots_TK.shape == (0, 2) and ends_E.tolist() == [0] * 3
     out = moe_unpermute(x_ND, slots_TK, torch.rand(0, 2))
     (dx,) = torch.autograd.grad(out.sum() + x_ND.sum(), x_TD)

@@ -2,7 +2,7 @@
 
 EP rank r of R holds the global experts [r*El, (r+1)*El), El = E / R. Dispatch sends each token once
 to every rank that holds any of its top-k experts (not once per expert), with a row of routing
-metadata (its combine weights and local expert ids for that rank, -1 elsewhere); the receiver
+metadata (its combine weights and global expert ids, the same for every destination); the receiver
 expands the rows over its local experts with pith_ops.moe_permute. Combine mirrors it: the receiver
 forms, per received row, the weighted sum over its experts (pith_ops.moe_unpermute) and sends one
 row back; stage 5 on the source adds its <= R returned rows with weight 1 (slots, slot -1 = no row).
@@ -11,11 +11,13 @@ The routing weights travel through the exchange, so their gradient (and x's) flo
 Host synchronisations per MoE layer: exactly one, in dispatch (one D2H copy of the exchanged row
 and pair counts: all_to_all_single needs its split sizes on the host). Combine and the backward of
 both reuse those sizes: no sync. Collectives: 4 all-to-alls forward (counts, rows, metadata,
-combine), 3 backward. Index building uses torch device ops (cumsum, scatter), O(T*R + M*K) int work,
-negligible beside the D-wide row exchange it serves; none of it needs a host sync.
+combine), 3 backward. The indices come from pith_ops.moe_permute (Triton on the GPU), in the pass
+that copies the rows: on the source, rows grouped by destination rank (id -1 where a token skips a
+rank) are the all-to-all's send layout; on the receiver, ids outside this rank's experts are -1. The
+counts from the one sync give both calls their static row counts.
 
 Shape legend: T local tokens, K top-k, D model dim, R EP ranks, El experts per rank, S rows sent
-(one per (token, destination)), M rows received, P (row, expert) pairs received, N grouped rows.
+(one per (token, destination)), M rows received, N grouped rows.
 """
 
 from typing import Any, NamedTuple
@@ -47,20 +49,9 @@ class _AllToAll(torch.autograd.Function):
         return dx, None, None, None
 
 
-def _true_positions(mask: Tensor, count: int) -> tuple[Tensor, Tensor]:
-    """-> (indices of the True entries of a flat mask, in order, [count]; each entry's rank among them,
-    -1 where False). `count` (the number of True entries) comes from the host, so no sync here."""
-    rank = torch.cumsum(mask, 0) - 1
-    # False entries write into a sink slot at index `count`, cut off afterwards.
-    target = torch.where(mask, rank, count)
-    idx = torch.zeros(count + 1, dtype=torch.long, device=mask.device)
-    idx.scatter_(0, target, torch.arange(mask.numel(), device=mask.device))
-    return idx[:count], torch.where(mask, rank, -1)
-
-
 class _Handle(NamedTuple):
     slots_MK: Tensor  # receiver: grouped row of each (received row, k), -1 where not a local expert
-    weights_MK: Tensor  # receiver: combine weights of those entries (0 where not local), with grad
+    weights_MK: Tensor  # receiver: combine weights of those entries (used where slots_MK >= 0), with grad
     slots_TR: Tensor  # source: returned row of (token, rank), -1 where nothing went to that rank
     send_rows: list[int]
     recv_rows: list[int]
@@ -71,9 +62,10 @@ class ExpertParallel:
 
     def __init__(self, group: ProcessGroup, align: int = 1):
         self.group, self.ranks, self.align = group, dist.get_world_size(group), align
+        self.rank = dist.get_rank(group)
 
     def dispatch(self, r: Routing) -> tuple[Tensor, Tensor, Any]:
-        T, K = r.expert_ids_TK.shape
+        K = r.expert_ids_TK.shape[1]
         E, R, dev = r.probs_TE.shape[-1], self.ranks, r.x_TD.device
         if E % R:
             raise ValueError(f"expert parallelism: {E} experts do not divide over ep={R} ranks")
@@ -89,27 +81,29 @@ class ExpertParallel:
         counts = torch.cat([send_counts_R2[:, 0], recv_counts_R2.flatten()]).tolist()
         send_rows, recv_rows, recv_pairs = counts[:R], counts[R::2], sum(counts[R + 1 :: 2])
 
-        # Source: one row per (destination, token) in that order, its metadata, its return slot.
-        sent_S, slot_RT = _true_positions(need_RT.flatten(), sum(send_rows))
-        dst_S, tok_S = sent_S // T, sent_S % T
-        mine_SK = dest_TK[tok_S] == dst_S[:, None]
-        weights_SK = torch.where(mine_SK, r.weights_TK[tok_S], 0.0)
-        local_SK = torch.where(mine_SK, r.expert_ids_TK[tok_S] - dst_S[:, None] * El, -1)
-        # Weights and ids share one fp32 exchange (ids < 2^24 are exact in fp32).
-        meta_S2K = torch.cat([weights_SK.float(), local_SK.float()], 1)
-        x_MD = _AllToAll.apply(r.x_TD[tok_S], recv_rows, send_rows, self.group)
+        # Source: "expert" r of token t is destination rank r (-1: not sent there), so moe_permute lays
+        # the rows out by destination, token order within: the send layout. slots_TR is where each
+        # (token, rank) row went, and so where it comes back in combine.
+        S = sum(send_rows)
+        dest_TR = torch.where(need_RT.T, torch.arange(R, device=dev), -1)
+        x_SD, slots_TR, _ = pith_ops.moe_permute(r.x_TD, dest_TR, R, rows=S)
+        # Weights and global ids share one fp32 permute and exchange (ids < 2^24 are exact in fp32);
+        # its gradient carries the weights' back.
+        meta_T2K = torch.cat([r.weights_TK.float(), r.expert_ids_TK.float()], 1)
+        meta_S2K, _, _ = pith_ops.moe_permute(meta_T2K, dest_TR, R, rows=S)
+        x_MD = _AllToAll.apply(x_SD, recv_rows, send_rows, self.group)
         meta_M2K = _AllToAll.apply(meta_S2K, recv_rows, send_rows, self.group)
 
-        # Receiver: expand the received rows over this rank's experts.
-        weights_MK, local_MK = meta_M2K[:, :K], meta_M2K[:, K:].detach().long()
-        pair_P, _ = _true_positions((local_MK >= 0).flatten(), recv_pairs)
-        x_ND, slots_P1, group_ends_E = pith_ops.moe_permute(
-            x_MD[pair_P // K], local_MK.flatten()[pair_P, None], El, self.align
+        # Receiver: expand the received rows over this rank's experts; other experts' entries get slot
+        # -1, which moe_unpermute skips (and gives a zero weight gradient).
+        weights_MK = meta_M2K[:, :K]
+        local_MK = meta_M2K[:, K:].detach().long() - self.rank * El
+        local_MK = torch.where((local_MK >= 0) & (local_MK < El), local_MK, -1)
+        pad = El * (self.align - 1) if self.align > 1 else 0
+        x_ND, slots_MK, group_ends_E = pith_ops.moe_permute(
+            x_MD, local_MK, El, self.align, rows=recv_pairs + pad
         )
-        slots_MK = torch.full((local_MK.numel(),), -1, dtype=torch.long, device=dev)
-        slots_MK = slots_MK.index_copy_(0, pair_P, slots_P1.view(-1)).view(local_MK.shape)
-        handle = _Handle(slots_MK, weights_MK, slot_RT.view(R, T).T, send_rows, recv_rows)
-        return x_ND, group_ends_E, handle
+        return x_ND, group_ends_E, _Handle(slots_MK, weights_MK, slots_TR, send_rows, recv_rows)
 
     def combine(self, y_ND: Tensor, handle: Any) -> tuple[Tensor, Tensor, Tensor]:
         h: _Handle = handle

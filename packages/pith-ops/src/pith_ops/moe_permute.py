@@ -1,21 +1,24 @@
 """Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute).
 
 Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows (T*K, plus per-expert
-padding when align > 1), C chunks of CT tokens (CT * K <= CHUNK routed entries), R rows of a tile.
+padding when align > 1, or the caller's `rows`), C chunks of CT tokens (CT * K <= CHUNK routed entries),
+R rows of a tile.
 
 moe_permute is three launches with no host sync and no torch op between them: each chunk's per-expert
 counts; per expert, a scan over the chunks (its entries in earlier chunks), the last program to finish
 turning the totals into group starts and ends (padded to `align`); per chunk, each entry's slot (start
 + earlier chunks' count + earlier entries of its expert in the chunk), then, in the same program, the
 chunk's token rows scattered to their K slots (each tile read once, stored K times), so the slot work
-overlaps other programs' row stores. With padding that program also writes the owner map row -> entry,
-and a fourth launch zero-fills the rows no entry owns.
+overlaps other programs' row stores. With padding or a given `rows` that program also writes the owner
+map row -> entry, and a fourth launch zero-fills the rows no entry owns.
 Eager calls skip the custom ops' dispatch layers (_common.eager_or_custom); torch.compile sees the
 custom ops (one opaque node each), whose bodies are the same functions.
 
-Expert ids outside [0, E) are checked only for CPU tensors in eager mode: on CUDA the check would
-cost a host sync per call, so there they are the caller's contract (a router's top-k cannot produce
-them).
+A negative expert id means no expert: the entry gets slot -1 and no row, and counts in no group (so
+a caller can route a subset of the entries, e.g. expert parallelism's rows by destination rank, with a
+static `rows` for the N it knows). Ids >= E and a `rows` too small for the entries are checked only
+for CPU tensors in eager mode: on CUDA the checks would cost a host sync per call, so there they are
+the caller's contract (a router's top-k cannot produce such ids).
 moe_unpermute requires that no row of y is referenced by two (t, k) entries (true for the slots
 moe_permute returns); its backward scatters w * dout to the referenced rows of dy, computing the
 weight gradient from the same loads, and zero-fills the rows no slot references.
@@ -65,8 +68,8 @@ def _chunk_ids(ids_TK_ptr, c, T, K: tl.constexpr, CT: tl.constexpr):
 def _chunk_histogram_kernel(
     ids_TK_ptr, counts_CE_ptr, arrivals_ptr, T, E, K: tl.constexpr, CT: tl.constexpr, ET: tl.constexpr
 ):  # fmt: skip
-    """counts[c, e] = entries of expert e in chunk c, by comparison against a tile of experts at a time;
-    program 0 also resets the scan's arrival counter.
+    """counts[c, e] = entries of expert e in chunk c, by comparison against a tile of experts at a time
+    (ids < 0 match none); program 0 also resets the scan's arrival counter.
 
     Compares rather than tl.histogram: its GPU lowering costs O(bins) per value and wants a power-of-two,
     compile-time bin count.
@@ -169,18 +172,22 @@ def _slots_scatter_kernel(
     K: tl.constexpr, K_P2: tl.constexpr, CT: tl.constexpr, HAS_OWNER: tl.constexpr, D_P2: tl.constexpr,
     TILE: tl.constexpr,
 ):  # fmt: skip
-    """Per chunk: slot = start[e] + pre[c, e] + earlier entries of e in the chunk; store the slots (and,
-    with padding, the owner map row -> entry), then the chunk's CT token rows to their K slots."""
+    """Per chunk: slot = start[e] + pre[c, e] + earlier entries of e in the chunk (-1 for ids < 0, which
+    the chunk counts never match); store the slots (and, with padding or a given N, the owner map
+    row -> entry), then the chunk's CT token rows to their K slots."""
     BLOCK_D: tl.constexpr = TILE // CT if TILE // CT < D_P2 else D_P2
     c = tl.program_id(0)
     entries, ok, ids = _chunk_ids(ids_TK_ptr, c, T, K, CT)
+    routed = ok & (ids >= 0)
     j = tl.arange(0, CHUNK)
+    # Equal ids only: the -1 of unrouted entries and empty lanes never adds to a routed entry's rank.
     earlier = (ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None])
-    slot = tl.load(starts_E_ptr + ids, mask=ok, other=0) + tl.load(pre_CE_ptr + c * E + ids, mask=ok, other=0)
-    slot += tl.sum(earlier.to(tl.int32), axis=1)
+    slot = tl.load(starts_E_ptr + ids, mask=routed, other=0)
+    slot += tl.load(pre_CE_ptr + c * E + ids, mask=routed, other=0)
+    slot = tl.where(routed, slot + tl.sum(earlier.to(tl.int32), axis=1), -1)
     tl.store(slots_TK_ptr + entries, slot.to(tl.int64), mask=ok)
     if HAS_OWNER:
-        tl.store(owner_N_ptr + slot, entries, mask=ok)
+        tl.store(owner_N_ptr + slot, entries, mask=routed)
     tl.debug_barrier()  # the row stores read back the slots other threads of this program just wrote
     _store_rows(
         x_TD_ptr, slots_TK_ptr, x_TD_ptr, x_TD_ptr, out_ND_ptr, out_ND_ptr, c * CT + tl.arange(0, CT), T, D,
@@ -302,7 +309,9 @@ def _combine(y_ND, slots_TK, w_TK=None):
     return out
 
 
-def _static_rows(T: int, K: int, num_experts: int, align: int) -> int:
+def _static_rows(T: int, K: int, num_experts: int, align: int, rows: int | None) -> int:
+    if rows is not None:
+        return rows
     return T * K + num_experts * (align - 1) if align > 1 else T * K
 
 
@@ -310,16 +319,17 @@ def _static_rows(T: int, K: int, num_experts: int, align: int) -> int:
 
 
 def _permute_forward(
-    x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int
+    x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int, rows: int | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     (T, K), D = expert_ids_TK.shape, x_TD.shape[1]
     E, dev = num_experts, x_TD.device
-    N = _static_rows(T, K, E, align)
+    N = _static_rows(T, K, E, align, rows)
     ids = expert_ids_TK.contiguous()
     x_ND = torch.empty(N, D, dtype=x_TD.dtype, device=dev)
     slots = torch.empty(T, K, dtype=torch.int64, device=dev)
-    # The owner map is needed only to find padding rows; without padding every row is some entry's.
-    owner = torch.full((N,), -1, dtype=torch.int32, device=dev) if align > 1 else None
+    # The owner map finds the rows no entry owns: padding, and those past the entries in a given N.
+    # Without either every row is some entry's (unless ids < 0 leave a tail, left unwritten).
+    owner = torch.full((N,), -1, dtype=torch.int32, device=dev) if rows is not None or align > 1 else None
     if T * K == 0:
         ends = torch.zeros(E, dtype=torch.int32, device=dev)
     else:
@@ -360,9 +370,9 @@ _permute_backward_op = torch.library.custom_op(
 
 
 @_permute_op.register_fake
-def _(x_TD, expert_ids_TK, num_experts, align):
+def _(x_TD, expert_ids_TK, num_experts, align, rows):
     T, K = expert_ids_TK.shape
-    N = _static_rows(T, K, num_experts, align)
+    N = _static_rows(T, K, num_experts, align, rows)
     return (
         x_TD.new_empty(N, x_TD.shape[1]),
         expert_ids_TK.new_empty(T, K, dtype=torch.int64),
@@ -382,7 +392,7 @@ def _permute_setup(ctx, inputs, output):
 
 def _permute_grads(ctx, dx_ND, _dslots, _dends, backward):
     (slots_TK,) = ctx.saved_tensors
-    return backward(dx_ND, slots_TK), None, None, None
+    return backward(dx_ND, slots_TK), None, None, None, None
 
 
 _permute_op.register_autograd(
@@ -397,7 +407,7 @@ _permute = eager_or_custom(
 
 
 def moe_permute(
-    x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int = 1
+    x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int = 1, *, rows: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (x_ND, slots_TK int64, group_ends_E int32); see moe_permute_reference for the layout."""
     check("x_TD", x_TD, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
@@ -414,14 +424,19 @@ def moe_permute(
         raise ValueError(f"num_experts: expected 1..4096, got {num_experts}")
     if align < 1:
         raise ValueError(f"align: expected a positive row multiple, got {align}")
-    # A data-dependent check (a host sync on CUDA, a graph break under compile): eager CPU only.
-    if not expert_ids_TK.is_cuda and expert_ids_TK.numel() and not torch.compiler.is_compiling():
-        lo, hi = int(expert_ids_TK.min()), int(expert_ids_TK.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"expert_ids_TK: expected ids in [0, {num_experts}), got ids in [{lo}, {hi}]")
+    need = num_experts * (align - 1) if align > 1 else 0  # rows: the padding, plus the routed entries
+    # Data-dependent checks (a host sync on CUDA, a graph break under compile): eager CPU only.
+    if not expert_ids_TK.is_cuda and not torch.compiler.is_compiling():
+        hi = int(expert_ids_TK.max()) if expert_ids_TK.numel() else -1
+        if hi >= num_experts:
+            raise ValueError(f"expert_ids_TK: expected ids < {num_experts} (< 0: no expert), got {hi}")
+        if rows is not None:
+            need += int((expert_ids_TK >= 0).sum())
+    if rows is not None and rows < need:
+        raise ValueError(f"rows: expected at least {need} (routed entries plus padding), got {rows}")
     if not use_triton(x_TD):
-        return moe_permute_reference(x_TD, expert_ids_TK, num_experts, align)
-    return _permute(x_TD, expert_ids_TK, num_experts, align)
+        return moe_permute_reference(x_TD, expert_ids_TK, num_experts, align, rows=rows)
+    return _permute(x_TD, expert_ids_TK, num_experts, align, rows)
 
 
 # --- moe_unpermute -------------------------------------------------------------------------------
@@ -510,27 +525,39 @@ def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
 
 
 def moe_permute_reference(
-    x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int = 1
+    x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int = 1, *, rows: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (x_ND, slots_TK, group_ends_E).
 
     Rows of expert e occupy [group_ends[e-1], group_ends[e]) (group starts padded up to a multiple of
-    `align`), in token order within an expert; slots[t, k] is the row holding (t, k). N is the static
-    bound T*K + E*(align-1) when align > 1 (padding rows are zero), else exactly T*K.
+    `align`), in token order within an expert; slots[t, k] is the row holding (t, k), -1 where
+    expert_ids[t, k] < 0 (no expert: no row, counted in no group). N is `rows` when given (the
+    caller's contract: at least the routed entries, plus E*(align-1) when align > 1), else the static
+    bound T*K + E*(align-1) when align > 1, else T*K. Rows no entry owns (padding, spare rows) are
+    zero, except that without `rows` and with align 1 the kernels leave unwritten the tail past
+    group_ends[-1] that negative ids leave (pass `rows` for zeros there).
     """
     T, K = expert_ids_TK.shape
+    E = num_experts
     flat = expert_ids_TK.reshape(-1).long()
+    routed = flat >= 0
     # scatter_add rather than bincount, which syncs with the host on CUDA (no CUDA-graph capture).
-    counts = flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = flat.new_zeros(E).scatter_add_(0, flat.clamp(min=0), routed.long())
     padded = (counts + align - 1) // align * align
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
-    order = torch.argsort(flat, stable=True)
-    rank_in_expert = torch.arange(T * K, device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
-    slots = torch.empty_like(flat)
-    slots[order] = starts[flat[order]] + rank_in_expert
-    x_ND = x_TD.new_zeros(_static_rows(T, K, num_experts, align), x_TD.shape[1])
-    x_ND[slots] = x_TD.repeat_interleave(K, dim=0)
+    order = torch.argsort(torch.where(routed, flat, E), stable=True)  # unrouted entries last
+    e_sorted = flat[order].clamp(min=0)
+    rank_in_expert = torch.arange(T * K, device=flat.device) - (torch.cumsum(counts, 0) - counts)[e_sorted]
+    slots = torch.empty_like(flat).scatter_(0, order, starts[e_sorted] + rank_in_expert)
+    slots = torch.where(routed, slots, -1)
+    N = _static_rows(T, K, E, align, rows)
+    # Each row's token, T (a zero row appended to x) where no entry owns it; unrouted entries write to
+    # a sink N, cut off (index writes rather than a boolean mask: no host sync). A gather of the N rows
+    # rather than a scatter of T*K copies: far fewer when most entries are unrouted (EP's receiver).
+    token_N = torch.full((N + 1,), T, dtype=torch.long, device=flat.device)
+    token_N.scatter_(0, torch.where(routed, slots, N), torch.arange(T * K, device=flat.device) // K)
+    x_ND = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])[token_N[:N]]
     return x_ND, slots.view(T, K), ends.to(torch.int32)
 
 
@@ -538,6 +565,8 @@ def moe_unpermute_reference(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) 
     """out[t] = sum_k weights[t, k] * y[slots[t, k]] (slots < 0 contribute nothing), fp32 sum, y's dtype."""
     acc = torch.promote_types(y_ND.dtype, torch.float32)  # float64 stays float64 for the tests
     valid = slots_TK >= 0
-    rows = y_ND[slots_TK.clamp(min=0)].to(acc)  # [T, K, D]
+    # Slots < 0 read a zero row N appended to y (so an empty y works too).
+    y_ND = torch.cat([y_ND, y_ND.new_zeros(1, y_ND.shape[1])])
+    rows = y_ND[torch.where(valid, slots_TK, y_ND.shape[0] - 1)].to(acc)  # [T, K, D]
     w = torch.where(valid, weights_TK.to(acc), 0.0)
     return (rows * w[..., None]).sum(1).to(y_ND.dtype)
