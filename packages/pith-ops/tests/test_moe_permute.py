@@ -207,21 +207,24 @@ def test_bad_inputs_raise_value_error():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "T,K,E,align",
+    "T,K,E,align,unrouted",
     [
-        (4096, 8, 128, 1),
-        (4096, 8, 128, 16),
-        (20000, 8, 128, 128),  # 1250 chunks: the per-expert scan carries over two steps of 1024
-        (3000, 6, 4096, 4),  # top-6 of the most experts
+        (4096, 8, 128, 1, 0.0),
+        (4096, 8, 128, 16, 0.0),
+        (20000, 8, 128, 128, 0.0),  # 1250 chunks: the per-expert scan carries over two steps of 1024
+        (3000, 6, 4096, 4, 0.0),  # top-6 of the most experts
+        (4096, 8, 16, 8, 0.6),  # EP's receiver: most entries on other ranks (id -1), a given rows
     ],
 )
-def test_bf16_on_gpu_at_model_scale(T, K, E, align):
+def test_bf16_on_gpu_at_model_scale(T, K, E, align, unrouted):
     D = 2048
     g = torch.Generator(device="cuda").manual_seed(0)
     ids_TK = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices
+    ids_TK[torch.rand(T, K, device="cuda", generator=g) < unrouted] = -1
+    rows = int((ids_TK >= 0).sum()) + E * (align - 1) + 3 if unrouted else None
     x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    x_ND, slots_TK, ends_E = moe_permute(x_TD, ids_TK, E, align)
-    ref_ND, ref_slots, ref_ends = moe_permute_reference(x_TD.detach(), ids_TK, E, align)
+    x_ND, slots_TK, ends_E = moe_permute(x_TD, ids_TK, E, align, rows=rows)
+    ref_ND, ref_slots, ref_ends = moe_permute_reference(x_TD.detach(), ids_TK, E, align, rows=rows)
     assert torch.equal(x_ND, ref_ND) and torch.equal(slots_TK, ref_slots) and torch.equal(ends_E, ref_ends)
     w_TK = torch.rand(T, K, device="cuda", generator=g).requires_grad_()
     y_ND = torch.randn(x_ND.shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -235,7 +238,7 @@ def test_bf16_on_gpu_at_model_scale(T, K, E, align):
     torch.testing.assert_close(dy.double(), ref_dy, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(dw.double(), ref_dw, rtol=1e-3, atol=1e-3)
     (dx,) = torch.autograd.grad(x_ND, x_TD, y_ND.detach())
-    ref_dx = y_ND.detach().double()[slots_TK].sum(1)
+    ref_dx = torch.where(slots_TK[..., None] >= 0, y_ND.detach().double()[slots_TK], 0.0).sum(1)
     torch.testing.assert_close(dx.double(), ref_dx, rtol=1e-2, atol=2e-2)
 
 
