@@ -31,7 +31,7 @@ def timed(impl: str, fn) -> float:
 
 
 def bench(name: str, I: int, O: int, ends_E: torch.Tensor, align: int) -> None:
-    N = T * K + (E * (align - 1) if align > 1 else 0)
+    N = T * K + E * (align - 1)
     x = torch.randn(N, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(E, I, O, device="cuda", dtype=torch.bfloat16) / I**0.5).requires_grad_()
     dy = torch.randn(N, O, device="cuda", dtype=torch.bfloat16)

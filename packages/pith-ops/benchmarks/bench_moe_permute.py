@@ -26,7 +26,7 @@ def first(fn, *args):
 
 def bench(ids_TK: torch.Tensor, align: int) -> None:
     TK = T * K
-    N = TK + (E * (align - 1) if align > 1 else 0)
+    N = TK + E * (align - 1)
     x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     index_args = (torch.empty(T, 0, device="cuda", dtype=torch.bfloat16), ids_TK, E, align)

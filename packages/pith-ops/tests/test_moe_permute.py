@@ -46,7 +46,7 @@ def check_permute(
     """spare_rows: None for the default N, else pass rows = (the routed entries + padding) + spare_rows."""
     g = torch.Generator().manual_seed(seed)
     ids_TK = routing(T, K, E, seed, device, unrouted)
-    pad = E * (align - 1) if align > 1 else 0
+    pad = E * (align - 1)
     rows = None if spare_rows is None else int((ids_TK >= 0).sum()) + pad + spare_rows
     x_TD = torch.randn(T, D, generator=g).to(device, dtype).requires_grad_()
     x_ND, slots_TK, ends_E = moe_permute(x_TD, ids_TK, E, align, rows=rows)

@@ -99,9 +99,8 @@ class ExpertParallel:
         weights_MK = meta_M2K[:, :K]
         local_MK = meta_M2K[:, K:].detach().long() - self.rank * El
         local_MK = torch.where((local_MK >= 0) & (local_MK < El), local_MK, -1)
-        pad = El * (self.align - 1) if self.align > 1 else 0
         x_ND, slots_MK, group_ends_E = pith_ops.moe_permute(
-            x_MD, local_MK, El, self.align, rows=recv_pairs + pad
+            x_MD, local_MK, El, self.align, rows=recv_pairs + El * (self.align - 1)
         )
         return x_ND, group_ends_E, _Handle(slots_MK, weights_MK, slots_TR, send_rows, recv_rows)
 

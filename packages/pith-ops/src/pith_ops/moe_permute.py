@@ -312,7 +312,7 @@ def _combine(y_ND, slots_TK, w_TK=None):
 def _static_rows(T: int, K: int, num_experts: int, align: int, rows: int | None) -> int:
     if rows is not None:
         return rows
-    return T * K + num_experts * (align - 1) if align > 1 else T * K
+    return T * K + num_experts * (align - 1)  # align 1: no padding rows
 
 
 # --- moe_permute ---------------------------------------------------------------------------------
@@ -424,7 +424,7 @@ def moe_permute(
         raise ValueError(f"num_experts: expected 1..4096, got {num_experts}")
     if align < 1:
         raise ValueError(f"align: expected a positive row multiple, got {align}")
-    need = num_experts * (align - 1) if align > 1 else 0  # rows: the padding, plus the routed entries
+    need = num_experts * (align - 1)  # rows: the padding, plus the routed entries
     # Data-dependent checks (a host sync on CUDA, a graph break under compile): eager CPU only.
     if not expert_ids_TK.is_cuda and not torch.compiler.is_compiling():
         hi = int(expert_ids_TK.max()) if expert_ids_TK.numel() else -1
@@ -532,8 +532,8 @@ def moe_permute_reference(
     Rows of expert e occupy [group_ends[e-1], group_ends[e]) (group starts padded up to a multiple of
     `align`), in token order within an expert; slots[t, k] is the row holding (t, k), -1 where
     expert_ids[t, k] < 0 (no expert: no row, counted in no group). N is `rows` when given (the
-    caller's contract: at least the routed entries, plus E*(align-1) when align > 1), else the static
-    bound T*K + E*(align-1) when align > 1, else T*K. Rows no entry owns (padding, spare rows) are
+    caller's contract: at least the routed entries plus E*(align-1)), else the static bound
+    T*K + E*(align-1). Rows no entry owns (padding, spare rows) are
     zero, except that without `rows` and with align 1 the kernels leave unwritten the tail past
     group_ends[-1] that negative ids leave (pass `rows` for zeros there).
     """
