@@ -9,8 +9,9 @@ counts; per expert, a scan over the chunks (its entries in earlier chunks), the 
 turning the totals into group starts and ends (padded to `align`); per chunk, each entry's slot (start
 + earlier chunks' count + earlier entries of its expert in the chunk), then, in the same program, the
 chunk's token rows scattered to their K slots (each tile read once, stored K times), so the slot work
-overlaps other programs' row stores. With padding or a given `rows` that program also writes the owner
-map row -> entry, and a fourth launch zero-fills the rows no entry owns.
+overlaps other programs' row stores; on sm_90 and later it is launched dependent on the scan (PDL), so
+its programs compute their in-chunk ranks while the scan finishes. With padding or a given `rows` that
+program also writes the owner map row -> entry, and a fourth launch zero-fills the rows no entry owns.
 Eager calls skip the custom ops' dispatch layers (_common.eager_or_custom); torch.compile sees the
 custom ops (one opaque node each), whose bodies are the same functions.
 
@@ -87,11 +88,14 @@ def _chunk_histogram_kernel(
 @triton.jit
 def _histogram_scan_kernel(
     counts_CE_ptr, pre_CE_ptr, total_E_ptr, arrivals_ptr, starts_E_ptr, ends_E_ptr, C, E, align,
-    CB: tl.constexpr, EB: tl.constexpr, E_P2: tl.constexpr,
+    CB: tl.constexpr, EB: tl.constexpr, E_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Per expert (EB of them a program): pre[c, e] = entries of e in chunks < c; total[e] = all of them.
     The last program to finish turns the totals into group starts and ends (padded to `align`), so the
-    slot kernel gathers a start per entry instead of scanning E totals in each of its programs."""
+    slot kernel gathers a start per entry instead of scanning E totals in each of its programs.
+    PDL: the slot kernel may start now (it waits for this grid before it reads what the grid writes)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     experts = tl.program_id(0) * EB + tl.arange(0, EB)
     e_ok = experts < E
     carry = tl.zeros([EB], dtype=tl.int32)
@@ -156,11 +160,12 @@ def _store_rows(
 # Store tile (TILE elements: the chunk's CT rows x TILE / CT columns) and warps of the fused slots +
 # scatter kernel, autotuned per shape on the GPU. Several programs per SM let one's row stores hide
 # another's index work: in the sm_90 build at top-8 the slot part alone takes 93 registers at 4 warps,
-# the whole kernel 95 with a 4096 tile (5 programs an SM), 128 with 16384 at 8 warps (2 an SM). The
-# interpreter would run every config, so it gets one.
+# the whole kernel 95 with a 4096 tile (5 programs an SM), 128 with 16384 at 8 warps (2 an SM). Whole
+# rows a store win at D=2048 (H200, 2026-12-03: 32768 elements ~181 us, 16384 ~187, 4096 ~195). The
+# interpreter would run every config, so it gets one (the first: narrow tiles loop over columns).
 _SLOTS_CONFIGS = [
     triton.Config({"TILE": t}, num_warps=w)
-    for t, w in ((4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8), (16384, 16))
+    for t, w in ((4096, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 8), (32768, 16), (32768, 32))
 ]
 _SLOTS_CONFIGS = _SLOTS_CONFIGS[:1] if INTERPRET else _SLOTS_CONFIGS
 
@@ -170,11 +175,12 @@ _SLOTS_CONFIGS = _SLOTS_CONFIGS[:1] if INTERPRET else _SLOTS_CONFIGS
 def _slots_scatter_kernel(
     x_TD_ptr, ids_TK_ptr, pre_CE_ptr, starts_E_ptr, slots_TK_ptr, owner_N_ptr, out_ND_ptr, T, D, E,
     K: tl.constexpr, K_P2: tl.constexpr, CT: tl.constexpr, HAS_OWNER: tl.constexpr, D_P2: tl.constexpr,
-    TILE: tl.constexpr,
+    PDL: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     """Per chunk: slot = start[e] + pre[c, e] + earlier entries of e in the chunk (-1 for ids < 0, which
     the chunk counts never match); store the slots (and, with padding or a given N, the owner map
-    row -> entry), then the chunk's CT token rows to their K slots."""
+    row -> entry), then the chunk's CT token rows to their K slots. PDL (launched while the scan still
+    runs): the in-chunk ranks are computed before waiting for the scan's grid."""
     BLOCK_D: tl.constexpr = TILE // CT if TILE // CT < D_P2 else D_P2
     c = tl.program_id(0)
     entries, ok, ids = _chunk_ids(ids_TK_ptr, c, T, K, CT)
@@ -182,9 +188,12 @@ def _slots_scatter_kernel(
     j = tl.arange(0, CHUNK)
     # Equal ids only: the -1 of unrouted entries and empty lanes never adds to a routed entry's rank.
     earlier = (ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     slot = tl.load(starts_E_ptr + ids, mask=routed, other=0)
     slot += tl.load(pre_CE_ptr + c * E + ids, mask=routed, other=0)
-    slot = tl.where(routed, slot + tl.sum(earlier.to(tl.int32), axis=1), -1)
+    slot = tl.where(routed, slot + rank, -1)
     tl.store(slots_TK_ptr + entries, slot.to(tl.int64), mask=ok)
     if HAS_OWNER:
         tl.store(owner_N_ptr + slot, entries, mask=routed)
@@ -309,6 +318,12 @@ def _combine(y_ND, slots_TK, w_TK=None):
     return out
 
 
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel starting while the one before it finishes): sm_90 on."""
+    return not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _static_rows(T: int, K: int, num_experts: int, align: int, rows: int | None) -> int:
     if rows is not None:
         return rows
@@ -337,6 +352,7 @@ def _permute_forward(
         # op between them: chunk counts, per-expert scans over the chunks, slots + row scatter.
         k_p2 = triton.next_power_of_2(K)
         ct = CHUNK.value // k_p2
+        pdl = _has_pdl(dev)
         C = triton.cdiv(T, ct)
         counts_CE = torch.empty(C, E, dtype=torch.int32, device=dev)
         pre_CE = torch.empty_like(counts_CE)
@@ -347,11 +363,12 @@ def _permute_forward(
         _histogram_scan_kernel[(triton.cdiv(E, EXPERT_SCAN),)](
             counts_CE, pre_CE, total_E, arrivals, starts_E, ends, C, E, align,
             CB=min(SCAN_CHUNKS, triton.next_power_of_2(C)), EB=EXPERT_SCAN, E_P2=triton.next_power_of_2(E),
-            num_warps=8,
+            PDL=pdl, num_warps=8,
         )  # fmt: skip
         _slots_scatter_kernel[(C,)](
             x_TD, ids, pre_CE, starts_E, slots, owner if owner is not None else slots, x_ND, T, D, E,
             K=K, K_P2=k_p2, CT=ct, HAS_OWNER=owner is not None, D_P2=triton.next_power_of_2(max(D, 1)),
+            PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     if owner is not None:
         _zero_unowned(x_ND, owner)
