@@ -550,9 +550,9 @@ def moe_permute_reference(
     `align`), in token order within an expert; slots[t, k] is the row holding (t, k), -1 where
     expert_ids[t, k] < 0 (no expert: no row, counted in no group). N is `rows` when given (the
     caller's contract: at least the routed entries plus E*(align-1)), else the static bound
-    T*K + E*(align-1). Rows no entry owns (padding, spare rows) are
-    zero, except that without `rows` and with align 1 the kernels leave unwritten the tail past
-    group_ends[-1] that negative ids leave (pass `rows` for zeros there).
+    T*K + E*(align-1). Rows no entry owns (padding, spare rows) are zero, except that without `rows`
+    and with align 1 the kernels leave unwritten the tail past group_ends[-1] that negative ids leave
+    (pass `rows` for zeros there).
     """
     T, K = expert_ids_TK.shape
     E = num_experts
