@@ -25,8 +25,15 @@ def _cast_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
 
 
 def _cast_back(g: Tensor, dtype: torch.dtype) -> Tensor:
-    # Widening only (exact: every bf16/fp16 value is an fp32 one); narrowing takes torch's rounding.
-    if dtype != torch.float32 or g.dtype == dtype or not g.is_contiguous() or not use_triton(g):
+    # Widening only (exact: every bf16/fp16 value is an fp32 one); narrowing takes torch's rounding,
+    # and a tensor subclass (a DTensor under FSDP) its own dispatch.
+    if (
+        dtype != torch.float32
+        or g.dtype == dtype
+        or not g.is_contiguous()
+        or not use_triton(g)
+        or type(g) is not Tensor
+    ):
         return g.to(dtype)
     out = torch.empty_like(g, dtype=dtype)
     BLOCK = 4096  # 8 warps: 16 elements a thread

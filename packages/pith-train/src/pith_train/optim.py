@@ -18,6 +18,9 @@ class AdamW(torch.optim.AdamW):
     own, measured in the pith-train README), and skips the update where coef is not finite. The step
     count stays on the host, so the bias corrections need no sync."""
 
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
     @torch.no_grad()
     def step(self, closure=None, grad_scale: Tensor | None = None):
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t
@@ -31,6 +34,8 @@ class AdamW(torch.optim.AdamW):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if state["step"].device.type != "cpu":  # loaded from a fused torch AdamW's checkpoint
+                    state["step"] = state["step"].cpu()
                 state["step"] += 1
                 if grad_scale is None:
                     grad_scale = torch.ones(1, device=local(p).device)
