@@ -58,8 +58,9 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
 
     def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
-        # Weights in the rows' dtype: bf16 rows under autocast meet fp32 master weights (a no-op otherwise).
-        w_gate_up, w_down = self.w_gate_up.to(x_ND.dtype), self.w_down.to(x_ND.dtype)
+        # Weights in the rows' dtype: bf16 rows under autocast meet fp32 master weights (a no-op otherwise);
+        # pith_ops.cast for a vectorised cast of their gradients back (its docstring has the numbers).
+        w_gate_up, w_down = pith_ops.cast(self.w_gate_up, x_ND.dtype), pith_ops.cast(self.w_down, x_ND.dtype)
         h_N2F = pith_ops.grouped_gemm(x_ND, w_gate_up, group_ends_E)
         return pith_ops.grouped_gemm(pith_ops.swiglu(h_N2F), w_down, group_ends_E)
 

@@ -192,23 +192,32 @@ def all_reduce_sum(t: Tensor, mesh: Mesh) -> Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> Tensor:
-    """The global gradient norm (fp32), as on one process; scales the gradients to max_norm when above
-    it (max_norm <= 0: no clipping). Every gradient element lives on exactly one rank of dp x cp x ep
-    (dense shards over all of it, an EP rank's experts over dp x cp), so the squared norms of the local
-    shards sum to the global one; no host sync."""
+def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
+    """The global gradient norm (fp32), as on one process, with no host sync. Every gradient element
+    lives on exactly one rank of dp x cp x ep (dense shards over all of it, an EP rank's experts over
+    dp x cp), so the squared norms of the local shards sum to the global one."""
     local = [_local(p.grad) for p in params if p.grad is not None]
-    # Fused multi-tensor kernels: one read of the gradients for the norm, one read-write to scale them
-    # (a per-tensor pow/sum loop also writes a temporary the size of each gradient: ~10 ms more per
-    # step on the 3B fp32 gradients of the pith-train bench workload).
+    # One fused multi-tensor read of the gradients (a per-tensor pow/sum loop also writes a temporary
+    # the size of each gradient: ~10 ms more per step on the pith-train bench's 3B fp32 gradients).
     sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
     if local:
         sq += torch.nn.utils.get_total_norm(local, 2.0).float().pow(2)
-    norm = all_reduce_sum(sq, mesh).sqrt()
-    if max_norm > 0:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for dtype in {g.dtype for g in local}:
-            torch._foreach_mul_([g for g in local if g.dtype == dtype], coef.to(dtype))
+    return all_reduce_sum(sq, mesh).sqrt()
+
+
+def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
+    """The factor scaling gradients of norm `norm` to at most max_norm (1 when max_norm <= 0)."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> Tensor:
+    """grad_norm, and the gradients scaled in place by clip_coef (one read-write of them)."""
+    norm = grad_norm(params, mesh)
+    local = [_local(p.grad) for p in params if p.grad is not None] if max_norm > 0 else []
+    coef = clip_coef(norm, max_norm)
+    for dtype in {g.dtype for g in local}:
+        torch._foreach_mul_([g for g in local if g.dtype == dtype], coef.to(dtype))
     return norm
 
 

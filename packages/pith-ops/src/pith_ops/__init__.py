@@ -4,6 +4,8 @@ Each operator module holds its Triton kernel(s), launcher, custom-op registratio
 and a plain-PyTorch `*_reference` that is its specification.
 """
 
+from pith_ops.adamw import adamw_, adamw_reference_
+from pith_ops.cast import cast
 from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from pith_ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from pith_ops.moe_permute import moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference
@@ -12,7 +14,10 @@ from pith_ops.rope import apply_rope, apply_rope_reference
 from pith_ops.swiglu import swiglu, swiglu_oss, swiglu_oss_reference, swiglu_reference
 
 __all__ = [
+    "adamw_",
+    "adamw_reference_",
     "apply_rope",
+    "cast",
     "apply_rope_reference",
     "grouped_gemm",
     "grouped_gemm_reference",

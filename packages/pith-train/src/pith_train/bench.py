@@ -92,30 +92,51 @@ def _ranges_above(event) -> set[str]:
     return names
 
 
-def breakdown(prof, steps: int) -> dict[str, float]:
-    """Milliseconds per step by component, from a torch.profiler run over `steps` training steps.
+def _timed(prof):
+    """(component, kernel or op name, microseconds) of every device activity of a torch.profiler run.
 
     On CUDA: device time of the kernels; a kernel the profiler links to the CPU op that launched it
     is attributed through that op's enclosing ranges, an unlinked one by its name alone. On CPU (no
     kernels): the self time of each op."""
     events = prof.events()
-    totals = collections.Counter()
     cpu = torch.autograd.DeviceType.CPU
     # Device activity (kernels, copies, fills), not the device-side spans of record_function ranges.
     device = [e for e in events if e.device_type != cpu and not getattr(e, "is_user_annotation", False)]
-    if device:
-        unlinked = collections.Counter((e.name, e.time_range.end - e.time_range.start) for e in device)
-        for e in events:
-            for k in e.kernels if e.device_type == cpu else ():
-                if unlinked[(k.name, k.duration)] > 0:  # each device activity is counted once
-                    unlinked[(k.name, k.duration)] -= 1
-                    totals[classify(k.name, _ranges_above(e))] += k.duration
-        for (name, us), n in unlinked.items():
-            totals[classify(name, set())] += us * n
-    else:
-        for e in events:
-            totals[classify(e.name, _ranges_above(e))] += e.self_cpu_time_total
+    if not device:
+        return [(classify(e.name, _ranges_above(e)), e.name, e.self_cpu_time_total) for e in events]
+    unlinked = collections.Counter((e.name, e.time_range.end - e.time_range.start) for e in device)
+    out = []
+    for e in events:
+        for k in e.kernels if e.device_type == cpu else ():
+            if unlinked[(k.name, k.duration)] > 0:  # each device activity is counted once
+                unlinked[(k.name, k.duration)] -= 1
+                out.append((classify(k.name, _ranges_above(e)), k.name, k.duration))
+    return out + [(classify(name, set()), name, us) for (name, us), n in unlinked.items() for _ in range(n)]
+
+
+def breakdown(prof, steps: int) -> dict[str, float]:
+    """Milliseconds per step by component, from a torch.profiler run over `steps` training steps."""
+    totals = collections.Counter()
+    for component, _, us in _timed(prof):
+        totals[component] += us
     return {c: totals[c] / 1e3 / steps for c in COMPONENTS}
+
+
+def kernels(prof, steps: int, top: int = 60) -> list[dict]:
+    """The `top` kernels (or CPU ops) by time: component, name, launches and milliseconds per step."""
+    us, calls = collections.Counter(), collections.Counter()
+    for component, name, t in _timed(prof):
+        us[component, name] += t
+        calls[component, name] += 1
+    return [
+        {
+            "component": c,
+            "name": n[:160],
+            "calls_per_step": calls[c, n] / steps,
+            "ms_per_step": t / 1e3 / steps,
+        }
+        for (c, n), t in us.most_common(top)
+    ]
 
 
 def _set_grouped_gemm_backend(backend: str) -> None:
@@ -202,7 +223,7 @@ def run(
         loader = WindowLoader(ds, S, cfg.data.val_windows, seed)
     cursor = 0
 
-    def step() -> float:
+    def step() -> torch.Tensor:
         nonlocal cursor
         if loader is None:
             ids_BS = torch.randint(model_cfg.vocab_size, (B, S + 1), device=dev, generator=generator)
@@ -262,7 +283,7 @@ def run(
         "mfu_989": f_full * tokens_per_s / datasheet,
         "peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / gib if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / gib if cuda else None,
-        "losses": losses,
+        "losses": [float(loss) for loss in losses],
     }
     if profile_steps:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -271,6 +292,7 @@ def run(
                 step()
             sync()
         out["breakdown_ms_per_step"] = breakdown(prof, profile_steps)
+        out["kernels"] = kernels(prof, profile_steps)
     return out
 
 
@@ -297,4 +319,9 @@ def summary(r: dict) -> str:
         total = sum(parts.values()) or 1.0
         lines.append(f"  profile breakdown ({total:.1f} ms/step of kernel time):")
         lines += [f"    {c:<22} {ms:8.2f} ms  {ms / total:6.1%}" for c, ms in parts.items()]
+        lines.append("  kernels by time (ms/step, launches/step, component, name):")
+        lines += [
+            f"    {k['ms_per_step']:8.3f} {k['calls_per_step']:6.1f}  {k['component']:<20} {k['name'][:90]}"
+            for k in r["kernels"]
+        ]
     return "\n".join(lines)

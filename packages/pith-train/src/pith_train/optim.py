@@ -1,14 +1,52 @@
-"""AdamW and the learning-rate schedules (linear warmup + cosine decay, and warmup-stable-decay)."""
+"""AdamW (gradient clipping folded into its update) and the learning-rate schedules (linear warmup +
+cosine decay, and warmup-stable-decay)."""
 
 import math
 
+import pith_ops
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from pith_train.config import Config
 
 
-def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.AdamW:
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW (its hyperparameters, state layout and checkpoints; amsgrad, maximize and tensor
+    learning rates left out), stepped by pith_ops.adamw_: `step(grad_scale=coef)` scales every
+    gradient by the device scalar coef inside the update (gradient clipping without a pass of its
+    own, measured in the pith-train README), and skips the update where coef is not finite. The step
+    count stays on the host, so the bias corrections need no sync."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scale: Tensor | None = None):
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if state["step"].device.type != "cpu":  # loaded from a fused torch AdamW's checkpoint
+                    state["step"] = state["step"].cpu()
+                state["step"] += 1
+                if grad_scale is None:
+                    grad_scale = torch.ones(1, device=local(p).device)
+                pith_ops.adamw_(
+                    *(local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), grad_scale,
+                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                    eps=group["eps"], step=int(state["step"]),
+                )  # fmt: skip
+
+
+def build_optimizer(model: nn.Module, cfg: Config) -> AdamW:
     """AdamW over fp32 parameters; matrices get weight decay, vectors (norm scales, biases) do not."""
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optim
@@ -16,11 +54,7 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.AdamW:
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    on_cuda = params[0].is_cuda
-    # fused: one kernel launch for the whole update on CUDA; elsewhere the default (foreach) path.
-    return torch.optim.AdamW(
-        groups, lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=on_cuda or None
-    )
+    return AdamW(groups, lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
 def lr_at(step: int, cfg: Config) -> float:

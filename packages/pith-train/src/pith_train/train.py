@@ -38,7 +38,7 @@ from pith_train import config as config_mod
 from pith_train.config import Config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.metrics import MetricsLog, peak_flops
-from pith_train.optim import build_optimizer, lr_at
+from pith_train.optim import AdamW, build_optimizer, lr_at
 from pith_train.prepare import load_tokenizer, prepare, stdlib_corpus
 
 IGNORE_INDEX = -100
@@ -130,7 +130,7 @@ class Stages:
 
 def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
     """Cross-entropy summed over the label tokens, lm_head fused, in h's dtype (the weight cast to it)."""
-    w_VD = lm_head.weight.to(h_BSD.dtype)
+    w_VD = pith_ops.cast(lm_head.weight, h_BSD.dtype)
     return pith_ops.linear_cross_entropy(h_BSD.flatten(0, 1), w_VD, labels_T, IGNORE_INDEX, "sum")
 
 
@@ -159,10 +159,11 @@ def moe_aux(routings: list[Routing], cfg: Config, tokens: int, group: ProcessGro
 
 
 @torch.no_grad()
-def update_expert_bias(biases: list[Tensor], counts_LE: Tensor, rate: float) -> None:
+def update_expert_bias(biases: list[Tensor], counts_LE: Tensor, rate: Tensor | float) -> None:
     """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer.
 
-    The counts are the step's, summed over micro-batches and data ranks, so every rank updates alike.
+    The counts are the step's, summed over micro-batches and data ranks, so every rank updates alike;
+    a device-scalar rate (0 for a skipped step) needs no host sync.
     """
     for bias_E, counts_E in zip(biases, counts_LE, strict=True):
         bias_E += rate * torch.sign(counts_E.mean() - counts_E)
@@ -194,23 +195,28 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 def train_step(
     model: nn.Module,
     stages,
-    optimizer: torch.optim.Optimizer,
+    optimizer: AdamW,
     micro: list[tuple[Tensor, Tensor]],
     cfg: Config,
     layout: Layout,
     lr: float,
     biases: list[Tensor],
-) -> tuple[float, float, float, Tensor | int]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor | int]:
     """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS)]: forward and backward
-    of each (bf16 autocast on CUDA), then gradient clipping, AdamW at `lr`, the expert-bias update.
+    of each (bf16 autocast on CUDA), then the gradient norm, AdamW at `lr` with the clip coefficient
+    folded into its update, the expert-bias update.
 
-    -> (loss, aux loss, gradient norm, expert counts [L, E]). A non-finite loss raises
-    FloatingPointError before the weights are touched.
+    -> (loss, aux loss, gradient norm, expert counts [L, E]) as device tensors: no host sync of its
+    own, so the CPU queues the whole step ahead of the GPU (step_values reads them in one sync). A
+    non-finite loss or gradient norm skips the update on the device: weights, moments and expert
+    biases stay as they were, and step_values raises FloatingPointError.
     """
     device = model.lm_head.weight.device
-    micro = [local_tokens(inputs_BS, labels_BS, layout.mesh) for inputs_BS, labels_BS in micro]
-    label_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in micro)
-    label_tokens = int(_all_sum(torch.tensor(label_tokens, device=device), layout.data_group))
+    micro = [
+        tuple(_to_device(t, device) for t in local_tokens(inputs_BS, labels_BS, layout.mesh))
+        for inputs_BS, labels_BS in micro
+    ]
+    label_tokens = _all_sum(sum((labels != IGNORE_INDEX).sum() for _, labels, _ in micro), layout.data_group)
     micro_tokens = cfg.train.micro_batch * cfg.data.seq_len * layout.data_ranks  # one micro-batch, all ranks
     M = cfg.micro_batches
     for group in optimizer.param_groups:
@@ -221,7 +227,7 @@ def train_step(
         with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
             h_BSD, routings = _forward(stages, inputs_BS, pos_BS, layout, device)
             with record_function("lm_head+loss"):
-                ce = loss_sum(h_BSD, model.lm_head, labels_BS.to(device).flatten())
+                ce = loss_sum(h_BSD, model.lm_head, labels_BS.flatten())
         aux, counts = (
             moe_aux(routings, cfg, micro_tokens, layout.data_group)
             if routings
@@ -231,18 +237,35 @@ def train_step(
         sums += torch.stack([ce.detach().float(), aux.detach() / M])
         counts_LE = counts_LE + counts
     sums = _all_sum(sums, layout.data_group)
-    loss, aux_loss = (sums[0] / label_tokens).item(), sums[1].item()
-    if not math.isfinite(loss + aux_loss):
-        raise FloatingPointError(f"loss is {loss} (aux {aux_loss})")
+    loss, aux_loss = sums[0] / label_tokens, sums[1]
     with record_function("optimizer"):
-        grad_norm = parallel.clip_grad_norm_(
-            list(model.parameters()), cfg.optim.grad_clip, layout.mesh
-        ).item()
-        optimizer.step()
+        grad_norm = parallel.grad_norm(list(model.parameters()), layout.mesh)
+        finite = torch.isfinite(loss + aux_loss + grad_norm)
+        coef = parallel.clip_coef(grad_norm, cfg.optim.grad_clip)
+        optimizer.step(grad_scale=torch.where(finite, coef, torch.nan).reshape(1))
         optimizer.zero_grad(set_to_none=True)
         if biases:
-            update_expert_bias(biases, counts_LE, cfg.train.bias_rate)
+            update_expert_bias(biases, counts_LE, finite * cfg.train.bias_rate)
     return loss, aux_loss, grad_norm, counts_LE
+
+
+def _to_device(t: Tensor | None, device: torch.device) -> Tensor | None:
+    # From pinned memory without blocking: a copy from pageable memory waits for the whole stream.
+    if t is None or t.device == device or device.type != "cuda":
+        return None if t is None else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def step_values(loss: Tensor, aux: Tensor, grad_norm: Tensor, counts_LE: Tensor | int):
+    """train_step's outputs read in one host sync -> (loss, aux, grad norm, max/mean expert load per
+    MoE layer); FloatingPointError when the step was skipped for a non-finite value."""
+    parts = [loss.float().reshape(1), aux.float().reshape(1), grad_norm.float().reshape(1)]
+    if isinstance(counts_LE, Tensor):
+        parts.append(counts_LE.amax(1) / counts_LE.mean(1))
+    loss, aux, norm, *load = torch.cat(parts).tolist()
+    if not math.isfinite(loss + aux + norm):
+        raise FloatingPointError(f"loss is {loss} (aux {aux}, gradient norm {norm})")
+    return loss, aux, norm, load
 
 
 def model_config(name: str):
@@ -371,8 +394,8 @@ def pretrain(
         micro = loader.step_batch(cursor, G, cfg.train.micro_batch, layout.data_rank, layout.data_ranks)
         lr = lr_at(step, cfg)
         try:
-            loss, aux_loss, grad_norm, counts_LE = train_step(
-                model, stages, optimizer, micro, cfg, layout, lr, biases
+            loss, aux_loss, grad_norm, load = step_values(
+                *train_step(model, stages, optimizer, micro, cfg, layout, lr, biases)
             )
         except FloatingPointError as e:
             good = checkpoint.checkpoints(ckpt_root)
@@ -383,7 +406,6 @@ def pretrain(
         step, cursor = step + 1, cursor + G
         seconds = time.perf_counter() - start
         tokens_per_s = G * S / seconds
-        load = (counts_LE.amax(1) / counts_LE.mean(1)).tolist() if biases else []
         record = {
             "step": step,
             "loss": loss,

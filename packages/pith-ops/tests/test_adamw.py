@@ -1,0 +1,98 @@
+"""adamw_ (Triton under the interpreter on CPU) and adamw_reference_ against the path they replace:
+parallel.clip_grad_norm_'s in-place scaling of the gradients, then torch.optim.AdamW (fp32, CPU)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from pith_ops import adamw_, adamw_reference_
+
+
+def torch_path(p0, grads, scale, lr, betas, wd, eps):
+    """Steps of the previous path: the gradient scaled in place, then torch's AdamW (single-tensor)."""
+    p = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([p], lr=lr, betas=betas, eps=eps, weight_decay=wd, foreach=False)
+    for g in grads:
+        p.grad = g.clone()
+        torch._foreach_mul_([p.grad], scale.reshape(()))
+        opt.step()
+    st = opt.state[p]
+    return p.detach(), st["exp_avg"], st["exp_avg_sq"]
+
+
+def ours(fn, p0, grads, scale, lr, betas, wd, eps, dtype=torch.float32):
+    p, m, v = p0.clone().to(dtype), torch.zeros_like(p0, dtype=dtype), torch.zeros_like(p0, dtype=dtype)
+    for step, g in enumerate(grads, 1):
+        fn(p, g.to(dtype), m, v, scale.to(dtype), lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=wd,
+           eps=eps, step=step)  # fmt: skip
+    return p, m, v
+
+
+@given(
+    n=st.integers(1, 9000),
+    steps=st.integers(1, 4),
+    scale=st.floats(0.01, 2.0),
+    lr=st.floats(1e-4, 1e-1),
+    beta1=st.floats(0.0, 0.99),
+    beta2=st.floats(0.5, 0.999),
+    wd=st.sampled_from([0.0, 0.1]),
+    eps=st.sampled_from([1e-8, 1e-6]),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_the_clip_then_torch_adamw_path(n, steps, scale, lr, beta1, beta2, wd, eps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen)
+    grads = [
+        torch.randn(n, generator=gen) * 10 ** torch.empty(n).uniform_(-4, 1, generator=gen)
+        for _ in range(steps)
+    ]
+    scale_t = torch.tensor([scale])
+    args = (scale_t, lr, (beta1, beta2), wd, eps)
+    want = torch_path(p0, grads, *args)
+    # The reference is the previous path's arithmetic, bit for bit.
+    for got, w in zip(ours(adamw_reference_, p0, grads, *args), want):
+        assert torch.equal(got, w)
+    # The kernel: fp32 against it to a few ulps of the update (fma contraction, the interpreter's
+    # rounding), and both at fp32 rounding from the same steps in float64.
+    kernel = ours(adamw_, p0, grads, *args)
+    exact = ours(adamw_reference_, p0.double(), [g.double() for g in grads], *args, dtype=torch.float64)
+    change = (want[0] - p0).abs().max().item()
+    for got, w, x in zip(kernel, want, exact):
+        tol = 4e-7 * w.abs().max().item() + 1e-3 * change
+        assert (got - w).abs().max().item() <= tol
+        assert (got.double() - x).abs().max().item() <= tol + (w.double() - x).abs().max().item()
+
+
+@pytest.mark.parametrize("fn", [adamw_, adamw_reference_])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_scale_writes_nothing(fn, bad):
+    p, g = torch.randn(5000), torch.randn(5000)
+    m, v = torch.randn(5000), torch.rand(5000)
+    before = [t.clone() for t in (p, m, v)]
+    fn(p, g, m, v, torch.tensor([bad]), lr=0.1, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, step=3)
+    assert all(torch.equal(t, b) for t, b in zip((p, m, v), before))
+    fn(p, g, m, v, torch.tensor([1.0]), lr=0.1, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, step=3)
+    assert not torch.equal(p, before[0])
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(g=torch.zeros(3)), "g: expected the parameter's shape"),
+        (dict(m=torch.zeros(4, dtype=torch.float64)), "m: expected dtype"),
+        (dict(v=torch.zeros(8)[::2]), "v: expected a contiguous tensor"),
+        (dict(scale=torch.ones(2)), "one-element scale"),
+        (dict(step=0), "step >= 1"),
+    ],
+)
+def test_bad_input_is_a_value_error_before_any_write(change, match):
+    args = dict(
+        p=torch.ones(4), g=torch.ones(4), m=torch.zeros(4), v=torch.zeros(4), scale=torch.ones(1), step=1
+    )
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        adamw_(**{k: args[k] for k in "pgmv"}, scale=args["scale"], lr=0.1, beta1=0.9, beta2=0.95,
+               weight_decay=0.0, eps=1e-8, step=args["step"])  # fmt: skip
+    assert torch.equal(args["p"], torch.ones(4)) or "p" in change
