@@ -9,7 +9,7 @@ import torch
 from pith_engine import checkpoint
 from pith_engine.contract import Routing
 from pith_train.config import load_config
-from pith_train.optim import lr_at
+from pith_train.optim import build_optimizer, lr_at
 from pith_train.train import flops_per_token, moe_aux, pretrain, update_expert_bias
 
 
@@ -184,3 +184,13 @@ def test_default_model_trains_on_cuda_with_compile_bf16_and_resumes(tmp_path):
         "step_000020",
         "step_000040",
     ]
+
+
+def test_weight_decay_skips_vectors_including_stacked_expert_biases():
+    model = pith_models.build("gpt-oss-tiny", "cpu")
+    optimizer = build_optimizer(model, load_config(None, ["--optim.weight_decay=0.1"]))
+    decay = {id(p) for g in optimizer.param_groups if g["weight_decay"] for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in decay}
+    assert "layers.0.mlp.experts.w_gate_up" in names and "layers.0.self_attn.q_proj.weight" in names
+    assert not {"layers.0.mlp.experts.b_gate_up", "layers.0.mlp.experts.b_down"} & names
+    assert all(model.get_parameter(n).ndim >= 2 for n in names)
