@@ -77,7 +77,7 @@ class WindowLoader:
         self.val_ids = np.arange(self.num_train, total)
         self._epoch, self._order = -1, None
 
-    def _window(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def windows(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         rows = np.stack([self.tokens[i * self.S : i * self.S + self.S + 1] for i in ids]).astype(np.int64)
         t_BS1 = torch.from_numpy(rows)
         return t_BS1[:, :-1], t_BS1[:, 1:]
@@ -96,7 +96,7 @@ class WindowLoader:
         out = []
         for j in range(global_batch // (micro_batch * ranks)):
             first = cursor + (j * ranks + rank) * micro_batch
-            out.append(self._window(np.array([self._train_id(k) for k in range(first, first + micro_batch)])))
+            out.append(self.windows(np.array([self._train_id(k) for k in range(first, first + micro_batch)])))
         return out
 
     def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1, ignore_index: int = -100):
@@ -107,6 +107,6 @@ class WindowLoader:
         n, per_round = len(self.val_ids), micro_batch * ranks
         for first in range(0, n, per_round):
             ids = np.arange(first + rank * micro_batch, first + (rank + 1) * micro_batch)
-            inputs_BS, labels_BS = self._window(self.val_ids[np.minimum(ids, n - 1)])
+            inputs_BS, labels_BS = self.windows(self.val_ids[np.minimum(ids, n - 1)])
             labels_BS[torch.from_numpy(ids >= n)] = ignore_index
             yield inputs_BS, labels_BS
