@@ -352,11 +352,10 @@ main(sys.argv[1:])
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_finishes_the_step_saves_and_exits_with_a_resume_hint(
-    micro_args, micro_config, reference, tmp_path, subprocess_env, signum
+def test_sigterm_finishes_the_step_saves_and_exits_with_a_resume_hint(
+    micro_args, micro_config, reference, tmp_path, subprocess_env
 ):
-    run = tmp_path / "run"
+    run, signum = tmp_path / "run", signal.SIGTERM
     script = SIGNAL_AT_STEP_3.replace("SIGNUM", str(int(signum))).replace("TWICE", "False")
     args = ["pretrain", "--run-dir", str(run), *micro_args]
     proc = subprocess.run(
@@ -379,7 +378,7 @@ def test_a_signal_finishes_the_step_saves_and_exits_with_a_resume_hint(
     assert _losses(run) == reference
 
 
-def test_a_second_signal_exits_at_once(micro_args, tmp_path, subprocess_env):
+def test_ctrl_c_asks_to_stop_and_a_second_one_exits_at_once(micro_args, tmp_path, subprocess_env):
     run = tmp_path / "run"
     script = SIGNAL_AT_STEP_3.replace("SIGNUM", str(int(signal.SIGINT))).replace("TWICE", "True")
     proc = subprocess.run(
@@ -389,4 +388,5 @@ def test_a_second_signal_exits_at_once(micro_args, tmp_path, subprocess_env):
         text=True,
     )
     assert proc.returncode == -signal.SIGINT, proc.stderr[-3000:]
+    assert "SIGINT: finishing this step, then saving a checkpoint" in proc.stderr
     assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["step_000002"]
