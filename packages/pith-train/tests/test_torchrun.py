@@ -60,3 +60,17 @@ def test_a_layout_that_cannot_work_stops_before_compute_naming_the_numbers(
         pretrain(micro_config(*overrides), tmp_path / "run")
     assert words in str(e.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.distributed
+def test_check_layout_trains_both_ways_and_reports_agreement(micro_args, subprocess_env):
+    args = [a for a in micro_args if not a.startswith("--train.steps")]
+    cmd = [sys.executable, "-m", "pith_train", "check-layout", *args, "--parallel.dp=2", "--train.device=cpu"]
+    proc = subprocess.run(
+        [*cmd, "--nproc", "2", "--steps", "2"], env=subprocess_env, capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert len(rows) == 2 and all(float(r[3]) <= 1e-5 for r in rows), proc.stdout
+    assert "layout pp=1 dp=2 cp=1 ep=1 on 2 processes, Adam eps 0.001" in proc.stdout
+    assert "agrees: largest relative difference" in proc.stdout

@@ -29,6 +29,7 @@ import hashlib
 import json
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,6 +58,14 @@ def _rank(mesh: Mesh) -> int:
 def _barrier(mesh: Mesh) -> None:
     if _distributed(mesh):
         dist.barrier()
+
+
+def _dcp(fn, state: dict, path: Path, mesh: Mesh) -> None:
+    """dcp.save or dcp.load; without process groups DCP warns at every call that it assumes one
+    process, which is the intent here (two lines of noise per checkpoint in the training log)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        fn(state, checkpoint_id=path, no_dist=not _distributed(mesh))
 
 
 class CorruptCheckpoint(ValueError):
@@ -187,7 +196,7 @@ def save(
             (tmp / name).write_text(text)
     _barrier(mesh)
     state, _ = _state(model, optimizer, mesh)
-    dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed(mesh))
+    _dcp(dcp.save, state, tmp, mesh)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -221,7 +230,7 @@ def load(
         raise CorruptCheckpoint(f"checkpoint {path} is damaged: {wrong}")
     state, osd = _state(model, optimizer, mesh)
     with torch.no_grad():
-        dcp.load(state, checkpoint_id=path, no_dist=not _distributed(mesh))
+        _dcp(dcp.load, state, path, mesh)
     if optimizer is not None:
         # The entries were views of osd's tensors; non-tensor values (param_groups) came back new.
         osd["param_groups"] = state["optim"]["param_groups"]
