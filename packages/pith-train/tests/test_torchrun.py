@@ -67,7 +67,11 @@ def test_check_layout_trains_both_ways_and_reports_agreement(micro_args, subproc
     args = [a for a in micro_args if not a.startswith("--train.steps")]
     cmd = [sys.executable, "-m", "pith_train", "check-layout", *args, "--parallel.dp=2", "--train.device=cpu"]
     proc = subprocess.run(
-        [*cmd, "--nproc", "2", "--steps", "2"], env=subprocess_env, capture_output=True, text=True, timeout=400
+        [*cmd, "--nproc", "2", "--steps", "2"],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])]

@@ -1,6 +1,7 @@
 import importlib.machinery
 import json
 import math
+import os
 import re
 import signal
 import struct
@@ -14,6 +15,7 @@ import torch
 from pith_engine import checkpoint
 from pith_engine.contract import Routing
 from pith_train import train
+from pith_train.cli import main
 from pith_train.config import load_config
 from pith_train.optim import build_optimizer, lr_at
 from pith_train.train import flops_per_token, moe_aux, pretrain, update_expert_bias
@@ -334,39 +336,27 @@ def test_wandb_gets_every_step_when_installed_and_asked(micro_config, tmp_path, 
     assert calls[0] == "proj" and [c[0] for c in calls[1:-1]] == [1, 2] and calls[-1] == "finish"
 
 
-SIGNAL_AT_STEP_3 = """
-import os, signal, sys, time
-import pith_train.train as train
-real_step, count = train.train_step, [0]
-def step_then_signal(*args):
-    count[0] += 1
-    if count[0] == 3:  # arrives mid-step; the step must still finish
-        os.kill(os.getpid(), SIGNUM)
-        if TWICE:
-            time.sleep(1.2)
-            os.kill(os.getpid(), SIGNUM)
-    return real_step(*args)
-train.train_step = step_then_signal
-from pith_train.cli import main
-main(sys.argv[1:])
-"""
-
-
 def test_sigterm_finishes_the_step_saves_and_exits_with_a_resume_hint(
-    micro_args, micro_config, reference, tmp_path, subprocess_env
+    micro_args, micro_config, reference, tmp_path, monkeypatch, capsys
 ):
-    run, signum = tmp_path / "run", signal.SIGTERM
-    script = SIGNAL_AT_STEP_3.replace("SIGNUM", str(int(signum))).replace("TWICE", "False")
-    args = ["pretrain", "--run-dir", str(run), *micro_args]
-    proc = subprocess.run(
-        [sys.executable, "-c", script, *args], env=subprocess_env, capture_output=True, text=True
-    )
-    assert proc.returncode == 128 + signum, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert f"stopped by {signal.Signals(signum).name} after step 3" in proc.stderr
-    assert f"resume with: pith-train pretrain {' '.join(micro_args)} --run-dir {run}" in proc.stderr
-    # stderr is not a terminal: one text line per step (the format the README documents)
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("step ")]
+    run, real_step, calls = tmp_path / "run", train.train_step, []
+
+    def step_with_sigterm_at_3(*args):
+        calls.append(1)
+        if len(calls) == 3:  # arrives mid-step; the step must still finish
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args)
+
+    monkeypatch.setattr(train, "train_step", step_with_sigterm_at_3)
+    with pytest.raises(SystemExit) as e:
+        main(["pretrain", *micro_args, "--run-dir", str(run)])
+    assert e.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone with the loop
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "stopped by SIGTERM after step 3" in err
+    assert f"resume with: pith-train pretrain {' '.join(micro_args)} --run-dir {run}" in err
+    # stderr is not a terminal here: one text line per step, in the format the README documents
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["1/6", "2/6", "3/6"]
     assert re.fullmatch(
         r"step 3/6 loss \d+\.\d{4} lr \S+ grad_norm \S+ tokens_per_s \d+ mfu \S+ load \S+ memory_gib \S+",
@@ -374,15 +364,32 @@ def test_sigterm_finishes_the_step_saves_and_exits_with_a_resume_hint(
     )
     assert float(lines[0].split()[3]) == pytest.approx(reference[1], abs=1e-4)
     assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["step_000002", "step_000003"]
+    monkeypatch.undo()
     pretrain(micro_config(), run)
     assert _losses(run) == reference
 
 
+SIGINT_TWICE_AT_STEP_3 = """
+import os, signal, sys, time
+import pith_train.train as train
+real_step, count = train.train_step, [0]
+def step_then_signal(*args):
+    count[0] += 1
+    if count[0] == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.2)
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_step(*args)
+train.train_step = step_then_signal
+from pith_train.cli import main
+main(sys.argv[1:])
+"""
+
+
 def test_ctrl_c_asks_to_stop_and_a_second_one_exits_at_once(micro_args, tmp_path, subprocess_env):
     run = tmp_path / "run"
-    script = SIGNAL_AT_STEP_3.replace("SIGNUM", str(int(signal.SIGINT))).replace("TWICE", "True")
     proc = subprocess.run(
-        [sys.executable, "-c", script, "pretrain", "--run-dir", str(run), *micro_args],
+        [sys.executable, "-c", SIGINT_TWICE_AT_STEP_3, "pretrain", "--run-dir", str(run), *micro_args],
         env=subprocess_env,
         capture_output=True,
         text=True,
