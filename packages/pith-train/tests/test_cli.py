@@ -37,12 +37,29 @@ def test_convert_hf_to_pith_to_hf_gives_identical_tensors(micro_hf, tmp_path, ca
     assert "already exists" in capsys.readouterr().err
 
 
-def test_plot_writes_a_png(tmp_path):
+@pytest.mark.parametrize("full", [False, True])
+def test_plot_writes_a_png_with_a_panel_per_metric(tmp_path, monkeypatch, full):
+    import matplotlib.figure
+
     rows = [{"step": s, "loss": 5 - s, "tokens_per_s": 100 + s} for s in range(1, 4)]
+    if full:  # what the trainer writes
+        rows = [
+            {**r, "lr": 0.1 * r["step"], "grad_norm": 1.0, "expert_load_max_over_mean": [1.5, 2.0]}
+            for r in rows
+        ]
     rows[-1]["val_loss"] = 2.5
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    main(["plot", str(tmp_path)])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+    labels = []
+    real_savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(
+        matplotlib.figure.Figure,
+        "savefig",
+        lambda fig, *a, **k: labels.extend(ax.get_ylabel() for ax in fig.axes) or real_savefig(fig, *a, **k),
+    )
+    main(["plot", str(tmp_path)])  # the cut-off last line (a killed write) is skipped
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    more = ["lr", "grad_norm", "expert load max/mean"] if full else []
+    assert labels == ["loss", "tokens / s", *more]
 
 
 def test_cli_reports_bad_overrides_and_prints_config(capsys, tmp_path):

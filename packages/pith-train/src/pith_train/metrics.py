@@ -83,9 +83,12 @@ class MetricsLog:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             os.replace(tmp, self.path)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start + 1)
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # a dependency, but a preinstalled-torch machine (PYTHONPATH) may lack it
+                print("tensorboard is not installed: no event files (--log.tensorboard=false silences this)")
+            else:
+                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start + 1)
         if wandb:
             import wandb as wandb_mod
 
