@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from pith_train.layoutcheck import check_layout
 from pith_train.train import pretrain
 
 # Adam's default eps (1e-8) turns fp32 summation-order noise in near-zero gradients into visible
@@ -63,18 +64,14 @@ def test_a_layout_that_cannot_work_stops_before_compute_naming_the_numbers(
 
 
 @pytest.mark.distributed
-def test_check_layout_trains_both_ways_and_reports_agreement(micro_args, subprocess_env):
+def test_check_layout_trains_both_ways_and_reports_agreement(micro_args, subprocess_env, monkeypatch, capsys):
+    for name, value in subprocess_env.items():  # for the torchrun workers
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     args = [a for a in micro_args if not a.startswith("--train.steps")]
-    cmd = [sys.executable, "-m", "pith_train", "check-layout", *args, "--parallel.dp=2", "--train.device=cpu"]
-    proc = subprocess.run(
-        [*cmd, "--nproc", "2", "--steps", "2"],
-        env=subprocess_env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])]
-    assert len(rows) == 2 and all(float(r[3]) <= 1e-5 for r in rows), proc.stdout
-    assert "layout pp=1 dp=2 cp=1 ep=1 on 2 processes, Adam eps 0.001" in proc.stdout
-    assert "agrees: largest relative difference" in proc.stdout
+    assert check_layout(None, [*args, "--parallel.dp=2", "--train.device=cpu"], 2, 2, 1e-3, 1e-5)
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert len(rows) == 2 and all(float(r[3]) <= 1e-5 for r in rows), out
+    assert "layout pp=1 dp=2 cp=1 ep=1 on 2 processes, Adam eps 0.001" in out
+    assert "agrees: largest relative difference" in out

@@ -15,11 +15,7 @@ import tempfile
 from pathlib import Path
 
 from pith_train.config import load_config
-
-
-def _run(cmd: list[str], what: str) -> None:
-    if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode:
-        raise ValueError(f"the {what} run failed (its error is above)")
+from pith_train.train import pretrain
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -37,8 +33,7 @@ def check_layout(
     base = [*([config] if config else []), *overrides, *same]
     with tempfile.TemporaryDirectory(prefix="pith-check-layout-") as tmp:
         one, many = Path(tmp) / "one", Path(tmp) / "layout"
-        cmd = [sys.executable, "-m", "pith_train", "pretrain", *base, *single, "--run-dir", str(one)]
-        _run(cmd, "single-process")
+        pretrain(load_config(config, [*overrides, *same, *single]), one)  # in this process
         data = [] if cfg.data.path else [f"--data.path={one / 'data'}"]  # the corpus the first run prepared
         torchrun = [
             sys.executable,
@@ -48,7 +43,8 @@ def check_layout(
             f"--nproc-per-node={nproc}",
         ]
         cmd = [*torchrun, "-m", "pith_train", "pretrain", *base, *data, "--run-dir", str(many)]
-        _run(cmd, "torchrun")
+        if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode:
+            raise ValueError("the torchrun run failed (its error is above)")
         want, got = _losses(one), _losses(many)
     p = cfg.parallel
     print(f"layout pp={p.pp} dp={p.dp} cp={p.cp} ep={p.ep} on {nproc} processes, Adam eps {eps:g}")
