@@ -1,6 +1,9 @@
 """Checkpoints: canonical per-expert layout, exact round trip of model + optimizer + routing bias, atomic
 visibility and pruning. A minimal model following the contract stands in for pith_models' models."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from pith_engine import checkpoint
@@ -89,3 +92,72 @@ def test_only_complete_checkpoints_count_and_prune_keeps_the_newest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
     with pytest.raises(ValueError, match="not a Pith checkpoint"):
         checkpoint.load(tmp_path, model)
+
+
+def _flip_a_byte(f) -> None:
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def test_manifest_catches_changed_truncated_and_missing_files_before_loading(tmp_path):
+    model, opt = _trained(0)
+    path = checkpoint.save(tmp_path / "ckpt", model, opt, files={"trainer.json": '{"step": 1}'})
+    manifest = json.loads((path / "manifest.json").read_text())["files"]
+    assert {".metadata", "rng.0.pt", "trainer.json"} <= set(manifest)
+    assert checkpoint.problem(path) is None
+    data = next(path.glob("*.distcp"))
+    other, _ = _trained(1)
+    before = [p.clone() for p in other.parameters()]
+    _flip_a_byte(data)  # e.g. NaN bytes written over a weight: DCP itself would load it silently
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=f"{data.name} does not match its SHA-256"):
+        checkpoint.load(path, other)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))  # nothing was read
+    (path / "trainer.json").write_text('{"step": ')
+    assert "trainer.json has 9 bytes, the manifest says 11" in checkpoint.problem(path)
+    (path / "rng.0.pt").unlink()
+    assert "rng.0.pt is missing" in checkpoint.problem(path)
+    (path / "manifest.json").unlink()
+    assert "manifest.json is missing" in checkpoint.problem(path)
+
+
+def test_latest_intact_falls_back_past_a_damaged_checkpoint_and_moves_it_aside(tmp_path):
+    model, _ = _trained(0)
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path / f"step_{step:06d}", model)
+    _flip_a_byte(next((tmp_path / "step_000003").glob("*.distcp")))
+    (tmp_path / "step_000002" / "manifest.json").write_text("{")
+    warnings = []
+    assert checkpoint.latest_intact(tmp_path, warn=warnings.append) == tmp_path / "step_000001"
+    assert "step_000003 is damaged" in warnings[0] and "does not match its SHA-256" in warnings[0]
+    assert "step_000002 is damaged (manifest.json is missing or unreadable" in warnings[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_000001",
+        "step_000002.damaged",
+        "step_000003.damaged",
+    ]
+    _flip_a_byte(next((tmp_path / "step_000001").glob("*.distcp")))
+    with pytest.raises(ValueError, match="no intact checkpoint"):
+        checkpoint.latest_intact(tmp_path, warn=warnings.append)
+
+
+def test_a_save_killed_while_replacing_the_same_step_keeps_the_old_copy(tmp_path, monkeypatch):
+    model, _ = _trained(0)
+    path = checkpoint.save(tmp_path / "step_000001", model)
+    real_rename = Path.rename
+
+    def killed_before_the_new_copy_lands(self, target):
+        if self.name == "step_000001.tmp":  # the checkpoint directory, not a DCP file
+            raise KeyboardInterrupt  # stands in for a kill between the two renames
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed_before_the_new_copy_lands)
+    other, _ = _trained(1)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(path, other)
+    monkeypatch.undo()
+    assert checkpoint.latest_intact(tmp_path) == path  # NAME.old put back, NAME.tmp removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
+    restored, _ = _trained(2)
+    checkpoint.load(path, restored)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), restored.parameters()))

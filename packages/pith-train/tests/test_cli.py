@@ -1,11 +1,19 @@
 import json
+import math
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pith_models
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pith_train.cli import main
+from pith_train.data import PackedDataset
+from pith_train.inference import top_p_keep
+from pith_train.prepare import ByteTokenizer
 from pith_train.train import build_model
 from safetensors.torch import load_file
 
@@ -29,12 +37,29 @@ def test_convert_hf_to_pith_to_hf_gives_identical_tensors(micro_hf, tmp_path, ca
     assert "already exists" in capsys.readouterr().err
 
 
-def test_plot_writes_a_png(tmp_path):
+@pytest.mark.parametrize("full", [False, True])
+def test_plot_writes_a_png_with_a_panel_per_metric(tmp_path, monkeypatch, full):
+    import matplotlib.figure
+
     rows = [{"step": s, "loss": 5 - s, "tokens_per_s": 100 + s} for s in range(1, 4)]
+    if full:  # what the trainer writes
+        rows = [
+            {**r, "lr": 0.1 * r["step"], "grad_norm": 1.0, "expert_load_max_over_mean": [1.5, 2.0]}
+            for r in rows
+        ]
     rows[-1]["val_loss"] = 2.5
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    main(["plot", str(tmp_path)])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+    labels = []
+    real_savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(
+        matplotlib.figure.Figure,
+        "savefig",
+        lambda fig, *a, **k: labels.extend(ax.get_ylabel() for ax in fig.axes) or real_savefig(fig, *a, **k),
+    )
+    main(["plot", str(tmp_path)])  # the cut-off last line (a killed write) is skipped
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    more = ["lr", "grad_norm", "expert load max/mean"] if full else []
+    assert labels == ["loss", "tokens / s", *more]
 
 
 def test_cli_reports_bad_overrides_and_prints_config(capsys, tmp_path):
@@ -77,3 +102,134 @@ def test_default_command_trains_tiny_moe_on_the_builtin_corpus(tmp_path, subproc
     )
     assert (run / "checkpoints" / "step_000002" / ".metadata").is_file()
     assert 'name = "tiny-moe"' in (run / "config.toml").read_text()
+
+
+@pytest.fixture(scope="module")
+def trained(micro_config, tmp_path_factory):
+    """A 3-step micro run with the default bias_rate: its routing biases are nonzero."""
+    from pith_train.train import pretrain
+
+    run = tmp_path_factory.mktemp("trained")
+    pretrain(micro_config("--train.steps=3"), run)
+    return run / "checkpoints" / "step_000003"
+
+
+def test_convert_after_default_training_exports_with_a_note_or_refuses(trained, tmp_path, capsys):
+    model = build_model(str(trained), torch.device("cpu"), seed=0)
+    assert any(b.any() for n, b in model.named_buffers() if n.endswith("expert_bias"))
+    with pytest.raises(SystemExit):
+        main(["convert", str(trained), str(tmp_path / "hf"), "--refuse-routing-bias"])
+    assert "nonzero routing bias" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()  # a retry is not blocked
+    main(["convert", str(trained), str(tmp_path / "hf"), "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert "note: 2 MoE layers have a nonzero routing bias" in out and "routes without it" in out
+    assert "has no tokenizer.json to copy" in out  # a byte-tokenizer run
+    exported = pith_models.from_pretrained(tmp_path / "hf")
+    for name, p in exported.state_dict().items():  # everything but the routing bias, exactly
+        want = torch.zeros_like(p) if name.endswith("expert_bias") else model.state_dict()[name]
+        assert torch.equal(p, want), name
+
+
+def test_convert_carries_the_tokenizer_both_ways(micro_hf, tmp_path):
+    hf = tmp_path / "hf_in"
+    shutil.copytree(micro_hf, hf)
+    (hf / "tokenizer.json").write_text('{"version": "1.0"}')
+    main(["convert", str(hf), str(tmp_path / "pith")])
+    assert (tmp_path / "pith" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    main(["convert", str(tmp_path / "pith"), str(tmp_path / "hf_out")])
+    assert (tmp_path / "hf_out" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+
+
+def test_eval_reports_the_reference_loss_of_every_window(trained, byte_data, capsys):
+    main(["eval", str(trained), "--data", str(byte_data), "--batch", "3", "--max-windows", "7"])
+    out = capsys.readouterr().out
+    loss, perplexity = float(out.split()[1]), float(out.split()[3])
+    assert (
+        perplexity == pytest.approx(math.exp(loss), rel=1e-4)
+        and "(224 tokens of" in out
+        and "windows of 32" in out
+    )
+    model = build_model(str(trained), torch.device("cpu"), seed=0).double()
+    tokens = torch.from_numpy(PackedDataset(str(byte_data)).tokens[: 7 * 32 + 1].astype(np.int64))
+    inputs, labels = tokens[:-1].view(7, 32), tokens[1:].view(7, 32)
+    want = torch.nn.functional.cross_entropy(model.reference_forward(inputs).flatten(0, 1), labels.flatten())
+    assert loss == pytest.approx(float(want), abs=1e-4)  # printed to 4 decimals
+
+
+def test_generate_greedy_continues_with_the_argmax_token_each_time(trained, capsys):
+    main(["generate", str(trained), "--prompt", "def ", "--max-new-tokens", "5"])
+    text = capsys.readouterr().out.rstrip("\n")
+    model = build_model(str(trained), torch.device("cpu"), seed=0).double()
+    ids = list(b"def ")
+    for _ in range(5):
+        ids.append(int(model.reference_forward(torch.tensor([ids]))[0, -1, :257].argmax()))
+    assert text == ByteTokenizer().decode(ids)
+    main(
+        [
+            "generate",
+            str(trained),
+            "--prompt",
+            "def ",
+            "--max-new-tokens",
+            "5",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "3",
+        ]
+    )
+    sampled = capsys.readouterr().out.rstrip("\n")
+    assert sampled.startswith("def ")
+    main(
+        [
+            "generate",
+            str(trained),
+            "--prompt",
+            "def ",
+            "--max-new-tokens",
+            "5",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "3",
+        ]
+    )
+    assert capsys.readouterr().out.rstrip("\n") == sampled  # seeded
+
+
+@settings(max_examples=50)
+@given(
+    st.lists(st.floats(0.0, 10.0), min_size=1, max_size=12).filter(lambda w: sum(w) > 0),
+    st.floats(0.01, 1.0),
+)
+def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
+    probs64 = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+    keep = top_p_keep(probs64.float(), top_p)
+    kept, dropped = probs64[keep], probs64[~keep]
+    assert kept.sum() >= top_p - 1e-6 or keep.all()
+    assert not len(dropped) or kept.min() >= dropped.max() - 1e-7  # the most probable ones
+    assert kept.sum() - kept.min() < top_p + 1e-6  # none of them could be left out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["eval", "{tmp}", "--data", "{data}", "--tokenizer", "byte"],
+            "a model directory needs a config.json",
+        ),
+        (["generate", "{ckpt}", "--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["generate", "{tmp}", "--prompt", "x"], "no tokenizer.json and no run config"),
+        (["eval", "{damaged}", "--data", "{data}", "--tokenizer", "byte"], "is damaged: manifest.json"),
+    ],
+)
+def test_inference_commands_fail_with_one_line(trained, byte_data, tmp_path, capsys, argv, message):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained, damaged)
+    (damaged / "manifest.json").unlink()
+    names = {"tmp": tmp_path, "ckpt": trained, "damaged": damaged, "data": byte_data}
+    with pytest.raises(SystemExit) as e:
+        main([a.format(**names) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and message in err and "Traceback" not in err and len(err.splitlines()) == 1

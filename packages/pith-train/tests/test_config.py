@@ -29,6 +29,8 @@ def test_printed_config_reads_back_equal(tmp_path):
         ("", ["--train.steps"], "expected --section.key=value"),
         ("[train]\nsteps = 1.5\n", [], "train.steps: expected int, got float"),
         ("[train]\nlr = true\n", [], "train.lr: expected float, got bool"),
+        ('[train]\nsteps = "30"\n', [], "train.steps: expected int, got str '30'"),
+        ('[train]\ncompile = "false"\n', [], "train.compile: expected bool, got str 'false'"),
         ("[data]\nextra = 1\n", [], "unknown key data.extra"),
         ("steps = 1\n", [], "must be a [section]"),
         ("[train\n", [], "not valid TOML"),

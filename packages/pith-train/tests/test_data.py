@@ -3,6 +3,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.prepare import ByteTokenizer, find_inputs, load_tokenizer, prepare
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -71,6 +73,44 @@ def test_prepare_rejects_bad_inputs_before_writing(tmp_path):
     with pytest.raises(ValueError, match="bad.jsonl:1: expected a JSON object with a string field 'text'"):
         prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "ds2"), "byte", workers=1, progress=False)
     assert not (tmp_path / "ds2").exists()
+    (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": "cut\n')
+    with pytest.raises(ValueError, match="broken.jsonl:2: not valid JSON"):
+        prepare([str(tmp_path / "broken.jsonl")], str(tmp_path / "ds3"), "byte", workers=1, progress=False)
+
+
+def test_a_truncated_tokens_file_is_named_with_the_fix(tmp_path, byte_data):
+    import shutil
+
+    shutil.copytree(byte_data, tmp_path / "ds")
+    tokens = tmp_path / "ds" / "tokens.bin"
+    size = tokens.stat().st_size
+    tokens.write_bytes(tokens.read_bytes()[: size // 2])
+    with pytest.raises(
+        ValueError, match=f"tokens.bin: {size // 2} bytes, but meta.json says {size // 2} tokens"
+    ):
+        PackedDataset(str(tmp_path / "ds"))
+    (tmp_path / "ds" / "meta.json").write_text("{")
+    with pytest.raises(ValueError, match="meta.json: not a prepare-data meta.json"):
+        PackedDataset(str(tmp_path / "ds"))
+
+
+@settings(max_examples=30)
+@given(val_windows=st.integers(1, 11), micro_batch=st.integers(1, 4), ranks=st.integers(1, 5))
+def test_validation_covers_every_window_once_whatever_the_layout(byte_data, val_windows, micro_batch, ranks):
+    """Formerly the remainder of val_windows / ranks was dropped (a layout-dependent validation loss,
+    NaN with fewer windows than ranks)."""
+    loader = WindowLoader(PackedDataset(str(byte_data)), 16, val_windows, seed=0)
+    shares = [list(loader.val_batches(micro_batch, r, ranks)) for r in range(ranks)]
+    assert len({len(s) for s in shares}) == 1  # every rank runs the same number of batches
+    counted = []
+    for share in shares:
+        for inputs_BS, labels_BS in share:
+            assert inputs_BS.shape == labels_BS.shape == (micro_batch, 16)
+            kept = (labels_BS != -100).all(1)
+            assert ((labels_BS == -100).all(1) | kept).all()  # a row counts whole or not at all
+            counted += [tuple(row.tolist()) for row in inputs_BS[kept]]
+    expected = [tuple(x.tolist()) for x in next(iter(loader.val_batches(val_windows)))[0]]
+    assert sorted(counted) == sorted(expected)
 
 
 def test_dataset_checks_tokenizer_and_vocab(tmp_path, byte_data):
@@ -106,7 +146,7 @@ def test_loader_is_deterministic_sharded_and_resumable(byte_data):
     seen = torch.cat([loader.step_batch(c, 1, 1)[0][0] for c in range(n)])
     starts = {int(loader._order[i]) for i in range(n)}
     assert starts == set(range(n)) and seen.shape == (n, 16)
-    val = torch.cat([x for x, _ in loader.val_batches(3)])
+    val = torch.stack([x for xs, ys in loader.val_batches(3) for x, y in zip(xs, ys) if (y != -100).all()])
     assert val.shape == (8, 16)
     assert torch.equal(val[0], torch.from_numpy(ds.tokens[n * 16 : n * 16 + 16].astype(np.int64)))
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from pith_train.layoutcheck import check_layout
 from pith_train.train import pretrain
 
 # Adam's default eps (1e-8) turns fp32 summation-order noise in near-zero gradients into visible
@@ -60,3 +61,17 @@ def test_a_layout_that_cannot_work_stops_before_compute_naming_the_numbers(
         pretrain(micro_config(*overrides), tmp_path / "run")
     assert words in str(e.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.distributed
+def test_check_layout_trains_both_ways_and_reports_agreement(micro_args, subprocess_env, monkeypatch, capsys):
+    for name, value in subprocess_env.items():  # for the torchrun workers
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = [a for a in micro_args if not a.startswith("--train.steps")]
+    assert check_layout(None, [*args, "--parallel.dp=2", "--train.device=cpu"], 2, 2, 1e-3, 1e-5)
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert len(rows) == 2 and all(float(r[3]) <= 1e-5 for r in rows), out
+    assert "layout pp=1 dp=2 cp=1 ep=1 on 2 processes, Adam eps 0.001" in out
+    assert "agrees: largest relative difference" in out

@@ -1,21 +1,31 @@
+import importlib.machinery
 import json
 import math
+import os
+import re
+import signal
+import struct
 import subprocess
 import sys
+import types
 
 import pith_models
 import pytest
 import torch
 from pith_engine import checkpoint
 from pith_engine.contract import Routing
+from pith_train import train
+from pith_train.cli import main
 from pith_train.config import load_config
-from pith_train.optim import lr_at
+from pith_train.optim import build_optimizer, lr_at
 from pith_train.train import flops_per_token, moe_aux, pretrain, update_expert_bias
 
 
 def _losses(run_dir) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}  # a re-logged step keeps its latest value
+    losses = {r["step"]: r["loss"] for r in rows}
+    assert len(losses) == len(rows), [r["step"] for r in rows]  # one record per step, replays included
+    return losses
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +35,13 @@ def reference(micro_config, tmp_path_factory):
     out = pretrain(micro_config(), run)
     losses = _losses(run)
     assert out["step"] == 6 and sorted(losses) == list(range(1, 7))
+    # TensorBoard has the same scalars.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("loss")] == sorted(losses.items())
+    assert {"lr", "grad_norm", "expert_load_max_over_mean/layer_1"} <= set(events.Tags()["scalars"])
     return losses
 
 
@@ -184,3 +201,199 @@ def test_default_model_trains_on_cuda_with_compile_bf16_and_resumes(tmp_path):
         "step_000020",
         "step_000040",
     ]
+
+
+def test_weight_decay_skips_vectors_including_stacked_expert_biases():
+    model = pith_models.build("gpt-oss-tiny", "cpu")
+    optimizer = build_optimizer(model, load_config(None, ["--optim.weight_decay=0.1"]))
+    decay = {id(p) for g in optimizer.param_groups if g["weight_decay"] for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in decay}
+    assert "layers.0.mlp.experts.w_gate_up" in names and "layers.0.self_attn.q_proj.weight" in names
+    assert not {"layers.0.mlp.experts.b_gate_up", "layers.0.mlp.experts.b_down"} & names
+    assert all(model.get_parameter(n).ndim >= 2 for n in names)
+
+
+def _damage(ckpt, what: str) -> None:
+    if what == "weights":  # NaN bytes over part of a weight file: DCP alone would load them silently
+        f = next(ckpt.glob("*.distcp"))
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 8] = struct.pack("<2f", math.nan, math.nan)
+        f.write_bytes(bytes(data))
+    else:
+        (ckpt / "trainer.json").write_text('{"step":\n')
+
+
+@pytest.mark.parametrize("what", ["weights", "trainer.json"])
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(micro_config, reference, tmp_path, capsys, what):
+    run = tmp_path / "run"
+    pretrain(micro_config(), run, stop_at=4)
+    _damage(run / "checkpoints" / "step_000004", what)
+    pretrain(micro_config(), run)  # resumes from step 2
+    warning = capsys.readouterr().out
+    assert "step_000004 is damaged" in warning and "step_000004.damaged" in warning
+    assert ("SHA-256" if what == "weights" else "trainer.json has") in warning
+    assert _losses(run) == reference
+    assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["step_000004", "step_000006"]
+    assert (run / "checkpoints" / "step_000004.damaged").is_dir()  # kept, out of the way
+
+
+def test_nan_stop_names_the_last_intact_checkpoint(micro_config, tmp_path, monkeypatch):
+    real_step, calls = train.train_step, []
+
+    def diverge_at_step_3(*args):
+        calls.append(1)
+        if len(calls) == 3:  # step 2's checkpoint was damaged since it was written
+            _damage(tmp_path / "checkpoints" / "step_000002", "weights")
+            raise FloatingPointError("loss is nan (aux 0.0)")
+        return real_step(*args)
+
+    monkeypatch.setattr(train, "train_step", diverge_at_step_3)
+    with pytest.raises(FloatingPointError, match=r"at step 3;.*step_000001$"):
+        pretrain(micro_config("--checkpoint.every=1", "--checkpoint.keep=3"), tmp_path)
+
+
+def test_a_fresh_run_refuses_a_directory_holding_another_run(micro_config, tmp_path):
+    pretrain(micro_config(), tmp_path, stop_at=2)
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    with pytest.raises(
+        ValueError, match=r"resume is false, but .* holds an earlier run \(step_000002, metrics"
+    ):
+        pretrain(micro_config("--checkpoint.resume=false"), tmp_path)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before  # nothing touched
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--data.seq_len=16"], "data.seq_len 32 -> 16 would change which sequences"),
+        (["--train.seed=1"], "train.seed 0 -> 1"),
+        (["--train.global_batch=8"], "train.global_batch 4 -> 8"),
+        (["--model.name=qwen3-moe-tiny"], "another model than model.name='qwen3-moe-tiny'"),
+        (
+            ["--train.steps=12"],
+            r"step 4 had lr 0.00775, the new schedule gives 0.00973; the next step would jump from"
+            r" 0.00775 to 0.00895",
+        ),
+    ],
+)
+def test_resume_is_checked_against_the_run(micro_config, tmp_path, overrides, message):
+    pretrain(micro_config(), tmp_path, stop_at=4)
+    saved = (tmp_path / "config.toml").read_text()
+    with pytest.raises(ValueError, match=message):
+        pretrain(micro_config(*overrides), tmp_path)
+    assert (tmp_path / "config.toml").read_text() == saved  # a refused launch rewrites nothing
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")] == [
+        "step_000002",
+        "step_000004",
+    ]
+
+
+def test_a_wsd_run_extends_before_its_decay_and_micro_batch_may_change(micro_config, tmp_path):
+    wsd = ["--optim.schedule=wsd", "--optim.decay_fraction=0.25"]
+    pretrain(micro_config(*wsd, "--train.steps=8"), tmp_path, stop_at=4)
+    out = pretrain(micro_config(*wsd, "--train.steps=10", "--train.micro_batch=1"), tmp_path)
+    assert out["step"] == 10 and sorted(_losses(tmp_path)) == list(range(1, 11))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["--data.seq_len=128"],
+            "data.seq_len=128 is more than the model's max_position_embeddings \\(64\\)",
+        ),
+        (["--log.wandb=my-project"], "wandb is not installed"),
+    ],
+)
+def test_unusable_settings_stop_before_compute(micro_config, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        pretrain(micro_config(*overrides), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_unwritable_checkpoints_directory_stops_before_compute(micro_config, tmp_path):
+    (tmp_path / "checkpoints").write_text("a file where the directory should be")
+    with pytest.raises(ValueError, match="checkpoints cannot be written .*not a directory"):
+        pretrain(micro_config(), tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "config.toml").exists()
+
+
+def test_wandb_gets_every_step_when_installed_and_asked(micro_config, tmp_path, monkeypatch):
+    calls = []
+
+    class Run:
+        def log(self, scalars, step):
+            calls.append((step, scalars["loss"]))
+
+        def finish(self):
+            calls.append("finish")
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: calls.append(kw["project"]) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    pretrain(micro_config("--log.wandb=proj", "--train.steps=2"), tmp_path)
+    assert calls[0] == "proj" and [c[0] for c in calls[1:-1]] == [1, 2] and calls[-1] == "finish"
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_with_a_resume_hint(
+    micro_args, micro_config, reference, tmp_path, monkeypatch, capsys
+):
+    run, real_step, calls = tmp_path / "run", train.train_step, []
+
+    def step_with_sigterm_at_3(*args):
+        calls.append(1)
+        if len(calls) == 3:  # arrives mid-step; the step must still finish
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args)
+
+    monkeypatch.setattr(train, "train_step", step_with_sigterm_at_3)
+    with pytest.raises(SystemExit) as e:
+        main(["pretrain", *micro_args, "--run-dir", str(run)])
+    assert e.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone with the loop
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "stopped by SIGTERM after step 3" in err
+    assert f"resume with: pith-train pretrain {' '.join(micro_args)} --run-dir {run}" in err
+    # stderr is not a terminal here: one text line per step, in the format the README documents
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/6", "2/6", "3/6"]
+    assert re.fullmatch(
+        r"step 3/6 loss \d+\.\d{4} lr \S+ grad_norm \S+ tokens_per_s \d+ mfu \S+ load \S+ memory_gib \S+",
+        lines[2],
+    )
+    assert float(lines[0].split()[3]) == pytest.approx(reference[1], abs=1e-4)
+    assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["step_000002", "step_000003"]
+    monkeypatch.undo()
+    pretrain(micro_config(), run)
+    assert _losses(run) == reference
+
+
+SIGINT_TWICE_AT_STEP_3 = """
+import os, signal, sys, time
+import pith_train.train as train
+real_step, count = train.train_step, [0]
+def step_then_signal(*args):
+    count[0] += 1
+    if count[0] == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.2)
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_step(*args)
+train.train_step = step_then_signal
+from pith_train.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_ctrl_c_asks_to_stop_and_a_second_one_exits_at_once(micro_args, tmp_path, subprocess_env):
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGINT_TWICE_AT_STEP_3, "pretrain", "--run-dir", str(run), *micro_args],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == -signal.SIGINT, proc.stderr[-3000:]
+    assert "SIGINT: finishing this step, then saving a checkpoint" in proc.stderr
+    assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["step_000002"]

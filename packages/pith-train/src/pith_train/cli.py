@@ -1,10 +1,13 @@
-"""The `pith-train` command (also `python -m pith_train`): prepare-data, pretrain, convert, bench, plot.
+"""The `pith-train` command (also `python -m pith_train`): prepare-data, pretrain, check-layout, eval,
+generate, convert, bench, plot.
 
 Each subcommand is a parser built in `main` plus one function taking the parsed arguments; a new
-subcommand adds both.
+subcommand adds both. Errors a user can fix (ValueError, OSError) are one line on stderr and exit 1.
 """
 
 import argparse
+import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -17,11 +20,9 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}: {meta['num_tokens']:,} tokens in {meta['num_docs']:,} documents")
 
 
-def cmd_pretrain(args: argparse.Namespace) -> None:
-    from pith_train.config import load_config, to_toml
-
+def _config_and_overrides(rest: list[str]) -> tuple[str | None, list[str]]:
     config, overrides = None, []  # `--train.steps 10` is accepted as well as `--train.steps=10`
-    for item in args.rest:
+    for item in rest:
         if item.startswith("--"):
             overrides.append(item)
         elif overrides and "=" not in overrides[-1]:
@@ -30,16 +31,29 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
             config = item
         else:
             raise ValueError(f"unexpected argument {item!r}; overrides look like --section.key=value")
-    cfg = load_config(config, overrides)
+    return config, overrides
+
+
+def cmd_pretrain(args: argparse.Namespace) -> None:
+    from pith_train.config import load_config, to_toml
+
+    cfg = load_config(*_config_and_overrides(args.rest))
     if args.print_config:
         print(to_toml(cfg), end="")
         return
+    import torch.distributed as dist
+
+    from pith_train.stopping import Interrupted
     from pith_train.train import pretrain
 
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-    out = pretrain(cfg, run_dir)
-    import torch.distributed as dist
-
+    try:
+        out = pretrain(cfg, run_dir)
+    except Interrupted as e:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            hint = shlex.join(["pith-train", "pretrain", *args.rest, "--run-dir", run_dir])
+            print(f"pith-train pretrain: {e}\n  resume with: {hint}", file=sys.stderr)
+        sys.exit(128 + e.signum)
     if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun rank 0 reports
         return
     done = "already complete" if out["loss"] is None else f"loss {out['loss']:.4f}"
@@ -52,8 +66,33 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     )
 
 
+def _routing_bias(model, refuse: bool) -> None:
+    """Before an HF export: none of the supported HF families has a selection-only routing bias
+    (DeepSeek-V3's e_score_correction_bias has no counterpart in Qwen3-MoE, DeepSeek-V2 or GPT-OSS),
+    so a nonzero one is dropped, saying so, or with `refuse` stops the export."""
+    import torch
+
+    biases = [b for n, b in model.named_buffers() if n.endswith("expert_bias") and bool(b.any())]
+    if not biases:
+        return
+    family = model.cfg.to_hf()["model_type"]
+    largest = max(float(b.abs().max()) for b in biases)
+    what = f"{len(biases)} MoE layers have a nonzero routing bias (expert_bias, largest |bias| {largest:.3g})"
+    if refuse:
+        raise ValueError(f"{what} and Hugging Face {family} has nowhere to hold it (--refuse-routing-bias)")
+    print(
+        f"note: {what}; Hugging Face {family} has no selection-only bias, so the export routes without it"
+        " and may pick other top-k experts than the trained model. --refuse-routing-bias stops instead;"
+        " --train.bias_rate=0 trains without it."
+    )
+    with torch.no_grad():
+        for b in biases:
+            b.zero_()
+
+
 def cmd_convert(args: argparse.Namespace) -> None:
-    """HF directory -> Pith checkpoint, or Pith checkpoint -> HF directory (told apart by their files)."""
+    """HF directory -> Pith checkpoint, or Pith checkpoint -> HF directory (told apart by their files),
+    written under DST.tmp and renamed when complete; tokenizer.json goes along when there is one."""
     import json
 
     import pith_models
@@ -61,24 +100,99 @@ def cmd_convert(args: argparse.Namespace) -> None:
     from pith_engine import checkpoint
     from pith_models.hf import config_from_hf
 
-    src = Path(args.src)
-    if Path(args.dst).exists():
+    src, dst = Path(args.src), Path(args.dst)
+    if dst.exists():
         raise ValueError(f"destination {args.dst!r} already exists")
-    if (src / ".metadata").is_file():
-        model = pith_models.build(config_from_hf(json.loads((src / "config.json").read_text())), "cpu")
-        checkpoint.load(src, model)
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-        pith_models.save_pretrained(model, args.dst, dtype=dtype)
-        print(f"wrote Hugging Face directory {args.dst}")
-    elif (src / "config.json").is_file():
-        model = pith_models.from_pretrained(src)
-        config = json.dumps(model.cfg.to_hf(), indent=1)
-        checkpoint.save(Path(args.dst), model, files={"config.json": config})
-        print(f"wrote Pith checkpoint {args.dst} (train from it with --model.name={args.dst})")
-    else:
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = src / "tokenizer.json"
+    try:
+        if (src / ".metadata").is_file():
+            model = pith_models.build(config_from_hf(json.loads((src / "config.json").read_text())), "cpu")
+            checkpoint.load(src, model)
+            _routing_bias(model, args.refuse_routing_bias)
+            dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+            pith_models.save_pretrained(model, tmp, dtype=dtype)
+            if tokenizer.is_file():
+                shutil.copy(tokenizer, tmp / "tokenizer.json")
+            done = f"Hugging Face directory {dst}"
+        elif (src / "config.json").is_file():
+            model = pith_models.from_pretrained(src)
+            files = {"config.json": json.dumps(model.cfg.to_hf(), indent=1)}
+            if tokenizer.is_file():
+                files["tokenizer.json"] = tokenizer.read_text()
+            checkpoint.save(tmp, model, files=files)
+            done = f"Pith checkpoint {dst} (train from it with --model.name={dst})"
+        else:
+            raise ValueError(
+                f"{str(src)!r} is neither a Pith checkpoint (.metadata) nor a Hugging Face directory"
+            )
+        tmp.rename(dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"wrote {done}" + ("" if tokenizer.is_file() else f"; {src} has no tokenizer.json to copy"))
+
+
+def _device(name: str):
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device")
+    return torch.device("cuda" if name != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    import math
+
+    from pith_train.data import PackedDataset
+    from pith_train.inference import dataset_loss, run_config, run_tokenizer
+    from pith_train.train import build_model
+
+    path, ds = Path(args.checkpoint), PackedDataset(args.data)
+    ds.check_tokenizer(run_tokenizer(path, args.tokenizer))
+    model = build_model(str(path), _device(args.device), seed=0).eval()
+    ds.check_vocab(model.cfg.vocab_size)
+    cfg = run_config(path)
+    seq_len = args.seq_len or (cfg.data.seq_len if cfg else min(1024, model.cfg.max_position_embeddings))
+    loss, tokens = dataset_loss(model, ds, seq_len, args.batch, args.max_windows)
+    print(
+        f"loss {loss:.4f} perplexity {math.exp(loss):.3f}"
+        f" ({tokens:,} tokens of {args.data}, windows of {seq_len})"
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from pith_train.inference import generate, run_tokenizer
+    from pith_train.train import build_model
+
+    if args.top_p is not None and not 0 < args.top_p <= 1 or args.temperature <= 0:
         raise ValueError(
-            f"{str(src)!r} is neither a Pith checkpoint (.metadata) nor a Hugging Face directory"
+            f"--top-p must be in (0, 1] and --temperature > 0; got {args.top_p}, {args.temperature}"
         )
+    path = Path(args.checkpoint)
+    tok = run_tokenizer(path, args.tokenizer)
+    prompt = tok.encode_batch([args.prompt])[0].tolist()
+    if not prompt:
+        raise ValueError("--prompt is empty")
+    model = build_model(str(path), _device(args.device), seed=0).eval()
+    new = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        tok.vocab_size,
+        tok.eos_id,
+        args.top_p,
+        args.temperature,
+        args.seed,
+    )
+    print(args.prompt + tok.decode(new))
+
+
+def cmd_check_layout(args: argparse.Namespace) -> None:
+    from pith_train.layoutcheck import check_layout
+
+    if not check_layout(*_config_and_overrides(args.rest), args.nproc, args.steps, args.eps, args.rtol):
+        sys.exit(1)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -123,10 +237,44 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(run=cmd_pretrain)
 
+    p = sub.add_parser(
+        "check-layout",
+        help="train a few steps in one process and under a parallel layout (torchrun), compare the losses",
+        usage="pith-train check-layout [CONFIG.toml] [--section.key=value ...] --nproc N [--steps 4]",
+    )
+    p.add_argument("--nproc", type=int, required=True, help="processes (= pp*dp*cp*ep of the layout)")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps to compare")
+    p.add_argument("--eps", type=float, default=1e-3, help="Adam eps of both runs (see the README)")
+    p.add_argument("--rtol", type=float, default=1e-5, help="largest relative loss difference that agrees")
+    p.set_defaults(run=cmd_check_layout)
+
+    for name, what in (("eval", "loss and perplexity on a dataset"), ("generate", "text from a prompt")):
+        p = sub.add_parser(name, help=f"{what} with a checkpoint's weights (or a Hugging Face directory)")
+        p.add_argument("checkpoint", help="RUN/checkpoints/step_N, a converted checkpoint or an HF directory")
+        p.add_argument(
+            "--tokenizer", help="default: the checkpoint's tokenizer.json, or its run's byte tokenizer"
+        )
+        p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    eval_p, gen_p = sub.choices["eval"], sub.choices["generate"]
+    eval_p.add_argument("--data", required=True, help="a prepare-data dataset")
+    eval_p.add_argument("--seq-len", type=int, help="window length (default: the run's data.seq_len)")
+    eval_p.add_argument("--batch", type=int, default=8, help="windows per forward")
+    eval_p.add_argument("--max-windows", type=int, default=0, help="score only the first N windows (0: all)")
+    eval_p.set_defaults(run=cmd_eval)
+    gen_p.add_argument("--prompt", required=True)
+    gen_p.add_argument("--max-new-tokens", type=int, default=64)
+    gen_p.add_argument("--top-p", type=float, help="sample from the top-p nucleus (default: greedy)")
+    gen_p.add_argument("--temperature", type=float, default=1.0, help="with --top-p")
+    gen_p.add_argument("--seed", type=int, default=0, help="with --top-p")
+    gen_p.set_defaults(run=cmd_generate)
+
     p = sub.add_parser("convert", help="Hugging Face directory <-> Pith checkpoint")
     p.add_argument("src", help="a Hugging Face directory or a Pith checkpoint (checkpoints/step_N)")
     p.add_argument("dst", help="the directory to write")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for HF output")
+    p.add_argument(
+        "--refuse-routing-bias", action="store_true", help="stop if the routing bias is nonzero (see README)"
+    )
     p.set_defaults(run=cmd_convert)
 
     p = sub.add_parser("bench", help="training throughput on the reference MoE workload (bench.py)")
@@ -151,14 +299,17 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(run=cmd_plot)
 
     args, unknown = parser.parse_known_args(argv)
-    if unknown and args.command != "pretrain":
+    if unknown and args.command not in ("pretrain", "check-layout"):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.rest = unknown  # pretrain: the config file and the overrides
+    args.rest = unknown  # pretrain, check-layout: the config file and the overrides
     try:
         args.run(args)
-    except (ValueError, FloatingPointError) as e:  # bad input, or a diverged run: the message says what
+    except (ValueError, FloatingPointError, OSError) as e:  # bad input, a diverged run, a full disk
         print(f"pith-train {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and stops on its own)
+        print(f"pith-train {args.command}: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

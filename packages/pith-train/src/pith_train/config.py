@@ -78,8 +78,13 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    progress: bool = True  # progress bar
+    progress: bool = True  # progress bar, when stderr is a terminal
+    # Steps between text lines on stderr ("step 5/120 loss 2.3456 ..."); 0 = every step when stderr
+    # is not a terminal (batch logs), none on a terminal (the bar shows them).
+    every: int = 0
     eval_every: int = 40  # steps between validation losses (0 = only at the end)
+    tensorboard: bool = True  # TensorBoard event files in RUN_DIR/tensorboard
+    wandb: str = ""  # a Weights & Biases project to log to (needs the wandb package); "" = off
 
 
 @dataclass
@@ -131,7 +136,7 @@ def _field_types(section) -> dict[str, type]:
     return {f.name: f.type for f in dataclasses.fields(section)}
 
 
-def _set(cfg: Config, section: str, key: str, value, where: str) -> None:
+def _set(cfg: Config, section: str, key: str, value, where: str, text: bool = False) -> None:
     sections = _field_types(cfg)
     if section not in sections:
         raise ValueError(f"{where}: unknown section [{section}]; sections are {sorted(sections)}")
@@ -140,7 +145,8 @@ def _set(cfg: Config, section: str, key: str, value, where: str) -> None:
     if key not in keys:
         raise ValueError(f"{where}: unknown key {section}.{key}; [{section}] has {sorted(keys)}")
     kind = keys[key]
-    value = _parse_text(where, value, kind) if isinstance(value, str) and kind is not str else value
+    # Command-line values are text; a TOML value has its own type, which must be the key's.
+    value = _parse_text(where, value, kind) if text else value
     setattr(target, key, _typed(where, value, kind))
 
 
@@ -165,7 +171,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         section, dot, key = name.partition(".")
         if not eq or not dot:
             raise ValueError(f"override {item!r}: expected --section.key=value")
-        _set(cfg, section, key, text, f"override {item!r}")
+        _set(cfg, section, key, text, f"override {item!r}", text=True)
     validate(cfg)
     return cfg
 
@@ -191,6 +197,7 @@ def validate(cfg: Config) -> None:
     non_negative = {
         "checkpoint.every": cfg.checkpoint.every,
         "log.eval_every": cfg.log.eval_every,
+        "log.every": cfg.log.every,
         "train.cpu_threads": t.cpu_threads,
     }
     for name, v in non_negative.items():

@@ -27,9 +27,22 @@ class PackedDataset:
         if not meta_path.is_file():
             raise ValueError(f"data.path {path!r}: no prepared dataset there (run `pith-train prepare-data`)")
         self.path = path
-        self.meta = json.loads(meta_path.read_text())
-        n = self.meta["num_tokens"]
-        self.tokens = np.memmap(Path(path) / "tokens.bin", dtype=self.meta["dtype"], mode="r", shape=(n,))
+        try:
+            self.meta = json.loads(meta_path.read_text())
+            n, dtype = self.meta["num_tokens"], np.dtype(self.meta["dtype"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"{meta_path}: not a prepare-data meta.json ({e!r}); prepare the dataset again"
+            ) from None
+        tokens_bin = Path(path) / "tokens.bin"
+        size = tokens_bin.stat().st_size if tokens_bin.is_file() else None
+        if size != n * dtype.itemsize:
+            raise ValueError(
+                f"{tokens_bin}: {'missing' if size is None else f'{size} bytes'}, but meta.json says"
+                f" {n} tokens of {dtype.name} ({n * dtype.itemsize} bytes): the file is incomplete or from"
+                " another dataset; prepare the dataset again with `pith-train prepare-data`"
+            )
+        self.tokens = np.memmap(tokens_bin, dtype=dtype, mode="r", shape=(n,))
         self.doc_ends = np.fromfile(Path(path) / "doc_ends.bin", dtype=np.int64)
 
     def check_tokenizer(self, tok: ByteTokenizer | HFTokenizer) -> None:
@@ -64,7 +77,7 @@ class WindowLoader:
         self.val_ids = np.arange(self.num_train, total)
         self._epoch, self._order = -1, None
 
-    def _window(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def windows(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         rows = np.stack([self.tokens[i * self.S : i * self.S + self.S + 1] for i in ids]).astype(np.int64)
         t_BS1 = torch.from_numpy(rows)
         return t_BS1[:, :-1], t_BS1[:, 1:]
@@ -83,12 +96,17 @@ class WindowLoader:
         out = []
         for j in range(global_batch // (micro_batch * ranks)):
             first = cursor + (j * ranks + rank) * micro_batch
-            out.append(self._window(np.array([self._train_id(k) for k in range(first, first + micro_batch)])))
+            out.append(self.windows(np.array([self._train_id(k) for k in range(first, first + micro_batch)])))
         return out
 
-    def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1):
-        """This rank's contiguous share of the validation windows (remainder dropped), in micro-batches."""
-        n = len(self.val_ids) // ranks
-        mine = self.val_ids[rank * n : (rank + 1) * n]
-        for j in range(0, n, micro_batch):
-            yield self._window(mine[j : j + micro_batch])
+    def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1, ignore_index: int = -100):
+        """This rank's share of the validation windows in micro-batches: round j gives rank r windows
+        [j*m*R + r*m, j*m*R + (r+1)*m) (m = micro_batch, R = ranks). Every window is in exactly one
+        rank's share, whatever the layout; the rows past the last window repeat it with every label
+        `ignore_index` (counted nowhere), so that all ranks run the same number of full batches."""
+        n, per_round = len(self.val_ids), micro_batch * ranks
+        for first in range(0, n, per_round):
+            ids = np.arange(first + rank * micro_batch, first + (rank + 1) * micro_batch)
+            inputs_BS, labels_BS = self.windows(self.val_ids[np.minimum(ids, n - 1)])
+            labels_BS[torch.from_numpy(ids >= n)] = ignore_index
+            yield inputs_BS, labels_BS

@@ -1,6 +1,11 @@
-"""Throughput accounting (FLOPs per token, peak FLOP/s, MFU), the metrics file, and `plot`."""
+"""Throughput accounting (FLOPs per token, peak FLOP/s, MFU), where step records go (metrics.jsonl,
+the text log line, TensorBoard, Weights & Biases), and `plot`."""
 
+import contextlib
+import hashlib
 import json
+import os
+import resource
 import time
 from pathlib import Path
 
@@ -34,27 +39,100 @@ def peak_flops(device: torch.device) -> tuple[float, str]:
     return 2 * n**3 / seconds, f"measured {n}x{n} {str(dtype).removeprefix('torch.')} matmul on {device.type}"
 
 
-class MetricsLog:
-    """metrics.jsonl: one JSON object per line, appended (a resumed run continues the same file)."""
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: allocated on the GPU, resident (max RSS) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
-    def __init__(self, path: Path, enabled: bool = True):
-        self.path, self.enabled = path, enabled
+
+def log_line(record: dict, total_steps: int) -> str:
+    """The per-step text line: `step N/TOTAL` then `name value` pairs, the metrics.jsonl names."""
+    r = record
+    load = max(r["expert_load_max_over_mean"], default=1.0)
+    line = (
+        f"step {r['step']}/{total_steps} loss {r['loss']:.4f} lr {r['lr']:.3e} grad_norm {r['grad_norm']:.4f}"
+        f" tokens_per_s {r['tokens_per_s']:.0f} mfu {r['mfu']:.4f} load {load:.2f}"
+        f" memory_gib {r['memory_gib']:.2f}"
+    )  # fmt: skip
+    return line + (f" val_loss {r['val_loss']:.4f}" if "val_loss" in r else "")
+
+
+def _records(path: Path) -> list[dict]:
+    # A line cut short by a killed write is not a record.
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            rows.append(json.loads(line))
+    return rows
+
+
+class MetricsLog:
+    """Each step's record, on rank 0: appended to RUN_DIR/metrics.jsonl, and sent to TensorBoard
+    (RUN_DIR/tensorboard) and Weights & Biases when asked. A run resumed from step `start` trains the
+    steps after it again, so their earlier records are dropped (the file rewritten, TensorBoard's
+    purge_step): every step keeps one record, the one of the run that continued."""
+
+    def __init__(self, run_dir: Path, start: int = 0, enabled=True, tensorboard=False, wandb="", config=None):
+        self.path, self.enabled, self.tb, self.wandb = Path(run_dir) / "metrics.jsonl", enabled, None, None
+        if not enabled:
+            return
+        if self.path.exists():
+            kept = [r for r in _records(self.path) if r.get("step", 0) <= start]
+            tmp = self.path.with_name("metrics.jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, self.path)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # a dependency, but a preinstalled-torch machine (PYTHONPATH) may lack it
+                print("tensorboard is not installed: no event files (--log.tensorboard=false silences this)")
+            else:
+                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start + 1)
+        if wandb:
+            import wandb as wandb_mod
+
+            # One W&B run per run directory, resumed by a later launch.
+            run_id = "pith-" + hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+            self.wandb = wandb_mod.init(
+                project=wandb, dir=str(run_dir), config=config, id=run_id, resume="allow"
+            )
 
     def write(self, **record) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        scalars = {}
+        for name, value in record.items():
+            if isinstance(value, list):  # one per MoE layer
+                scalars.update({f"{name}/layer_{i}": v for i, v in enumerate(value)})
+            elif name != "step":
+                scalars[name] = value
+        if self.tb is not None:
+            for name, value in scalars.items():
+                self.tb.add_scalar(name, value, record["step"])
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def read_metrics(run_dir: str) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{run_dir!r} has no metrics.jsonl (is it a pith-train run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _records(path)
 
 
 def plot(run_dir: str, out: str | None = None) -> Path:
-    """PNG of the training (and validation) loss and the throughput against step."""
+    """PNG against step: training (and validation) loss, throughput, learning rate, gradient norm and
+    each MoE layer's max/mean expert load (the panels whose metrics the file has)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
@@ -64,7 +142,21 @@ def plot(run_dir: str, out: str | None = None) -> Path:
     # A resumed run re-logs steps after its checkpoint; the latest record of a step wins.
     by_step = {r["step"]: r for r in rows}
     steps = sorted(by_step)
-    fig, (ax_loss, ax_tps) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    if not steps:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no step records yet")
+    panels = [k for k in ("lr", "grad_norm", "expert_load_max_over_mean") if k in by_step[steps[0]]]
+    fig, axes = plt.subplots(2 + len(panels), 1, figsize=(8, 3 + 1.8 * len(panels)), sharex=True)
+    ax_loss, ax_tps = axes[:2]
+    for ax, key in zip(axes[2:], panels):
+        values = [by_step[s].get(key) for s in steps]
+        if key == "expert_load_max_over_mean":
+            for i, layer in enumerate(zip(*values)):
+                ax.plot(steps, layer, label=f"layer {i}")
+            ax.legend(fontsize="x-small", ncol=4)
+            key = "expert load max/mean"
+        else:
+            ax.plot(steps, values)
+        ax.set_ylabel(key)
     ax_loss.plot(steps, [by_step[s]["loss"] for s in steps], label="train")
     val = [s for s in steps if "val_loss" in by_step[s]]
     if val:
@@ -73,7 +165,7 @@ def plot(run_dir: str, out: str | None = None) -> Path:
     ax_loss.legend()
     ax_tps.plot(steps, [by_step[s]["tokens_per_s"] for s in steps])
     ax_tps.set_ylabel("tokens / s")
-    ax_tps.set_xlabel("step")
+    axes[-1].set_xlabel("step")
     fig.suptitle(str(run_dir))
     fig.tight_layout()
     path = Path(out) if out else Path(run_dir) / "metrics.png"

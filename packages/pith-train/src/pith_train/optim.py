@@ -5,6 +5,7 @@ import math
 
 import pith_ops
 import torch
+from pith_engine.parallel import expert_param_names
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -47,12 +48,15 @@ class AdamW(torch.optim.AdamW):
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> AdamW:
-    """AdamW over fp32 parameters; matrices get weight decay, vectors (norm scales, biases) do not."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """AdamW over fp32 parameters; matrices get weight decay, vectors (norm scales, biases) do not.
+    A stacked expert parameter [E, ...] is E of its per-expert shape (GPT-OSS's b_down [E, D]: vectors)."""
+    experts = expert_param_names(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    matrix = {n: p.ndim - (n in experts) >= 2 for n, p in named}
     o = cfg.optim
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for n, p in named if matrix[n]], "weight_decay": o.weight_decay},
+        {"params": [p for n, p in named if not matrix[n]], "weight_decay": 0.0},
     ]
     return AdamW(groups, lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 

@@ -33,6 +33,9 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64) for t in texts]
 
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer.json; EOS is the first of the usual end-of-text tokens it has."""
@@ -56,6 +59,9 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         encs = self.tok.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int64) for e in encs]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
@@ -84,7 +90,10 @@ def _read_documents(path: str, text_field: str) -> list[str]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e}); fix or remove that line") from None
             if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
                 raise ValueError(f"{path}:{n}: expected a JSON object with a string field {text_field!r}")
             docs.append(row[text_field])

@@ -9,11 +9,13 @@ SUMMED over data ranks (not averaged) for any layout to reproduce single-process
 Shape legend: B sequences, S sequence length, T = B*S tokens, D hidden, E experts, K top-k.
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +37,13 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from tqdm import tqdm
 
 from pith_train import config as config_mod
+from pith_train import rundir
 from pith_train.config import Config
 from pith_train.data import PackedDataset, WindowLoader
-from pith_train.metrics import MetricsLog, peak_flops
+from pith_train.metrics import MetricsLog, log_line, peak_flops, peak_memory_gib
 from pith_train.optim import AdamW, build_optimizer, lr_at
 from pith_train.prepare import load_tokenizer, prepare, stdlib_corpus
+from pith_train.stopping import Interrupted, StopOnSignal
 
 IGNORE_INDEX = -100
 
@@ -322,7 +326,8 @@ def _device(cfg: Config) -> torch.device:
 def pretrain(
     cfg: Config, run_dir: str | Path, layout: Layout | None = None, stop_at: int | None = None
 ) -> dict:
-    """Train per `cfg` in `run_dir`, resuming from its latest checkpoint; stop after step `stop_at` if given.
+    """Train per `cfg` in `run_dir`, resuming from its latest intact checkpoint; stop after step
+    `stop_at` if given. SIGINT/SIGTERM stop it after the current step with a checkpoint (Interrupted).
 
     Returns a summary: final step, last loss, validation loss, and the run's paths.
     """
@@ -333,14 +338,17 @@ def pretrain(
     run_dir = Path(run_dir)
     main = layout.rank == 0
     ckpt_root = run_dir / "checkpoints"
+    # -- the run directory and the inputs, checked before any training compute
+    model_cfg = model_config(cfg.model.name)
+    warn = tqdm.write if main else lambda text: None
+    resume_from = rundir.preflight(cfg, run_dir, model_cfg, layout.mesh, warn)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
-    # -- inputs, checked before any training compute
-    model_cfg = model_config(cfg.model.name)
     ds = open_data(cfg, run_dir, layout)
     ds.check_vocab(model_cfg.vocab_size)
     loader = WindowLoader(ds, cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed)
+    if main:
+        rundir.write_config(run_dir, cfg)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model.name, device, cfg.train.seed).float()
     cuda = device.type == "cuda"
@@ -349,10 +357,9 @@ def pretrain(
     optimizer = build_optimizer(model, cfg)
     biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
     step, cursor = 0, 0
-    found = checkpoint.checkpoints(ckpt_root) if cfg.checkpoint.resume else []
-    if found:
-        checkpoint.load(found[-1], model, optimizer, layout.mesh)
-        state = json.loads((found[-1] / "trainer.json").read_text())
+    if resume_from is not None:
+        checkpoint.load(resume_from, model, optimizer, layout.mesh, verify=False)  # latest_intact verified it
+        state = rundir.read_json(resume_from / "trainer.json")
         step, cursor = state["step"], state["cursor"]
     # Not compiled under FSDP: its unshard/reshard hooks in the stage methods break fullgraph.
     compile = cfg.train.compile and cuda and layout.mesh.dense_mesh is None
@@ -360,10 +367,16 @@ def pretrain(
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
     flops = flops_per_token(model, cfg.data.seq_len)
     peak, peak_source = peak_flops(device)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=main)
+    metrics = MetricsLog(
+        run_dir, step, main, cfg.log.tensorboard, cfg.log.wandb, dataclasses.asdict(cfg)
+    )  # fmt: skip
     G, S = cfg.train.global_batch, cfg.data.seq_len
     last = min(cfg.train.steps, stop_at or cfg.train.steps)
-    bar = tqdm(total=cfg.train.steps, initial=step, disable=not (main and cfg.log.progress), unit="step")
+    terminal = sys.stderr.isatty()
+    bar = tqdm(
+        total=cfg.train.steps, initial=step, disable=not (main and cfg.log.progress and terminal), unit="step"
+    )
+    log_every = cfg.log.every or (0 if terminal else 1)
     if main:
         bar.write(f"{cfg.model.name} on {device}, from step {step}; peak {peak:.3g} FLOP/s ({peak_source})")
 
@@ -383,49 +396,63 @@ def pretrain(
         files = {
             "trainer.json": json.dumps({"step": step, "cursor": cursor}),
             "config.json": json.dumps(model.cfg.to_hf(), indent=1),
+            "config.toml": config_mod.to_toml(cfg),  # what a resume is checked against
         }
+        if cfg.data.tokenizer != "byte":  # the run's tokenizer travels with its weights (generate, convert)
+            files["tokenizer.json"] = Path(cfg.data.tokenizer).read_text()
         path = checkpoint.save(ckpt_root / f"step_{step:06d}", model, optimizer, files, layout.mesh)
         checkpoint.prune(ckpt_root, cfg.checkpoint.keep)
         return path
 
     record = {}
-    while step < last:
-        start = time.perf_counter()
-        micro = loader.step_batch(cursor, G, cfg.train.micro_batch, layout.data_rank, layout.data_ranks)
-        lr = lr_at(step, cfg)
-        try:
-            loss, aux_loss, grad_norm, load = step_values(
-                *train_step(model, stages, optimizer, micro, cfg, layout, lr, biases)
-            )
-        except FloatingPointError as e:
-            good = checkpoint.checkpoints(ckpt_root)
-            raise FloatingPointError(
-                f"{e} at step {step + 1}; stopped before updating the weights."
-                f" Last good checkpoint: {good[-1] if good else 'none'}"
-            ) from None
-        step, cursor = step + 1, cursor + G
-        seconds = time.perf_counter() - start
-        tokens_per_s = G * S / seconds
-        record = {
-            "step": step,
-            "loss": loss,
-            "lr": lr,
-            "tokens_per_s": tokens_per_s,
-            "mfu": flops * tokens_per_s / (peak * layout.world),
-            "grad_norm": grad_norm,
-            "aux": aux_loss,
-            "expert_load_max_over_mean": load,
-        }
-        if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == cfg.train.steps:
-            record["val_loss"] = evaluate()
-        metrics.write(**record)
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{record['mfu']:.1%}",
-            load=f"{max(load, default=1):.2f}",
-        )  # fmt: skip
-        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
-            save(step)
+    with StopOnSignal() as stop, contextlib.closing(metrics):
+        while step < last:
+            start = time.perf_counter()
+            micro = loader.step_batch(cursor, G, cfg.train.micro_batch, layout.data_rank, layout.data_ranks)
+            lr = lr_at(step, cfg)
+            try:
+                loss, aux_loss, grad_norm, load = step_values(
+                    *train_step(model, stages, optimizer, micro, cfg, layout, lr, biases)
+                )
+            except FloatingPointError as e:
+                good = next(
+                    (p for p in reversed(checkpoint.checkpoints(ckpt_root)) if not checkpoint.problem(p)),
+                    None,
+                )
+                raise FloatingPointError(
+                    f"{e} at step {step + 1}; stopped before updating the weights."
+                    f" Last good checkpoint: {good or 'none'}"
+                ) from None
+            step, cursor = step + 1, cursor + G
+            seconds = time.perf_counter() - start
+            tokens_per_s = G * S / seconds
+            record = {
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "tokens_per_s": tokens_per_s,
+                "mfu": flops * tokens_per_s / (peak * layout.world),
+                "grad_norm": grad_norm,
+                "aux": aux_loss,
+                "expert_load_max_over_mean": load,
+                "memory_gib": peak_memory_gib(device),
+            }
+            if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == cfg.train.steps:
+                record["val_loss"] = evaluate()
+            metrics.write(**record)
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{record['mfu']:.1%}",
+                load=f"{max(load, default=1):.2f}",
+            )  # fmt: skip
+            if main and log_every and (step % log_every == 0 or step == last):
+                bar.write(log_line(record, cfg.train.steps), file=sys.stderr)
+            signum = stop.requested(device)
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last or signum:
+                path = save(step)
+            if signum and step < last:
+                bar.close()
+                raise Interrupted(signum, step, path)
     bar.close()
     return {
         "step": step,

@@ -1,0 +1,101 @@
+"""Using trained weights: the loss on a prepared dataset (`pith-train eval`) and text generation
+(`pith-train generate`), through `model(input_ids)`, on one process.
+
+Shape legend: B sequences, S sequence length, V vocabulary.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pith_train.config import Config, load_config
+from pith_train.data import PackedDataset, WindowLoader
+from pith_train.prepare import ByteTokenizer, HFTokenizer, load_tokenizer
+
+
+def run_config(path: Path) -> Config | None:
+    """The training config a checkpoint carries (None for a converted or Hugging Face directory)."""
+    return load_config(str(path / "config.toml")) if (path / "config.toml").is_file() else None
+
+
+def run_tokenizer(path: Path, spec: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """`spec` if given; else the checkpoint's tokenizer.json, or the byte tokenizer its run used."""
+    if spec:
+        return load_tokenizer(spec)
+    if (path / "tokenizer.json").is_file():
+        return HFTokenizer(str(path / "tokenizer.json"))
+    cfg = run_config(path)
+    if cfg is not None and cfg.data.tokenizer == "byte":
+        return ByteTokenizer()
+    raise ValueError(f"{path} has no tokenizer.json and no run config naming its tokenizer: pass --tokenizer")
+
+
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+
+
+@torch.no_grad()
+def dataset_loss(model: nn.Module, ds: PackedDataset, seq_len: int, batch: int, max_windows: int = 0):
+    """Mean next-token cross-entropy over the dataset's windows of seq_len + 1 tokens at stride seq_len
+    (all of them, or the first max_windows) -> (loss, tokens scored)."""
+    if seq_len > model.cfg.max_position_embeddings:
+        raise ValueError(f"--seq-len {seq_len} is more than the model's {model.cfg.max_position_embeddings}")
+    loader = WindowLoader(ds, seq_len, 0, 0)
+    n = min(loader.num_train, max_windows or loader.num_train)
+    device = model.lm_head.weight.device
+    total, count = 0.0, 0
+    for first in range(0, n, batch):
+        inputs_BS, labels_BS = (t.to(device) for t in loader.windows(np.arange(first, min(n, first + batch))))
+        with _autocast(device):
+            logits_BSV = model(inputs_BS)
+        total += F.cross_entropy(
+            logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="sum"
+        ).item()
+        count += labels_BS.numel()
+    return total / count, count
+
+
+def top_p_keep(probs_V: Tensor, top_p: float) -> Tensor:
+    """Nucleus: the fewest most-probable tokens whose probabilities sum to at least top_p (bool [V])."""
+    sorted_V, order_V = probs_V.sort(descending=True)
+    before_V = sorted_V.cumsum(0) - sorted_V  # mass of the tokens ranked above each one
+    keep_V = torch.zeros_like(probs_V, dtype=torch.bool)
+    keep_V[order_V] = before_V < top_p
+    keep_V[order_V[0]] = True
+    return keep_V
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    vocab_size: int,
+    eos_id: int | None = None,
+    top_p: float | None = None,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> list[int]:
+    """New token ids after `prompt`: greedy (top_p None) or sampled from the top-p nucleus at
+    `temperature`. Only the tokenizer's `vocab_size` ids are eligible (the embedding may have padding
+    rows); stops at eos_id. No KV cache: each token reruns the window (the last
+    max_position_embeddings tokens), which is fine for the small models and prompts this is for."""
+    device = model.lm_head.weight.device
+    generator = torch.Generator(device).manual_seed(seed)
+    ids, window = list(prompt), model.cfg.max_position_embeddings
+    for _ in range(max_new_tokens):
+        with _autocast(device):
+            logits_V = model(torch.tensor([ids[-window:]], device=device))[0, -1, :vocab_size].float()
+        if top_p is None:
+            token = int(logits_V.argmax())
+        else:
+            probs_V = (logits_V / temperature).softmax(-1)
+            probs_V = probs_V * top_p_keep(probs_V, top_p)
+            token = int(torch.multinomial(probs_V, 1, generator=generator))
+        ids.append(token)
+        if token == eos_id:
+            break
+    return ids[len(prompt) :]

@@ -1,0 +1,140 @@
+"""The run directory across launches: what a new launch may do with what earlier ones left there.
+
+- checkpoint.resume = false in a directory that holds a run (checkpoints or metrics) is an error:
+  the new run would otherwise interleave its checkpoints and metrics with the old run's, and `prune`
+  (newest step numbers first) would delete the new run's checkpoints as soon as they were written.
+- Resuming continues the run saved in the checkpoint, so a launch must agree with it on the model
+  (the checkpoint's config.json), on what fixes the data order (DATA_ORDER) and on the learning
+  rates of the steps already trained; the parallel layout, batch split, logging and checkpoint
+  cadence may change. Each checkpoint carries the run's config.toml for this check.
+- RUN_DIR/config.toml is the latest launch's config, written only once the launch's inputs passed
+  their checks.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from pith_engine import checkpoint
+
+from pith_train import config as config_mod
+from pith_train.config import Config
+from pith_train.optim import lr_at
+
+# The keys that decide which sequences each step trains on (see data.py's layout contract).
+DATA_ORDER = (
+    "data.path",
+    "data.tokenizer",
+    "data.seq_len",
+    "data.val_windows",
+    "train.seed",
+    "train.global_batch",
+)
+
+
+def _value(cfg: Config, key: str):
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def read_json(path: Path):
+    """A JSON file's value; ValueError naming the file when it is missing or not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read it as JSON ({e})") from None
+
+
+def check_writable(directory: Path) -> None:
+    """ValueError unless `directory` (or, before it exists, its nearest existing parent) takes files;
+    creates nothing."""
+    existing = Path(directory)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a directory")
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise ValueError(f"{directory} cannot be written ({e}): fix it or choose another --run-dir") from None
+
+
+def check_fresh(run_dir: Path, ckpt_root: Path) -> None:
+    """checkpoint.resume = false: the directory must not hold another run."""
+    held = [p.name for p in checkpoint.checkpoints(ckpt_root)] + [
+        n for n in ("metrics.jsonl",) if (run_dir / n).exists()
+    ]
+    if held:
+        raise ValueError(
+            f"checkpoint.resume is false, but {run_dir} holds an earlier run ({', '.join(held)}): choose"
+            " a new --run-dir, or move that run's files away (nothing was changed)"
+        )
+
+
+def check_resume(ckpt: Path, cfg: Config, model_hf: dict) -> None:
+    """ValueError unless `cfg` can continue the run saved in checkpoint `ckpt`."""
+    saved_model = read_json(ckpt / "config.json")
+    model_hf = json.loads(json.dumps(model_hf))  # tuples as lists, as the file has them
+    if saved_model != model_hf:
+        changed = sorted(k for k in {*saved_model, *model_hf} if saved_model.get(k) != model_hf.get(k))
+        raise ValueError(
+            f"cannot resume {ckpt}: it holds another model than model.name={cfg.model.name!r} builds"
+            f" (config.json differs in {changed}); use that model, or another --run-dir"
+        )
+    if not (ckpt / "config.toml").is_file():
+        return
+    saved = config_mod.load_config(str(ckpt / "config.toml"))
+    changed = [
+        f"{k} {_value(saved, k)!r} -> {_value(cfg, k)!r}"
+        for k in DATA_ORDER
+        if _value(saved, k) != _value(cfg, k)
+    ]
+    fresh = f"train a new --run-dir from these weights with --model.name={ckpt}"
+    if changed:
+        raise ValueError(
+            f"cannot resume {ckpt}: {', '.join(changed)} would change which sequences the remaining"
+            f" steps train on; keep the run's values, or {fresh}"
+        )
+    step = read_json(ckpt / "trainer.json")["step"]
+    for s in range(step):
+        then, now = lr_at(s, saved), lr_at(s, cfg)
+        if not math.isclose(then, now, rel_tol=1e-9):
+            raise ValueError(
+                f"cannot resume {ckpt}: the new config's learning-rate schedule disagrees with the {step}"
+                f" steps already trained (step {s + 1} had lr {then:.3g}, the new schedule gives {now:.3g};"
+                f" the next step would jump from {lr_at(step - 1, saved):.3g} to {lr_at(step, cfg):.3g})."
+                f" To train longer, plan it with optim.schedule = 'wsd' before its decay, or {fresh}"
+            )
+
+
+def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
+    """The checks of a launch against its run directory, before anything is built or written:
+    -> the checkpoint to resume from (None: start at step 0)."""
+    ckpt_root = run_dir / "checkpoints"
+    check_writable(ckpt_root)
+    if cfg.data.seq_len > model_cfg.max_position_embeddings:
+        raise ValueError(
+            f"data.seq_len={cfg.data.seq_len} is more than the model's max_position_embeddings"
+            f" ({model_cfg.max_position_embeddings}); lower data.seq_len"
+        )
+    if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            f"log.wandb={cfg.log.wandb!r}, but wandb is not installed: pip install wandb, or unset it"
+        )
+    if not cfg.checkpoint.resume:
+        check_fresh(run_dir, ckpt_root)
+        return None
+    resume_from = checkpoint.latest_intact(ckpt_root, mesh, warn)
+    if resume_from is not None:
+        check_resume(resume_from, cfg, model_cfg.to_hf())
+    return resume_from
+
+
+def write_config(run_dir: Path, cfg: Config) -> None:
+    """RUN_DIR/config.toml, replaced atomically."""
+    tmp = run_dir / "config.toml.tmp"
+    tmp.write_text(config_mod.to_toml(cfg))
+    os.replace(tmp, run_dir / "config.toml")
