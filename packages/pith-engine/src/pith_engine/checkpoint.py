@@ -231,6 +231,14 @@ def load(
     if verify and (wrong := problem(path, mesh)):
         raise CorruptCheckpoint(f"checkpoint {path} is damaged: {wrong}")
     state, osd = _state(model, optimizer, mesh)
+    if optimizer is not None:  # e.g. AdamW's exp_avg where Muon wants a momentum_buffer
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        wanted = [f"optim.state.{n}.{k}" for n, entry in state["optim"]["state"].items() for k in entry]
+        if missing := [k for k in wanted if k not in saved]:
+            raise ValueError(
+                f"{str(path)!r} has no optimizer state {missing[0]} (and {len(missing) - 1} more): resume"
+                " with the optimizer it was saved with (optim.name), or in a new run directory"
+            )
     with torch.no_grad():
         _dcp(dcp.load, state, path, mesh)
     if optimizer is not None:

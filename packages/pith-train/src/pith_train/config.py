@@ -50,6 +50,11 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    # adamw | muon: Muon on the hidden matrices (attention, MLPs, each expert's), AdamW on embeddings,
+    # lm_head, norms, biases, routers and sinks; lr and weight_decay mean the same for both.
+    name: str = "adamw"
+    muon_momentum: float = 0.95  # Muon's (Nesterov) momentum
+    muon_ns_dtype: str = "bfloat16"  # bfloat16 | float32: dtype of Muon's Newton-Schulz iterations
     schedule: str = "cosine"  # cosine (linear warmup, cosine decay) | wsd (warmup, stable, decay)
     warmup_steps: int = 12
     min_lr_ratio: float = 0.1  # final lr as a fraction of train.lr
@@ -211,6 +216,12 @@ def validate(cfg: Config) -> None:
         )
     if o.schedule not in ("cosine", "wsd"):
         raise ValueError(f"optim.schedule: expected 'cosine' or 'wsd', got {o.schedule!r}")
+    if o.name not in ("adamw", "muon"):
+        raise ValueError(f"optim.name: expected 'adamw' or 'muon', got {o.name!r}")
+    if not 0 <= o.muon_momentum < 1:
+        raise ValueError(f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+    if o.muon_ns_dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"optim.muon_ns_dtype: expected 'bfloat16' or 'float32', got {o.muon_ns_dtype!r}")
     if t.ac not in ("none", "selective", "full"):
         raise ValueError(f"train.ac: expected none, selective or full, got {t.ac!r}")
     if t.device not in ("auto", "cpu", "cuda"):

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from pith_train.config import Config
+from pith_train.muon import Chain, Muon, hidden_matrices
 
 
 class AdamW(torch.optim.AdamW):
@@ -47,18 +48,25 @@ class AdamW(torch.optim.AdamW):
                 )  # fmt: skip
 
 
-def build_optimizer(model: nn.Module, cfg: Config) -> AdamW:
+def build_optimizer(model: nn.Module, cfg: Config) -> AdamW | Chain:
     """AdamW over fp32 parameters; matrices get weight decay, vectors (norm scales, biases) do not.
-    A stacked expert parameter [E, ...] is E of its per-expert shape (GPT-OSS's b_down [E, D]: vectors)."""
+    A stacked expert parameter [E, ...] is E of its per-expert shape (GPT-OSS's b_down [E, D]: vectors).
+    optim.name = "muon": Muon on the hidden matrices (pith_train.muon), this AdamW on the rest."""
     experts = expert_param_names(model)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    matrix = {n: p.ndim - (n in experts) >= 2 for n, p in named}
     o = cfg.optim
+    matrices = hidden_matrices(model) if o.name == "muon" else []
+    taken = {id(p) for p in matrices}
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in taken]
+    matrix = {n: p.ndim - (n in experts) >= 2 for n, p in named}
     groups = [
         {"params": [p for n, p in named if matrix[n]], "weight_decay": o.weight_decay},
         {"params": [p for n, p in named if not matrix[n]], "weight_decay": 0.0},
     ]
-    return AdamW(groups, lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    adamw = AdamW(groups, lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    if not matrices:
+        return adamw
+    ns_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[o.muon_ns_dtype]
+    return Chain(adamw, Muon(matrices, cfg.train.lr, o.muon_momentum, o.weight_decay, ns_dtype))
 
 
 def lr_at(step: int, cfg: Config) -> float:
