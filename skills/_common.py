@@ -68,10 +68,15 @@ def model_cfg(args: argparse.Namespace):
 
 
 def device_of(name: str) -> torch.device:
-    """auto: CUDA when torch sees a device, else CPU."""
+    """auto: CUDA when torch sees a device, else CPU (with the trainer's train.cpu_threads)."""
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device")
-    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
+    cuda = name == "cuda" or (name == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    threads = TrainConfig().train.cpu_threads
+    if device.type == "cpu" and threads:
+        torch.set_num_threads(threads)
+    return device
 
 
 def loads_weights(args: argparse.Namespace) -> bool:

@@ -37,6 +37,8 @@ def main() -> None:
             f"a micro-batch holds {cfg.train.micro_batch * cfg.data.seq_len} tokens, fewer than {TOKENS}"
         )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and cfg.train.cpu_threads:  # as the trainer does
+        torch.set_num_threads(cfg.train.cpu_threads)
     layout = parallel_layout(cfg, device)
     loader = WindowLoader(PackedDataset(args.data), cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)

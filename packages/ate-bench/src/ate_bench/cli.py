@@ -93,7 +93,10 @@ def cmd_inspect(args) -> int:
             stale = readme_table(Path(args.readme)) != format_table(report)
             print(f"{args.readme}: the inspect table is {'stale' if stale else 'current'}")
             return 1 if stale else 0
-        changed = write_readme_table(Path(args.readme), format_table(report))
+        changed = False
+        # The README may lie in the tree, its own lines counted: write until the table holds still.
+        while write_readme_table(Path(args.readme), format_table(report)):
+            changed, report = True, inspect_tree(Path(args.path))
         print(f"{args.readme}: inspect table {'updated' if changed else 'already current'}")
         return 0
     print(

@@ -40,7 +40,7 @@ class Framework:
     env: dict[str, str] = field(default_factory=dict)
     stage: dict[str, str] = field(default_factory=dict)
     scripted: dict[str, str] = field(default_factory=dict)
-    toml_dir: Path = Path(".")
+    toml: Path = Path("framework.toml")  # the file it was read from
 
     def notes_for_agent(self) -> str:
         lines = [f"Framework notes ({self.name}):", self.launch_notes.strip()]
@@ -82,5 +82,5 @@ def load_framework(path: Path) -> Framework:
         env=dict(data.get("env", {})),
         stage=dict(data.get("stage", {})),
         scripted=dict(data.get("scripted", {})),
-        toml_dir=path.parent.resolve(),
+        toml=path.resolve(),
     )

@@ -37,7 +37,7 @@ def scripted_agent(framework) -> Scripted:
             f"expected a [scripted] table of reference procedures in the {framework.name} TOML for "
             "--agent scripted, got none"
         )
-    names = {"framework_dir": str(framework.toml_dir)} | framework.staged_data
+    names = {"framework_dir": str(framework.toml.parent)} | framework.staged_data
     try:
         return Scripted({key: command.format(**names) for key, command in framework.scripted.items()})
     except KeyError as error:

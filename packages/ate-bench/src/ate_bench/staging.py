@@ -29,10 +29,10 @@ def how_to_stage(entry: dict, framework) -> str:
     if entry["path"] is None:
         return f"{where}, and the {framework.name} TOML has no [staged_data] entry for it: add one"
     if entry["recipe"]:
-        short = entry["task"].split("-")[0] + "-" + entry["task"].split("-")[1]
+        short = "-".join(entry["task"].split("-")[:2])
         return (
             f"{where} at {entry['path']}, which does not exist: make it with "
-            f"`ate-bench stage {short} --framework TOML` (runs `{entry['recipe']}` in {framework.path})"
+            f"`ate-bench stage {short} --framework {framework.toml}` (or `ate-bench run --stage ...`)"
         )
     return (
         f"{where} at {entry['path']}, which does not exist and cannot be made here (no [stage] recipe "
@@ -62,7 +62,7 @@ def stage(framework, tasks, log=print) -> list[str]:
     for entry in {e["path"]: e for e in missing}.values():  # an input two tasks need is made once
         path = Path(entry["path"])
         path.parent.mkdir(parents=True, exist_ok=True)
-        command = entry["recipe"].format(path=shlex.quote(str(path)), framework_dir=framework.toml_dir)
+        command = entry["recipe"].format(path=shlex.quote(str(path)), framework_dir=framework.toml.parent)
         log(f"staging {entry['name']} at {path}: {command}")
         done = subprocess.run(command, shell=True, cwd=framework.path)
         if done.returncode != 0 or not path.exists():
