@@ -25,6 +25,9 @@ def test_scripted_agent_passes_pith_operate_tasks_from_a_fresh_clone(tmp_path, m
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
     subprocess.run(["git", "-C", str(clone), "checkout", "-q", "--detach", head.stdout.strip()], check=True)
     monkeypatch.setenv("ATE_BENCH_DATA", str(tmp_path / "data"))
+    monkeypatch.delenv(
+        "TRITON_INTERPRET", raising=False
+    )  # set by conftest.py; the trainer runs as users run it
     toml = clone / "packages" / "ate-bench" / "frameworks" / "pith.toml"
     run = ["run", "--framework", str(toml), "--agent", "scripted", "--repeats", "1", "--run-dir"]
     run.append(str(tmp_path / "runs"))
