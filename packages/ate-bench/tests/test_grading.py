@@ -113,6 +113,7 @@ PITH_TQDM = (
         ("step=5 loss=7.91 lr=0.003\n", True),
         (" iteration        5/     100 | lm loss: 7.126E+00 |\n", True),
         ("[rank0]: step:  5  loss:  9.8012  memory: 3.1GiB\n", True),
+        ("\x1b[31mstep:  5  \x1b[32mloss:  9.8012  \x1b[33mmemory: 3.1GiB\x1b[39m\n", True),  # TorchTitan
         (PITH_TQDM, True),  # tqdm redraws with carriage returns; the postfix carries the loss
         ('{"step": 4, "loss": 7.95}\n{"step": 5, "loss": 7.91, "lr": 0.003}\n', True),
         ("step 5 loss nan\n", False),

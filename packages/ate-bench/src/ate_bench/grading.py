@@ -42,6 +42,7 @@ NUMBER = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf|inf
 STEP_TEXT = re.compile(r"\b(?:step|iteration|iter)\s*[:=#]?\s*(\d+)(?![\d.])", re.IGNORECASE)
 LOSS_TEXT = re.compile(rf"\bloss\s*[:=]?\s*({NUMBER})(?![\w.])", re.IGNORECASE)
 TQDM_LOSS = re.compile(rf"(?<![\d.])(\d+)/\d+\s*\[[^\]]*?\bloss=({NUMBER})", re.IGNORECASE)
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # TorchTitan colours its log lines
 JSON_STEP_KEYS, JSON_LOSS_KEYS = ("step", "iteration", "iter"), ("loss", "train_loss", "lm_loss")
 LOG_FORMATS = (
     "'step N ... loss X', 'step=N loss=X', 'iteration N/M | lm loss: X', a tqdm bar 'N/M [... loss=X]' "
@@ -160,7 +161,7 @@ def step_losses(text: str) -> dict[int, str]:
     split lines too (a tqdm bar redraws itself with them); the last report wins because a bar is
     redrawn at step N with step N-1's postfix before the trainer sets step N's."""
     found = {}
-    for line in re.split(r"[\r\n]+", text):
+    for line in re.split(r"[\r\n]+", ANSI_ESCAPE.sub("", text)):
         line = line.strip()
         if line.startswith("{") and (pair := json_step_loss(line)):
             found[pair[0]] = pair[1]
