@@ -29,6 +29,7 @@ from pith_train.train import (  # the one place the skills import the trainer's 
     Layout,
     Stages,
     model_config,
+    step_values,
     train_step,
 )
 from torch import Tensor, nn
@@ -147,7 +148,7 @@ def train_steps(
     loss, MoE aux losses, gradient clipping, AdamW at the peak lr, the expert-bias update) on one batch.
     mark(step, phase) runs at its phase boundaries, seen through hooks rather than a copy of the step:
     "forward" when the backward reaches lm_head's weight (its first gradient; with tied embeddings the
-    end of the backward), "backward" before AdamW's step (after clipping), "optimizer" after it (before
+    end of the backward), "backward" before AdamW's step (after the gradient norm), "optimizer" after it (before
     the gradients are freed). Returns the last loss; a non-finite one raises FloatingPointError."""
     labels_BS = torch.cat([ids_BS[:, 1:], torch.full_like(ids_BS[:, :1], IGNORE_INDEX)], dim=1)
     biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
@@ -167,9 +168,10 @@ def train_steps(
     try:
         for current in range(steps):
             step, forward_marked = current, False
-            loss, *_ = train_step(
+            outputs = train_step(
                 model, stages, optimizer, [(ids_BS, labels_BS)], cfg, Layout(), cfg.train.lr, biases
             )
+            loss = step_values(*outputs)[0]  # the trainer's one host read of the step's values
     finally:
         for handle in handles:
             handle.remove()

@@ -18,7 +18,7 @@ from pith_engine import executor
 from pith_train.config import load_config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.optim import build_optimizer, lr_at
-from pith_train.train import Stages, build_model, parallel_layout, train_step
+from pith_train.train import Stages, build_model, parallel_layout, step_values, train_step
 
 TOKENS = 256
 
@@ -64,7 +64,8 @@ def main() -> None:
                 out / f"step-{step:08d}.npz", expert_ids=ids, gate_weights=w_LTK.numpy(), num_experts=experts
             )
             print(f"step {step}: traced {len(routings)} MoE layers x {TOKENS} tokens -> {out}")
-        loss, *_ = train_step(model, stages, optimizer, micro, cfg, layout, lr_at(step - 1, cfg), biases)
+        outputs = train_step(model, stages, optimizer, micro, cfg, layout, lr_at(step - 1, cfg), biases)
+        loss = step_values(*outputs)[0]
         print(f"step {step} loss {loss:.4f}")
 
 
