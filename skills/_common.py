@@ -148,8 +148,8 @@ def train_steps(
     loss, MoE aux losses, gradient clipping, AdamW at the peak lr, the expert-bias update) on one batch.
     mark(step, phase) runs at its phase boundaries, seen through hooks rather than a copy of the step:
     "forward" when the backward reaches lm_head's weight (its first gradient; with tied embeddings the
-    end of the backward), "backward" before AdamW's step (after the gradient norm), "optimizer" after it (before
-    the gradients are freed). Returns the last loss; a non-finite one raises FloatingPointError."""
+    end of the backward), "backward" before AdamW's step (after the gradient norm), "optimizer" after
+    it (before the gradients are freed). Returns the last loss; a non-finite one raises FloatingPointError."""
     labels_BS = torch.cat([ids_BS[:, 1:], torch.full_like(ids_BS[:, :1], IGNORE_INDEX)], dim=1)
     biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
     step, forward_marked = 0, False

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 def top_kernels(prof, trace: Path, cuda: bool, n: int = 3) -> list[tuple[str, float, int]]:
     """(name, total ms, instances) of the n heaviest, heaviest first: on CUDA the trace's GPU kernels
-    (its `kernel` events, `dur` in microseconds), on CPU the operators by self CPU time."""
+    (its `kernel` events, `dur` in microseconds), on CPU the ATen operators by self CPU time."""
     if cuda:
         totals: dict[str, list] = {}
         for event in json.loads(trace.read_text())["traceEvents"]:
@@ -32,7 +32,9 @@ def top_kernels(prof, trace: Path, cuda: bool, n: int = 3) -> list[tuple[str, fl
                 entry[0], entry[1] = entry[0] + event["dur"] / 1000, entry[1] + 1
         rows = [(name, total, count) for name, (total, count) in totals.items()]
     else:
-        rows = [(e.key, e.self_cpu_time_total / 1000, e.count) for e in prof.key_averages()]
+        # ATen operators only: record_function ranges and autograd nodes also carry self time on CPU.
+        averages = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+        rows = [(e.key, e.self_cpu_time_total / 1000, e.count) for e in averages]
     return sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])[:n]
 
 
