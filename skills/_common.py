@@ -1,5 +1,6 @@
-"""Helpers the skill scripts share: the model arguments, building the model, one training step, the
-correctness checks (validate-correctness and add-a-model), and the PASS/FAIL verdict.
+"""Helpers the skill scripts share: the model arguments, building the model, the trainer's training step
+(called, not copied, so a skill measures what training runs), the correctness checks
+(validate-correctness and add-a-model), and the PASS/FAIL verdict.
 
 A script puts skills/ on sys.path and imports this module. On a machine without CUDA the operators
 run their PyTorch references (pith_ops.use_triton) unless TRITON_INTERPRET=1 is set, in which case
@@ -23,12 +24,17 @@ import torch
 from pith_engine import executor
 from pith_train.config import Config as TrainConfig
 from pith_train.optim import build_optimizer
-from pith_train.train import IGNORE_INDEX, Stages, loss_sum, model_config, moe_aux
+from pith_train.train import (  # the one place the skills import the trainer's step from
+    IGNORE_INDEX,
+    Layout,
+    Stages,
+    model_config,
+    step_values,
+    train_step,
+)
 from torch import Tensor, nn
 
 GIB = 2**30
-# The trainer's defaults (loss coefficients, AdamW settings), so a skill's step is the trainer's step.
-TRAIN = TrainConfig()
 
 
 def add_model_args(parser: argparse.ArgumentParser, batch: tuple[int, int] = (2, 16)) -> None:
@@ -63,10 +69,15 @@ def model_cfg(args: argparse.Namespace):
 
 
 def device_of(name: str) -> torch.device:
-    """auto: CUDA when torch sees a device, else CPU."""
+    """auto: CUDA when torch sees a device, else CPU (with the trainer's train.cpu_threads)."""
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device")
-    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
+    cuda = name == "cuda" or (name == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    threads = TrainConfig().train.cpu_threads
+    if device.type == "cpu" and threads:
+        torch.set_num_threads(threads)
+    return device
 
 
 def loads_weights(args: argparse.Namespace) -> bool:
@@ -111,8 +122,17 @@ def stages_of(model: nn.Module, args: argparse.Namespace) -> Stages:
     return Stages(model, args.compile and cuda, args.ac, torch.bfloat16 if cuda else None)
 
 
-def optimizer_of(model: nn.Module) -> torch.optim.Optimizer:
-    return build_optimizer(model, TRAIN)
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The trainer's defaults (loss coefficients, AdamW, clipping, bias rate) with one micro-batch of
+    args' shape per step, so the aux losses count the tokens the step has."""
+    cfg = TrainConfig()
+    cfg.train.micro_batch = cfg.train.global_batch = args.micro_batch
+    cfg.data.seq_len = args.seq_len
+    return cfg
+
+
+def optimizer_of(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return build_optimizer(model, cfg)
 
 
 def train_steps(
@@ -122,24 +142,40 @@ def train_steps(
     ids_BS: Tensor,
     steps: int,
     mark: Callable[[int, str], None],
+    cfg: TrainConfig,
 ) -> float:
-    """`steps` steps of the trainer's single-process step on one batch, split into its phases: forward
-    (bf16 autocast on CUDA, fused loss, MoE aux losses), backward, AdamW step (gradient clipping and the
-    expert-bias update left out); mark(step, phase) after each. Returns the last loss."""
-    labels_T = torch.cat([ids_BS[:, 1:], torch.full_like(ids_BS[:, :1], IGNORE_INDEX)], dim=1).flatten()
-    for step in range(steps):
-        with torch.autocast("cuda", torch.bfloat16, enabled=ids_BS.is_cuda):
-            h_BSD, routings = executor.forward(stages, ids_BS, executor.LocalExperts())
-            ce = loss_sum(h_BSD, model.lm_head, labels_T)
-        aux = moe_aux(routings, TRAIN, ids_BS.numel(), None)[0] if routings else 0.0
-        loss = ce.float() / (labels_T != IGNORE_INDEX).sum() + aux
-        mark(step, "forward")
-        loss.backward()
-        mark(step, "backward")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mark(step, "optimizer")
-    return loss.item()
+    """`steps` calls of the trainer's own step (pith_train.train.train_step: bf16 autocast on CUDA, fused
+    loss, MoE aux losses, gradient clipping, AdamW at the peak lr, the expert-bias update) on one batch.
+    mark(step, phase) runs at its phase boundaries, seen through hooks rather than a copy of the step:
+    "forward" when the backward reaches lm_head's weight (its first gradient; with tied embeddings the
+    end of the backward), "backward" before AdamW's step (after the gradient norm), "optimizer" after
+    it (before the gradients are freed). Returns the last loss; a non-finite one raises FloatingPointError."""
+    labels_BS = torch.cat([ids_BS[:, 1:], torch.full_like(ids_BS[:, :1], IGNORE_INDEX)], dim=1)
+    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
+    step, forward_marked = 0, False
+
+    def head_grad(grad: Tensor) -> None:
+        nonlocal forward_marked
+        if not forward_marked:
+            forward_marked = True
+            mark(step, "forward")
+
+    handles = [
+        model.lm_head.weight.register_hook(head_grad),
+        optimizer.register_step_pre_hook(lambda *_: mark(step, "backward")),
+        optimizer.register_step_post_hook(lambda *_: mark(step, "optimizer")),
+    ]
+    try:
+        for current in range(steps):
+            step, forward_marked = current, False
+            outputs = train_step(
+                model, stages, optimizer, [(ids_BS, labels_BS)], cfg, Layout(), cfg.train.lr, biases
+            )
+            loss = step_values(*outputs)[0]  # the trainer's one host read of the step's values
+    finally:
+        for handle in handles:
+            handle.remove()
+    return loss
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:

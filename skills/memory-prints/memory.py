@@ -35,7 +35,8 @@ def main(argv: list[str] | None) -> tuple[bool, str]:
     device = _common.device_of(args.device)
     model = _common.build_model(args, device)
     ids_BS = _common.token_ids(args, model.cfg.vocab_size, device)
-    stages, optimizer = _common.stages_of(model, args), _common.optimizer_of(model)
+    cfg = _common.train_config(args)
+    stages, optimizer = _common.stages_of(model, args), _common.optimizer_of(model, cfg)
     n = _common.pith_models.param_count(model)
     print(
         f"{args.model} on {device}: {n:,} parameters, batch {args.micro_batch} x {args.seq_len}, ac {args.ac}"
@@ -72,7 +73,7 @@ def main(argv: list[str] | None) -> tuple[bool, str]:
             print(f"       held by the forward (activations, bf16 weight casts): {(alloc - base) / G:.3f}")
         torch.cuda.reset_peak_memory_stats(device)
 
-    loss = _common.train_steps(model, stages, optimizer, ids_BS, args.steps, mark)
+    loss = _common.train_steps(model, stages, optimizer, ids_BS, args.steps, mark, cfg)
     what = "peak reserved"
     if not cuda:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / G  # Linux reports KiB

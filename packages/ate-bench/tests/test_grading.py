@@ -98,20 +98,59 @@ def test_qa_verdicts(worktree):
     assert bad["verdict"] == "FAIL" and bad["citations_valid"] == 1
 
 
+PITH_TQDM = (
+    "\r  0%|          | 0/5 [00:00<?, ?step/s]\r 80%|########  | 4/5 [00:01<00:00,  2.3step/s, load=3.96, "
+    "loss=4.146, lr=1.00e-03]\r100%|##########| 5/5 [00:02<00:00,  1.9step/s, load=3.96, loss=4.146, "
+    "lr=1.00e-03]\r100%|##########| 5/5 [00:02<00:00,  1.9step/s, load=3.96, loss=4.009, lr=1.25e-03]\n"
+)
+
+
 @pytest.mark.parametrize(
     ("log", "ok"),
     [
         ("step 4 | loss 7.95\nstep 5 | loss 7.91 | 1200 tok/s\n", True),
+        ("step 5 loss 7.91 lr 3.0e-03 grad_norm 1.2 tok/s 2311\n", True),  # the trainer's per-step line
+        ("step=5 loss=7.91 lr=0.003\n", True),
         (" iteration        5/     100 | lm loss: 7.126E+00 |\n", True),
         ("[rank0]: step:  5  loss:  9.8012  memory: 3.1GiB\n", True),
+        ("\x1b[31mstep:  5  \x1b[32mloss:  9.8012  \x1b[33mmemory: 3.1GiB\x1b[39m\n", True),  # TorchTitan
+        (PITH_TQDM, True),  # tqdm redraws with carriage returns; the postfix carries the loss
+        ('{"step": 4, "loss": 7.95}\n{"step": 5, "loss": 7.91, "lr": 0.003}\n', True),
         ("step 5 loss nan\n", False),
         ("step 15 loss 3.2\nstep 50 loss 3.0\n", False),
         ("step 4 loss 7.9\n", False),
+        ('{"step": 5, "loss": NaN}\n', False),
+        ("tokenizing: 5/168 [00:00<00:01, tokens=41,707]\n", False),  # a bar without a loss
     ],
 )
 def test_smoke_log_needs_a_finite_loss_at_step_5(tmp_path, log, ok):
     (tmp_path / "smoke.log").write_text(log)
     assert check_smoke_log({"file": "smoke.log", "step": 5}, tmp_path)[0] is ok
+
+
+def test_smoke_log_takes_the_bar_s_last_redraw_and_metrics_beside_it(tmp_path):
+    spec = {"file": "smoke.log", "step": 5}
+    (tmp_path / "smoke.log").write_text(PITH_TQDM)
+    assert check_smoke_log(spec, tmp_path) == (True, "smoke.log: step 5 loss 4.009")
+    (tmp_path / "smoke.log").write_text("tiny-moe on cpu, from step 0\ndone\n")  # progress bar off
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(f'{{"step": {s}, "loss": {8 - s / 10}}}\n' for s in (1, 5))
+    )
+    assert check_smoke_log(spec, tmp_path) == (True, "metrics.jsonl: step 5 loss 7.5")
+
+
+def test_smoke_log_failure_says_what_was_looked_for_and_where(tmp_path):
+    spec = {"file": "smoke.log", "step": 5}
+    ok, detail = check_smoke_log(spec, tmp_path)
+    assert not ok and detail == f"smoke.log not found in {tmp_path}"
+    (tmp_path / "smoke.log").write_text("step 1 loss 8.0\nstep 3 loss 7.0\n")
+    ok, detail = check_smoke_log(spec, tmp_path)
+    assert not ok and f"no report of step 5 with a loss in smoke.log (in {tmp_path})" in detail
+    assert (
+        "tqdm bar 'N/M [... loss=X]'" in detail and "found smoke.log: losses for 2 step(s), 1 to 3" in detail
+    )
+    (tmp_path / "smoke.log").write_text("step 5 loss inf\n")
+    assert check_smoke_log(spec, tmp_path) == (False, "smoke.log: the loss at step 5 is not finite: inf")
 
 
 def test_train_eval_needs_export_and_finite_score(tmp_path):
@@ -121,7 +160,7 @@ def test_train_eval_needs_export_and_finite_score(tmp_path):
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "qwen3_moe"}')
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"\0" * 16)
     (tmp_path / "eval.json").write_text('{"score": NaN}')
-    assert "finite" in check_train_eval(spec, tmp_path)[1]
+    assert check_train_eval(spec, tmp_path) == (False, "eval.json: the score is not a finite number: nan")
     (tmp_path / "eval.json").write_text('{"score": 31.7}')
     assert check_train_eval(spec, tmp_path) == (True, "export with 1 weight file(s), eval score 31.7")
 
@@ -175,7 +214,7 @@ def test_routing_trace_schema(tmp_path):
 def test_routing_trace_rejects_broken_files(tmp_path, change, message):
     write_trace(tmp_path / "routing", *change(*good_trace()))
     ok, detail = check_routing_trace({"dir": "routing", "tokens": 256}, tmp_path)
-    assert not ok and message in detail
+    assert not ok and detail.startswith("routing/step-00000010.npz: ") and message in detail
 
 
 KERNELS = """kernel_name,total_time_ms,instances,mean_time_ms
@@ -200,7 +239,18 @@ def test_top_kernels_table(tmp_path, table, profile, ok):
     (tmp_path / "top-kernels.csv").write_text(table)
     if profile:
         (tmp_path / "profile.pt.trace.json").write_text("{}")
-    assert check_top_kernels({"file": "top-kernels.csv", "profile_prefix": "profile"}, tmp_path)[0] is ok
+    passed, detail = check_top_kernels({"file": "top-kernels.csv", "profile_prefix": "profile"}, tmp_path)
+    assert passed is ok and (ok or "top-kernels.csv: " in detail or "profile*" in detail), detail
+
+
+def test_top_kernels_wrong_header_names_the_file_and_both_headers(tmp_path):
+    (tmp_path / "top-kernels.csv").write_text(KERNELS.replace("mean_time_ms\n", "mean_ms\n"))
+    (tmp_path / "profile.json").write_text("{}")
+    assert check_top_kernels({"file": "top-kernels.csv", "profile_prefix": "profile"}, tmp_path) == (
+        False,
+        "top-kernels.csv: expected the header kernel_name,total_time_ms,instances,mean_time_ms, "
+        "got kernel_name,total_time_ms,instances,mean_ms",
+    )
 
 
 def write_losses(path, losses):

@@ -2,10 +2,11 @@
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 from ate_bench.cli import main
-from ate_bench.inspect_repo import inspect_tree
+from ate_bench.inspect_repo import format_table, inspect_tree, readme_table
 
 INDIRECT = """\
 import importlib
@@ -121,3 +122,28 @@ def test_cli_table_and_json(tree, capsys):
     assert main(["inspect", str(tree), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["pattern_counts"]["string_keyed_lookup"] == 3
     assert main(["inspect", str(tree / "nope")]) == 2
+
+
+def test_readme_inspect_table_is_current():
+    """The package README's inspect table is this repository's: refresh it with
+    `uv run ate-bench inspect . --readme packages/ate-bench/README.md` at the repository root."""
+    root = Path(__file__).resolve().parents[3]
+    report = inspect_tree(root)
+    report["path"] = "."
+    assert readme_table(root / "packages" / "ate-bench" / "README.md") == format_table(report), (
+        "stale: run `uv run ate-bench inspect . --readme packages/ate-bench/README.md` at the repository root"
+    )
+
+
+def test_readme_block_is_written_and_checked(tree, capsys):
+    readme = tree / "README.md"
+    readme.write_text("# demo\n\n<!-- inspect -->\n```text\nold\n```\nafter\n")
+    assert main(["inspect", str(tree), "--readme", str(readme), "--check"]) == 1
+    assert main(["inspect", str(tree), "--readme", str(readme)]) == 0
+    assert readme_table(readme).startswith(f"ate-bench inspect {tree}\n") and readme.read_text().endswith(
+        "after\n"
+    )
+    assert main(["inspect", str(tree), "--readme", str(readme), "--check"]) == 0
+    assert "current" in capsys.readouterr().out.splitlines()[-1]
+    with pytest.raises(ValueError, match="inspect -->"):
+        readme_table(tree / "pkg" / "direct.py")

@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from ate_bench import runner
 from ate_bench.agents import ClaudeCode, Codex, Generic, make_agent
 from ate_bench.cli import main
 from ate_bench.frameworks import load_framework
 from ate_bench.report import compare, write_report
-from ate_bench.runner import KILL_GRACE_S, run_suite
+from ate_bench.runner import KILL_GRACE_S, disk_use, prune_outputs, run_suite
+from ate_bench.staging import stage
 from ate_bench.tasks import load_tasks, select_tasks
 
 TRAIN_PY = """\
@@ -39,12 +41,12 @@ def make_framework_repo(root: Path) -> Path:
     return root
 
 
-def write_framework_toml(path: Path, name: str, checkout: Path, scale: int = 1) -> Path:
+def write_framework_toml(path: Path, name: str, checkout: Path, scale: int = 1, extra: str = "") -> Path:
     path.write_text(
         f'name = "{name}"\npath = "{checkout}"\ncommit = "HEAD"\n'
         'launch_notes = "Run python train.py."\n'
-        '[staged_data]\ntrain_data = "/data/tokens"\n'
-        f'[env]\nFAKE_SCALE = "{scale}"\n'
+        f'[staged_data]\ntrain_data = "{checkout.parent}"\n'
+        f'[env]\nFAKE_SCALE = "{scale}"\n' + extra
     )
     return path
 
@@ -126,7 +128,7 @@ def test_full_run_grades_times_out_resumes_and_reports(setup, FakeNvml):
     status = subprocess.run(["git", "-C", str(framework.path), "status", "--porcelain"], capture_output=True)
     assert status.stdout == b""
     notes = "Framework notes (alpha):\nRun python train.py.\n"
-    notes += "Pre-staged data (name: path):\n  train_data: /data/tokens\n"
+    notes += f"Pre-staged data (name: path):\n  train_data: {framework.path.parent}\n"
     assert (attempt / "prompt.md").read_text().endswith(notes)
 
     # Resume: finished attempts are kept; an interrupted one (no result.json) is rerun.
@@ -189,7 +191,7 @@ def test_codex_and_generic_commands(tmp_path):
     assert ClaudeCode(model="opus").command("P", True, tmp_path, tmp_path)[6:8] == ["--model", "opus"]
     with pytest.raises(ValueError, match="prompt_file"):
         Generic("my-agent")
-    with pytest.raises(ValueError, match="claude or codex"):
+    with pytest.raises(ValueError, match="claude, codex or scripted"):
         make_agent("gemini")
 
 
@@ -231,3 +233,94 @@ def test_cli_run_then_report(setup, capsys):
     assert "| alpha | generic | op-01-getting-started |" in capsys.readouterr().out
     assert main(["compare", str(tmp_path / "runs")]) == 2  # one framework: nothing to compare
     assert main(["run", "--framework", str(tmp_path / "nope.toml")]) == 2
+
+
+SCRIPTED = """
+[scripted]
+op-01 = "printf 'step 4 loss 7.6\\nstep 5 loss 7.5\\n' | tee $ATE_ARTIFACTS/smoke.log"
+op-04 = "printf 'kernel,ms\\n' > $ATE_ARTIFACTS/top-kernels.csv"
+op-03 = "head -c 3000000 /dev/zero > big.bin; sleep 30"
+"""
+
+
+def test_scripted_agent_runs_the_toml_procedures_and_the_graders_judge_them(setup, monkeypatch):
+    tmp_path, _, _ = setup
+    monkeypatch.setattr(runner, "DISK_CHECK_S", 0.2)
+    toml = write_framework_toml(
+        tmp_path / "s.toml", "alpha", tmp_path / "frameworks" / "alpha", extra=SCRIPTED
+    )
+    framework = load_framework(toml)
+    tasks = select_tasks(load_tasks(), ["op-01", "op-04", "op-03", "qa-01"])
+    records = run_suite(
+        framework, tasks, make_agent("scripted", framework=framework), tmp_path / "runs", repeats=1,
+        max_disk_gb=0.002, log=lambda _: None,
+    )  # fmt: skip
+    smoke, kernels, trace, qa = records
+    assert smoke["agent"] == "scripted" and smoke["grade"] == {
+        "verdict": "PASS",
+        "detail": "smoke.log: step 5 loss 7.5",
+    }
+    assert smoke["metrics"]["agent_turns"] == 2 and smoke["metrics"]["output_tokens"] == 0
+    assert smoke["metrics"]["tool_calls"]["running"] == 1
+    assert kernels["status"] == "finished" and kernels["grade"]["verdict"] == "FAIL"
+    assert kernels["grade"]["detail"].startswith("top-kernels.csv: expected the header kernel_name,")
+    # 3 MB of its own against a 2 MB bound: ended at the next measurement, not after 30 s
+    assert trace["status"] == "disk_limit" and trace["wall_s"] < 10 and trace["disk"]["owned_bytes"] > 2**21
+    assert trace["disk"]["kept_bytes"] == trace["disk"]["owned_bytes"]  # untracked, not ignored: kept
+    assert qa["status"] == "agent_error" and qa["grade"]["verdict"] == "FAIL"  # no procedure for qa-01
+    with pytest.raises(ValueError, match=r"\[scripted\] table"):
+        make_agent("scripted", framework=load_framework(tmp_path / "alpha.toml"))
+
+
+def test_missing_staged_input_refuses_before_any_attempt_then_stage_makes_it(setup, capsys):
+    tmp_path, _, agent = setup
+    data = tmp_path / "staged" / "tokens"
+    recipe = '[stage]\ntrain_data = "mkdir -p {path} && touch {path}/meta.json"\n'
+    toml = write_framework_toml(
+        tmp_path / "st.toml", "alpha", tmp_path / "frameworks" / "alpha", extra=recipe
+    )
+    toml.write_text(toml.read_text().replace(f'"{data.parent.parent / "frameworks"}"', f'"{data}"'))
+    framework = load_framework(toml)
+    tasks = select_tasks(load_tasks(), ["op-01", "op-03"])
+    with pytest.raises(ValueError) as refused:
+        run_suite(framework, tasks, agent, tmp_path / "runs", repeats=1, log=lambda _: None)
+    assert f"op-03-routing-trace needs train_data at {data}, which does not exist" in str(refused.value)
+    assert f"`ate-bench stage op-03 --framework {toml}`" in str(refused.value)
+    assert calls(tmp_path) == [] and not (tmp_path / "runs").exists()  # nothing started
+    assert main(["stage", "op-03", "--framework", str(toml)]) == 0 and (data / "meta.json").is_file()
+    assert f"staged {data}" in capsys.readouterr().out
+    records = run_suite(
+        framework, tasks, agent, tmp_path / "runs", repeats=1, timeout_s=1, log=lambda _: None
+    )
+    assert [r["grade"]["verdict"] for r in records] == ["PASS", "FAIL"]  # the fake agent cannot trace
+    # An input without a recipe cannot be staged here: the message says so, nothing runs.
+    with pytest.raises(ValueError, match=r"op-02-train-eval needs eval_script, and the alpha TOML has no"):
+        stage(framework, select_tasks(load_tasks(), ["op-02"]))
+
+
+def test_disk_use_counts_hard_links_into_a_shared_cache_as_not_owned(tmp_path):
+    cache, attempt = tmp_path / "cache", tmp_path / "attempt"
+    (attempt / "env").mkdir(parents=True)
+    cache.mkdir()
+    (cache / "torch.so").write_bytes(b"x" * 100_000)
+    os.link(cache / "torch.so", attempt / "env" / "torch.so")  # what uv does from its cache
+    (attempt / "own.bin").write_bytes(b"y" * 50_000)
+    os.link(attempt / "own.bin", attempt / "own-again.bin")  # both links inside: owned, counted once
+    use = disk_use(attempt)
+    assert use["bytes"] - use["owned_bytes"] >= 100_000 and 50_000 <= use["owned_bytes"] < 100_000
+
+
+def test_prune_outputs_deletes_what_git_ignores_but_not_artifacts_or_edits(tmp_path):
+    repo = make_framework_repo(tmp_path / "repo")
+    (repo / ".gitignore").write_text(".venv/\n*.json\n")
+    (repo / ".venv" / "lib").mkdir(parents=True)
+    (repo / ".venv" / "lib" / "torch.so").write_bytes(b"x")
+    (repo / "ate-artifacts").mkdir()
+    (repo / "ate-artifacts" / "profile.json").write_text("{}")  # ignored by *.json, kept: an artifact
+    (repo / "ckpt.json").write_text("{}")
+    (repo / "model.py").write_text("edited\n")
+    prune_outputs(repo)
+    assert not (repo / ".venv").exists() and not (repo / "ckpt.json").exists()
+    assert (repo / "ate-artifacts" / "profile.json").is_file() and (
+        repo / "model.py"
+    ).read_text() == "edited\n"

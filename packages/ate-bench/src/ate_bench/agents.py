@@ -6,6 +6,8 @@ starts it in the worktree, sends its stdout to transcript.jsonl and its stderr t
   read-only tools (Read, Grep, Glob, LS), everything else may edit and run without asking.
 - Codex CLI: `codex exec --json`; Q&A in the read-only sandbox, everything else unsandboxed (the
   worktree is the isolation; GPU jobs need device access the write sandbox may deny).
+- Scripted (`--agent scripted`): the framework TOML's reference procedures (scripted.py), a
+  self-test of the harness and the graders, not a measurement.
 - Generic: a shell command template with {prompt_file}, {worktree} and {read_only} (1 or 0);
   its stdout is the transcript, so an agent that writes Claude stream-json gets full metrics.
 """
@@ -13,6 +15,8 @@ starts it in the worktree, sends its stdout to transcript.jsonl and its stderr t
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+
+from ate_bench.scripted import scripted_agent
 
 CLAUDE_READ_ONLY_TOOLS = "Read,Grep,Glob,LS"
 CLAUDE_WRITE_TOOLS = "Bash,Edit,MultiEdit,Write,NotebookEdit,WebFetch,WebSearch"
@@ -66,12 +70,17 @@ class Generic:
         )
 
 
-def make_agent(name: str, command: str | None = None, model: str | None = None):
-    """The adapter for `--agent NAME` (claude, codex) or a generic `--agent-command TEMPLATE`."""
+def make_agent(name: str, command: str | None = None, model: str | None = None, framework=None):
+    """The adapter for `--agent NAME` (claude, codex, scripted: needs the framework) or a generic
+    `--agent-command TEMPLATE`."""
     if command:
         return Generic(command, name=name)
     if name == "claude":
         return ClaudeCode(model=model)
     if name == "codex":
         return Codex(model=model)
-    raise ValueError(f"expected --agent claude or codex, or an --agent-command template, got {name!r}")
+    if name == "scripted" and framework is not None:
+        return scripted_agent(framework)
+    raise ValueError(
+        f"expected --agent claude, codex or scripted, or an --agent-command template, got {name!r}"
+    )

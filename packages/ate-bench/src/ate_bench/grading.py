@@ -36,8 +36,18 @@ STOPWORDS = {
     "args", "kwargs", "if", "else", "elif", "in", "is", "or", "as", "py", "nn",
 }  # fmt: skip
 NUMBER = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf|infinity)"
-STEP_LINE = r"(?:step|iteration|iter)\s*[:=#]?\s*0*{step}(?![\d.])"
-LOSS_VALUE = re.compile(rf"loss\s*[:=]?\s*({NUMBER})", re.IGNORECASE)
+# A step and its loss as training frameworks print them: `step 5 | loss 7.91`, `step=5 loss=7.91`,
+# `step:  5  loss:  9.80` (TorchTitan), `iteration 5/ 100 | lm loss: 7.1E+00` (Megatron), a tqdm bar
+# `5/10 [00:02<00:01, 2.1step/s, loss=7.91]` (Pith, PithTrain), or a JSON line {"step": 5, "loss": 7.91}.
+STEP_TEXT = re.compile(r"\b(?:step|iteration|iter)\s*[:=#]?\s*(\d+)(?![\d.])", re.IGNORECASE)
+LOSS_TEXT = re.compile(rf"\bloss\s*[:=]?\s*({NUMBER})(?![\w.])", re.IGNORECASE)
+TQDM_LOSS = re.compile(rf"(?<![\d.])(\d+)/\d+\s*\[[^\]]*?\bloss=({NUMBER})", re.IGNORECASE)
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # TorchTitan colours its log lines
+JSON_STEP_KEYS, JSON_LOSS_KEYS = ("step", "iteration", "iter"), ("loss", "train_loss", "lm_loss")
+LOG_FORMATS = (
+    "'step N ... loss X', 'step=N loss=X', 'iteration N/M | lm loss: X', a tqdm bar 'N/M [... loss=X]' "
+    'or a JSON line {"step": N, "loss": X}'
+)
 NPZ_NAME = re.compile(r"step-\d{8}\.npz")
 KERNEL_HEADER = ["kernel_name", "total_time_ms", "instances", "mean_time_ms"]
 MAX_NEW_FILE_BYTES = 512 * 1024
@@ -131,26 +141,69 @@ def is_finite_number(text: str) -> bool:
         return False
 
 
+def json_step_loss(line: str) -> tuple[int, str] | None:
+    """(step, loss) of a JSON-object log line naming both, else None."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    step = next((record[k] for k in JSON_STEP_KEYS if k in record), None)
+    loss = next((record[k] for k in JSON_LOSS_KEYS if k in record), None)
+    if isinstance(step, bool) or not isinstance(step, int) or isinstance(loss, bool):
+        return None
+    return (step, str(float(loss))) if isinstance(loss, int | float) else None
+
+
+def step_losses(text: str) -> dict[int, str]:
+    """Step -> the last loss the log reports for it, in any of the LOG_FORMATS. Carriage returns
+    split lines too (a tqdm bar redraws itself with them); the last report wins because a bar is
+    redrawn at step N with step N-1's postfix before the trainer sets step N's."""
+    found = {}
+    for line in re.split(r"[\r\n]+", ANSI_ESCAPE.sub("", text)):
+        line = line.strip()
+        if line.startswith("{") and (pair := json_step_loss(line)):
+            found[pair[0]] = pair[1]
+            continue
+        step, loss = STEP_TEXT.search(line), LOSS_TEXT.search(line)
+        if step and loss:
+            found[int(step.group(1))] = loss.group(1)
+        found |= {int(n): x for n, x in TQDM_LOSS.findall(line)}
+    return found
+
+
+def steps_seen(found: dict[int, str]) -> str:
+    if not found:
+        return "no step with a loss"
+    return f"losses for {len(found)} step(s), {min(found)} to {max(found)}"
+
+
 def check_smoke_log(spec: dict, artifacts: Path) -> tuple[bool, str]:
-    log = artifacts / spec["file"]
+    """smoke.log (or, failing that, a JSONL metrics file beside it) reports the step's finite loss."""
+    name, step = spec["file"], int(spec["step"])
+    log = artifacts / name
     if not log.is_file():
-        return False, f"{spec['file']} not found in the artifacts"
-    step_line = re.compile(STEP_LINE.format(step=int(spec["step"])), re.IGNORECASE)
-    losses = []
-    for line in log.read_text(errors="replace").splitlines():
-        if step_line.search(line):
-            losses += LOSS_VALUE.findall(line)[:1]
-    if not losses:
-        return False, f"no line reports step {spec['step']} with a loss"
-    if not any(is_finite_number(v) for v in losses):
-        return False, f"step {spec['step']} loss is not finite: {losses}"
-    return True, f"step {spec['step']} loss {next(v for v in losses if is_finite_number(v))}"
+        return False, f"{name} not found in {artifacts}"
+    places = [log, *sorted(artifacts.glob("*.jsonl"))]
+    seen = []
+    for path in places:
+        found = step_losses(path.read_text(errors="replace"))
+        if step in found:
+            if not is_finite_number(found[step]):
+                return False, f"{path.name}: the loss at step {step} is not finite: {found[step]}"
+            return True, f"{path.name}: step {step} loss {found[step]}"
+        seen.append(f"{path.name}: {steps_seen(found)}")
+    return False, (
+        f"no report of step {step} with a loss in {', '.join(p.name for p in places)} (in {artifacts}); "
+        f"looked for {LOG_FORMATS}; found {'; '.join(seen)}"
+    )
 
 
 def check_train_eval(spec: dict, artifacts: Path) -> tuple[bool, str]:
     export = artifacts / spec["export_dir"]
     if not (export / "config.json").is_file():
-        return False, f"{spec['export_dir']}/config.json not found"
+        return False, f"{spec['export_dir']}/config.json not found in {artifacts}"
     try:
         json.loads((export / "config.json").read_text())
     except json.JSONDecodeError as error:
@@ -164,7 +217,7 @@ def check_train_eval(spec: dict, artifacts: Path) -> tuple[bool, str]:
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
         return False, f"{spec['eval_file']} has no readable 'score': {error!r}"
     if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
-        return False, f"eval score is not a finite number: {score!r}"
+        return False, f"{spec['eval_file']}: the score is not a finite number: {score!r}"
     return True, f"export with {len(weights)} weight file(s), eval score {score}"
 
 
@@ -200,45 +253,47 @@ def check_routing_trace(spec: dict, artifacts: Path) -> tuple[bool, str]:
         sorted(p for p in trace_dir.glob("*.npz") if NPZ_NAME.fullmatch(p.name)) if trace_dir.is_dir() else []
     )
     if not files:
-        return False, f"no step-XXXXXXXX.npz file in {spec['dir']}/"
+        return False, f"no step-XXXXXXXX.npz file in {trace_dir}"
     for file in files:
         problem = check_routing_file(file, int(spec["tokens"]))
         if problem:
-            return False, f"{file.name}: {problem}"
+            return False, f"{spec['dir']}/{file.name}: {problem}"
     return True, f"{len(files)} trace file(s) match the schema"
 
 
 def check_top_kernels(spec: dict, artifacts: Path) -> tuple[bool, str]:
     table = artifacts / spec["file"]
     if not table.is_file():
-        return False, f"{spec['file']} not found"
+        return False, f"{spec['file']} not found in {artifacts}"
+    name = spec["file"]
     rows = [r for r in csv.reader(io.StringIO(table.read_text(encoding="utf-8-sig"))) if r]
     if not rows or [c.strip() for c in rows[0]] != KERNEL_HEADER:
-        return (
-            False,
-            f"expected header {','.join(KERNEL_HEADER)}, got {','.join(rows[0]) if rows else 'nothing'}",
-        )
+        got = ",".join(rows[0]) if rows else "nothing"
+        return False, f"{name}: expected the header {','.join(KERNEL_HEADER)}, got {got}"
     if len(rows) != 4:
-        return False, f"expected exactly 3 kernel rows, got {len(rows) - 1}"
+        return False, f"{name}: expected exactly 3 kernel rows, got {len(rows) - 1}"
     totals = []
     for row in rows[1:]:
         if len(row) != 4 or not row[0].strip():
-            return False, f"expected 4 fields with a kernel name, got {row}"
+            return False, f"{name}: expected 4 fields with a kernel name, got {row}"
         try:
             total, instances, mean = float(row[1]), int(row[2]), float(row[3])
         except ValueError:
-            return False, f"expected numbers (instances an integer) in {row}"
+            return False, f"{name}: expected numbers (instances an integer) in {row}"
         if not (math.isfinite(total) and math.isfinite(mean) and total > 0 and mean > 0 and instances >= 1):
-            return False, f"expected positive finite times and instances >= 1 in {row}"
+            return False, f"{name}: expected positive finite times and instances >= 1 in {row}"
         if not math.isclose(mean, total / instances, rel_tol=0.01, abs_tol=1e-3):
-            return False, f"mean_time_ms {mean} is not total_time_ms / instances = {total / instances:.4g}"
+            return (
+                False,
+                f"{name}: mean_time_ms {mean} is not total_time_ms / instances = {total / instances:.4g}",
+            )
         totals.append(total)
     if totals != sorted(totals, reverse=True):
-        return False, f"rows are not ordered heaviest first: {totals}"
+        return False, f"{name}: rows are not ordered heaviest first: {totals}"
     prefix = spec["profile_prefix"]
     profiles = [p for p in artifacts.iterdir() if p.name.startswith(prefix) and p.stat().st_size > 0]
     if not profiles:
-        return False, f"no non-empty profile file ({prefix}*) in the artifacts"
+        return False, f"no non-empty profile file ({prefix}*) in {artifacts}"
     return True, f"3 kernels, heaviest {rows[1][0].strip()!r} ({totals[0]} ms); profile {profiles[0].name}"
 
 

@@ -21,6 +21,7 @@
 
 import ast
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -223,3 +224,23 @@ def format_table(report: dict, max_locations: int = 8) -> str:
     if report["unparsed_python"]:
         lines.append(f"  (not parsed: {', '.join(report['unparsed_python'])})")
     return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+README_BLOCK = re.compile(r"(<!-- inspect -->\n```text\n)(.*?)(```)", re.DOTALL)
+
+
+def readme_table(readme: Path) -> str:
+    """The inspect table between the README's `<!-- inspect -->` marker and the end of its code block."""
+    found = README_BLOCK.search(Path(readme).read_text())
+    if found is None:
+        raise ValueError(f"expected a '<!-- inspect -->' marker followed by a ```text block in {readme}")
+    return found.group(2)
+
+
+def write_readme_table(readme: Path, table: str) -> bool:
+    """Put `table` in the README's inspect block; True when that changed the file."""
+    readme_table(readme)  # the marker must be there
+    text = Path(readme).read_text()
+    new = README_BLOCK.sub(lambda m: m.group(1) + table + m.group(3), text, count=1)
+    Path(readme).write_text(new)
+    return new != text

@@ -7,7 +7,14 @@ Layout of a run directory:
         prompt.md            the exact prompt given
         transcript.jsonl     the agent's stdout
         agent.stderr
-        result.json          status, metrics, GPU time and grade; written last, atomically
+        result.json          status, metrics, GPU time, disk use and grade; written last, atomically
+
+Disk: attempts share the package cache of the framework's tools (uv hard-links, or on macOS clones,
+an environment's files from its one cache, so a worktree's `uv sync` adds a few MB, not a copy of
+torch). Each attempt's disk is measured while it runs; past `max_disk_gb` of its own (files nothing
+outside the attempt links to) it is ended (status `disk_limit`). After grading, what git ignores in
+the worktree (environments, checkpoints, caches) is deleted unless `keep_outputs`: the kept attempt
+is its transcript, its edits and its artifacts. result.json records the bytes before and after.
 
 An attempt with a result.json is finished and never rerun (runs resume); a directory without one
 is the remains of an interrupted attempt and is started afresh. The user's checkout is only read:
@@ -26,9 +33,12 @@ from pathlib import Path
 from ate_bench.agents import ClaudeCode, Codex
 from ate_bench.gpu import GpuSampler
 from ate_bench.grading import grade_attempt
+from ate_bench.staging import staging_problems
 from ate_bench.transcript import transcript_metrics
 
 KILL_GRACE_S = 5.0  # SIGTERM first, so a training job can release the GPU cleanly; then SIGKILL
+DISK_CHECK_S = 10.0  # between disk measurements of a running attempt (a walk of ~25k files: ~0.2 s)
+MAX_DISK_GB = 20.0
 
 
 def git(*args: str, cwd: Path) -> str:
@@ -129,6 +139,48 @@ def kill_attempt(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def disk_use(root: Path) -> dict:
+    """Bytes on disk under `root` (allocated blocks, a hard-linked file once): `bytes`, and
+    `owned_bytes`, those of files no path outside `root` links to (what deleting it frees)."""
+    inodes = {}  # (device, inode) -> [links seen under root, links in all, bytes]
+    stack = [Path(root)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            is_dir = entry.is_dir(follow_symlinks=False)
+            if is_dir:
+                stack.append(Path(entry.path))
+            record = inodes.setdefault((info.st_dev, info.st_ino), [0, 1 if is_dir else info.st_nlink, 0])
+            record[0], record[2] = record[0] + 1, info.st_blocks * 512
+    return {
+        "bytes": sum(size for _, _, size in inodes.values()),
+        "owned_bytes": sum(size for seen, links, size in inodes.values() if seen >= links),
+    }
+
+
+def prune_outputs(worktree: Path) -> None:
+    """Delete what git ignores in the worktree (environments, checkpoints, caches), not the artifacts."""
+    listed = subprocess.run(
+        ["git", "-C", str(worktree), "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
+         "--directory"], capture_output=True,
+    )  # fmt: skip
+    for name in listed.stdout.decode(errors="replace").split("\0"):
+        if not name or name.startswith("ate-artifacts/"):
+            continue
+        path = worktree / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
@@ -137,7 +189,7 @@ def write_json(path: Path, data: dict) -> None:
 
 def run_attempt(
     task, framework, sha, agent, attempt_dir: Path, repeat: int, timeout_s, judge=None, gpu_scope="attempt",
-    nvml=None,
+    nvml=None, max_disk_gb=MAX_DISK_GB, keep_outputs=False,
 ):  # fmt: skip
     """Run one attempt to completion (or timeout), grade it, write result.json; returns the record."""
     worktree = attempt_dir / "worktree"
@@ -147,7 +199,7 @@ def run_attempt(
     prompt_file = attempt_dir / "prompt.md"
     prompt_file.write_text(prompt)
     command = agent.command(prompt, task.read_only, worktree, prompt_file)
-    env = os.environ | framework.env | {"ATE_ARTIFACTS": str(worktree / "ate-artifacts")}
+    env = os.environ | framework.env | {"ATE_ARTIFACTS": str(worktree / "ate-artifacts"), "ATE_TASK": task.id}
     transcript = attempt_dir / "transcript.jsonl"
     sampler = GpuSampler(nvml=nvml, scope=gpu_scope).start()
     started = time.monotonic()
@@ -163,11 +215,17 @@ def run_attempt(
             start_new_session=True,  # its own session and process group: one signal reaches all of it
         )
         sampler.set_session(proc.pid)
-        status = "finished"
+        status, deadline = "finished", started + timeout_s
         try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            status = "timeout"
+            while status == "finished":
+                try:
+                    proc.wait(timeout=max(0.0, min(DISK_CHECK_S, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        status = "timeout"
+                    elif disk_use(attempt_dir)["owned_bytes"] > max_disk_gb * 2**30:
+                        status = "disk_limit"
         finally:
             wall_s = time.monotonic() - started
             kill_attempt(proc)  # the agent on timeout or Ctrl-C; otherwise whatever it left running
@@ -183,6 +241,10 @@ def run_attempt(
     except (OSError, ValueError, subprocess.CalledProcessError) as error:
         grade = {"verdict": "ERROR", "error": repr(error)}
     write_json(attempt_dir / "gpu.json", sampler.summary())
+    disk = disk_use(attempt_dir)
+    if not keep_outputs:
+        prune_outputs(worktree)
+    disk["kept_bytes"] = disk_use(attempt_dir)["owned_bytes"]
     record = {
         "framework": framework.name,
         "agent": agent.name,
@@ -195,6 +257,7 @@ def run_attempt(
         "wall_s": wall_s,
         "time_limit_s": timeout_s,
         "metrics": metrics,
+        "disk": disk,
         "grade": grade,
     }
     write_json(attempt_dir / "result.json", record)
@@ -203,19 +266,18 @@ def run_attempt(
 
 def run_suite(
     framework, tasks, agent, run_dir: Path, repeats=3, timeout_s=None, judge=None, gpu_scope="attempt",
-    nvml=None, log=print,
+    nvml=None, log=print, max_disk_gb=MAX_DISK_GB, keep_outputs=False,
 ) -> list[dict]:  # fmt: skip
     """All attempts of `tasks` x `repeats`; finished ones are loaded, not rerun."""
     if repeats < 1:
         raise ValueError(f"expected repeats >= 1, got {repeats}")
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"expected a positive timeout in seconds, got {timeout_s}")
-    missing = {t.id: sorted(set(t.requires_staged) - set(framework.staged_data)) for t in tasks}
-    missing = {k: v for k, v in missing.items() if v}
-    if missing:
-        raise ValueError(
-            f"expected [staged_data] entries in the {framework.name} TOML, got none for {missing}"
-        )
+    if max_disk_gb <= 0:
+        raise ValueError(f"expected a positive per-attempt disk limit in GB, got {max_disk_gb}")
+    problems = staging_problems(framework, tasks)
+    if problems:
+        raise ValueError(problems)
     run_dir = Path(run_dir).resolve()
     if run_dir.is_relative_to(framework.path.resolve()):
         raise ValueError(f"expected the run directory outside the checkout {framework.path}, got {run_dir}")
@@ -239,9 +301,16 @@ def run_suite(
             limit = timeout_s or task.time_limit_s
             log(f"{task.id} attempt {repeat}: running (limit {limit:.0f}s)")
             record = run_attempt(
-                task, framework, sha, agent, attempt_dir, repeat, limit, judge, gpu_scope, nvml
+                task, framework, sha, agent, attempt_dir, repeat, limit, judge, gpu_scope, nvml, max_disk_gb,
+                keep_outputs,
+            )  # fmt: skip
+            disk = record["disk"]
+            log(
+                f"{task.id} attempt {repeat}: {record['status']}, {record['grade']['verdict']}"
+                f" ({record['grade'].get('detail') or record['grade'].get('reason', '')});"
+                f" disk {disk['owned_bytes'] / 2**20:.0f} MB of its own,"
+                f" {disk['kept_bytes'] / 2**20:.0f} MB kept"
             )
-            log(f"{task.id} attempt {repeat}: {record['status']}, {record['grade']['verdict']}")
             records.append(record)
             # A worktree cannot stop an agent from walking out of it: check the user's checkout.
             changes = local_changes(framework.path)
