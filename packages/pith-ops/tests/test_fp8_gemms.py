@@ -111,6 +111,11 @@ def test_linear_bf16_on_gpu():
     assert max(check_linear(4096, 2048, 1536, 0, device="cuda", dtype=torch.bfloat16, lead=(2,))) < 0.06
     with pytest.raises(ValueError, match="multiples of 16"):
         fp8_linear(torch.randn(4, 24, device="cuda"), torch.randn(16, 24, device="cuda"))
+    w = torch.randn(16, 32, device="cuda", requires_grad=True)
+    with pytest.raises(ValueError, match="got 20 rows"):
+        fp8_linear(torch.randn(20, 32, device="cuda"), w)
+    with torch.no_grad():  # inference: any row count
+        assert fp8_linear(torch.randn(20, 32, device="cuda"), w).shape == (20, 16)
 
 
 def check_grouped(sizes, tail, I, O, seed, device="cpu", dtype=torch.float32):

@@ -105,7 +105,8 @@ _fp8_linear = eager_or_custom(_op, _setup, _forward, _backward)
 
 def fp8_linear(x_TD: Tensor, w_OD: Tensor) -> Tensor:
     """x @ w.T (nn.Linear's layout: w is [out, in]) through FP8 GEMMs, in x's dtype; x may have leading dims.
-    On CUDA the feature sizes must be multiples of 16 (the FP8 GEMM's alignment)."""
+    On CUDA the feature sizes, and when w needs a gradient the rows, must be multiples of 16 (the FP8
+    GEMM's alignment along the contracted axis)."""
     check("x_TD", x_TD, dtypes=FLOAT_DTYPES)
     check("w_OD", w_OD, ndim=2, dtypes=FLOAT_DTYPES, device=x_TD.device, contiguous=True)
     D, O = w_OD.shape[1], w_OD.shape[0]
@@ -114,6 +115,11 @@ def fp8_linear(x_TD: Tensor, w_OD: Tensor) -> Tensor:
     if x_TD.is_cuda and (D % 16 or O % 16):
         raise ValueError(
             f"fp8_linear on CUDA needs in/out features that are multiples of 16, got {D} and {O}"
+        )
+    T = x_TD.numel() // max(D, 1)
+    if x_TD.is_cuda and torch.is_grad_enabled() and w_OD.requires_grad and T % 16:
+        raise ValueError(  # the weight gradient contracts over the rows
+            f"fp8_linear on CUDA trains on row counts that are multiples of 16, got {T} rows"
         )
     y = _fp8_linear(x_TD.reshape(-1, D).contiguous(), w_OD)[0]
     return y.view(*x_TD.shape[:-1], O)
