@@ -2,7 +2,8 @@
 both gradients), against the exact product, opcheck, compile, errors.
 
 Tolerances: against the reference only the bf16 rounding of the GEMM output and fp32 (CUDA: fast)
-accumulation differ: |op - ref| <= 2^-7 |ref| + 1% of ref's rms. Against the exact float64 product
+accumulation differ: |op - ref| <= 2^-7 |ref| + 1% of ref's rms (5% on CUDA: see assert_matches), and
+the norm of the difference is below 4e-3 of ref's. Against the exact float64 product
 the e4m3 operands (3 mantissa bits, up to 2^-4 relative each) give a relative Frobenius error
 measured at ~0.037 for Gaussian data; the bound is 0.06 (at sizes where the error averages out).
 
@@ -27,8 +28,11 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape
     if not want.numel():
         return
-    atol = 1e-2 * want.pow(2).mean().sqrt().item() + 1e-30
-    torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=atol)
+    # CUDA's fast FP8 accumulation over K = 2048 left a few elements in a million off by up to 3.7% of
+    # the rms (H200), the norm of the difference at 1.9e-3 relative; fp32 accumulation stays at 1e-2.
+    atol = (5e-2 if got.is_cuda else 1e-2) * want.pow(2).mean().sqrt().item() + 1e-30
+    torch.testing.assert_close(got.double(), want.to(got.device), rtol=2**-7, atol=atol)
+    assert not want.any() or rel_error(got, want.to(got.device)) < 4e-3
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -132,7 +136,7 @@ def check_grouped(sizes, tail, I, O, seed, device="cpu", dtype=torch.float32):
     assert dx.dtype == dtype and dw.dtype == torch.float32 and (dx[sum(sizes) :] == 0).all()
     ry, rdx, rdw = fp8_grouped_gemm_reference(x.detach(), w.detach(), ends_E.cpu(), dy)
     for got, want in ((y, ry), (dx, rdx), (dw, rdw)):
-        assert_matches(got.cpu(), want.cpu())
+        assert_matches(got, want)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     exact = grouped_gemm_reference(x64, w64, ends_E)
     exact_dw = torch.autograd.grad(exact, w64, dy.double())[0]

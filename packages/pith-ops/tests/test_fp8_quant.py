@@ -87,7 +87,7 @@ def test_2d_input_is_one_batch_entry_of_one_group():
     x_MK = _data((33, 20), 0)
     q, scale = quantize_cols(x_MK)
     ref_q, ref_scale = quantize_cols_reference(x_MK[None], torch.tensor([33], dtype=torch.int32))
-    assert q.shape == (20, 33) and scale.shape == (1, 20)
+    assert q.shape == (20, 33) and scale.shape == (1, 20) and q.stride() == (48, 1)  # 16-byte rows
     assert torch.equal(scale, ref_scale[0]) and torch.equal(q.view(torch.uint8), ref_q[0].view(torch.uint8))
 
 

@@ -24,6 +24,7 @@ from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, check, eager_or_custom
 from pith_ops.fp8_quant import (
     dequantize_cols,
     dequantize_rows,
+    empty_cols,
     quantize_cols,
     quantize_cols_reference,
     quantize_rows,
@@ -97,7 +98,7 @@ def _(x_NI, w_EIO, ends):
     (N, I), (E, _, O) = x_NI.shape, w_EIO.shape
     fp8, fp32 = torch.float8_e4m3fn, torch.float32
     return (
-        x_NI.new_empty(N, O), x_NI.new_empty(I, N, dtype=fp8), x_NI.new_empty(E, I, dtype=fp32),
+        x_NI.new_empty(N, O), empty_cols(1, I, N, device=x_NI.device)[0], x_NI.new_empty(E, I, dtype=fp32),
         x_NI.new_empty(E, I, O, dtype=fp8), x_NI.new_empty(E, I, dtype=fp32),
     )  # fmt: skip
 

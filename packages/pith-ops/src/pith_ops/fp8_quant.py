@@ -25,9 +25,12 @@ from pith_ops.grouped_gemm import _group_of_tile
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-# Tiles: rows x columns per program (rows kernel: BLOCK_K columns per loop step).
+# Rows kernel: BLOCK_M rows per program, BLOCK_K columns per loop step (82% of copy bandwidth on an
+# H200 at [131072, 2048] bf16). The column kernel's tile is autotuned per shape (both passes can rerun:
+# an atomic max and a store of the same values); the interpreter (CPU tests) gets one small tile.
 ROWS_TILE = (4, 128) if INTERPRET else (16, 1024)
-COLS_TILE = (16, 32) if INTERPRET else (64, 128)
+_COLS_TILES = ((16, 32, 1),) if INTERPRET else ((64, 128, 4), (128, 64, 4), (128, 128, 8), (256, 64, 8))
+_COLS_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_K": k}, num_warps=w) for m, k, w in _COLS_TILES]
 
 
 @triton.jit
@@ -63,9 +66,10 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K
         tl.store(q_ptr + base + k0 + ks[None, :], _cast(x, inv[:, None]).to(q_ptr.dtype.element_ty), mask=m)
 
 
+@triton.autotune(_COLS_CONFIGS, key=["M", "K", "G", "WRITE"])
 @triton.jit
 def _quant_cols_kernel(
-    x_ptr, q_ptr, amax_ptr, ends_ptr, G, M, K,
+    x_ptr, q_ptr, amax_ptr, ends_ptr, G, M, K, s_qb, s_qk,
     G_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WRITE: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_K] tile of one row group of batch entry program_id(2). Pass 1 (not WRITE):
@@ -82,7 +86,7 @@ def _quant_cols_kernel(
     a_p = amax_ptr + (b * G + g) * K + cols
     if WRITE:
         _, inv = _pow2_scale(tl.load(a_p, mask=cols < K, other=0.0))
-        q_p = q_ptr + b * M * K + cols.to(tl.int64)[:, None] * M + rows[None, :]
+        q_p = q_ptr + b * s_qb + cols.to(tl.int64)[:, None] * s_qk + rows[None, :]
         tl.store(q_p, tl.trans(_cast(x, inv[None, :]).to(q_ptr.dtype.element_ty)), mask=tl.trans(m))
     else:
         tl.atomic_max(a_p, tl.max(tl.abs(x), 0), mask=cols < K)
@@ -122,36 +126,48 @@ def quantize_rows(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, T
     return q, scale
 
 
+def empty_cols(B: int, K: int, M: int, dtype: torch.dtype = FP8, device=None) -> Tensor:
+    """quantize_cols' output q_BKM: rows of M padded in storage to a multiple of 16 elements, so the
+    transposed copy is a valid FP8 GEMM operand (16-byte row strides) for any M."""
+    return torch.empty(B, K, (M + 15) // 16 * 16, dtype=dtype, device=device)[..., :M]
+
+
 def quantize_cols(
     x_BMK: Tensor, group_ends_G: Tensor | None = None, out_dtype: torch.dtype = FP8
 ) -> tuple[Tensor, Tensor]:
-    """-> q_BKM (x transposed, / scale), scale_BGK (fp32, amax of each column over each row group;
-    group_ends_G: int32 ends, non-decreasing, last <= M; None: one group of all M rows). Rows past the
-    last end are not read, and their columns of q are left unwritten. A 2-D x is a batch of one."""
+    """-> q_BKM (x transposed, / scale; laid out by empty_cols), scale_BGK (fp32, amax of each column
+    over each row group; group_ends_G: int32 ends, non-decreasing, last <= M; None: one group of all
+    M rows). Rows past the last end are not read, and their columns of q are left unwritten. A 2-D x
+    is a batch of one."""
     check("x_BMK", x_BMK, dtypes=FLOAT_DTYPES, contiguous=True)
     if x_BMK.ndim not in (2, 3):
         raise ValueError(f"x_BMK: expected 2 or 3 dimensions, got shape {tuple(x_BMK.shape)}")
-    if INTERPRET and out_dtype == FP8 and x_BMK.device.type == "cpu":  # see _interpreted_cast
-        return _interpreted_cast(*quantize_cols(x_BMK, group_ends_G, torch.float32))
     x3 = x_BMK if x_BMK.ndim == 3 else x_BMK[None]
     B, M, K = x3.shape
     if group_ends_G is None:
         group_ends_G = torch.full((1,), M, dtype=torch.int32, device=x3.device)
     check("group_ends_G", group_ends_G, ndim=1, dtypes=INDEX_DTYPES, device=x3.device)
+    q = empty_cols(B, K, M, out_dtype, x3.device)
     if not use_triton(x3):
-        q, scale = quantize_cols_reference(x3, group_ends_G, out_dtype)
+        ref_q, scale = quantize_cols_reference(x3, group_ends_G, out_dtype)
+        q.copy_(ref_q)
+    elif INTERPRET and out_dtype == FP8:  # see _interpreted_cast
+        q32, scale = quantize_cols(x3, group_ends_G, torch.float32)
+        q.copy_(q32)  # torch's cast
     else:
         G = group_ends_G.shape[0]
         ends = group_ends_G.to(torch.int32).contiguous()
         amax = torch.zeros(B, G, K, dtype=torch.float32, device=x3.device)
-        q = torch.empty(B, K, M, dtype=out_dtype, device=x3.device)
         if M * K and G:
-            bm, bk = COLS_TILE
-            grid = (triton.cdiv(M, bm) + min(G, M), triton.cdiv(K, bk), B)
             for write in (False, True):
+                grid = lambda meta: (
+                    triton.cdiv(M, meta["BLOCK_M"]) + min(G, M),
+                    triton.cdiv(K, meta["BLOCK_K"]),
+                    B,
+                )
                 _quant_cols_kernel[grid](
-                    x3, q, amax, ends, G, M, K,
-                    G_P2=triton.next_power_of_2(G), BLOCK_M=bm, BLOCK_K=bk, WRITE=write, num_warps=4,
+                    x3, q, amax, ends, G, M, K, q.stride(0), q.stride(1),
+                    G_P2=triton.next_power_of_2(G), WRITE=write,
                 )  # fmt: skip
         scale = pow2_scale(amax)
     return (q, scale) if x_BMK.ndim == 3 else (q[0], scale[0])
