@@ -66,7 +66,11 @@ def dgrad(dy_NO: Tensor, w8r_EIO: Tensor, w8r_scale_EI: Tensor, ends: Tensor) ->
 def wgrad(dy_NO: Tensor, x8c_IN: Tensor, x8c_scale_EI: Tensor, ends: Tensor) -> Tensor:
     """dw_EIO[e] = x[rows of e].T @ dy[rows of e] through the column-quantised input the forward kept."""
     dy8c_ON, dy8c_scale_EO = quantize_cols(dy_NO, ends)
-    return _gmm(x8c_IN, x8c_scale_EI.flatten(), dy8c_ON.t(), dy8c_scale_EO.flatten(), ends)
+    # CUTLASS wants the contracted size N a multiple of 16 too: both operands widened to their storage
+    # (empty_cols pads rows to 16); the group ends never reach the padding, so it is never read.
+    width = (x8c_IN.shape[1] + 15) // 16 * 16
+    a, b = (q.as_strided((q.shape[0], width), q.stride()) for q in (x8c_IN, dy8c_ON))
+    return _gmm(a, x8c_scale_EI.flatten(), b.t(), dy8c_scale_EO.flatten(), ends)
 
 
 def _forward(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
