@@ -37,20 +37,54 @@ class RMSNorm(nn.Module):
         return norm(x, self.weight, self.eps)
 
 
+class FP8Switch:
+    """A module whose GEMMs run in FP8 while `fp8` is set (use_fp8 sets it for a whole model)."""
+
+    fp8: bool = False
+
+
+def use_fp8(model: nn.Module, enabled: bool = True) -> None:
+    """Run every projection (Linear) and expert GEMM of `model` in FP8 (train.fp8): e4m3 operands with
+    row-wise power-of-two scales, from the fp32 master weights (pith_ops.fp8_linear, fp8_grouped_gemm).
+    Embeddings, norms, routers, attention and lm_head + loss stay in higher precision."""
+    for m in model.modules():
+        if isinstance(m, FP8Switch):
+            m.fp8 = enabled
+
+
+class Linear(FP8Switch, nn.Linear):
+    """nn.Linear, through pith_ops.fp8_linear while fp8 is set. The model files' projections."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.fp8:
+            return super().forward(x)
+        y = pith_ops.fp8_linear(x, self.weight)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def expert_gemm(x_ND: Tensor, w_EIO: Tensor, group_ends_E: Tensor, fp8: bool) -> Tensor:
+    """The experts' grouped GEMM: FP8 straight from the (fp32 master) weight, or in the rows' dtype
+    (bf16 rows under autocast meet fp32 master weights; a no-op cast otherwise; pith_ops.cast for a
+    vectorised cast of the gradient back, its docstring has the numbers)."""
+    if fp8:
+        return pith_ops.fp8_grouped_gemm(x_ND, w_EIO, group_ends_E)
+    return pith_ops.grouped_gemm(x_ND, pith_ops.cast(w_EIO, x_ND.dtype), group_ends_E)
+
+
 class MLP(nn.Module):
     """Dense SwiGLU; gate and up projections fused into one GEMM (gate | up halves)."""
 
     def __init__(self, D: int, F: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(D, 2 * F, bias=False)
-        self.down_proj = nn.Linear(F, D, bias=False)
+        self.gate_up_proj = Linear(D, 2 * F, bias=False)
+        self.down_proj = Linear(F, D, bias=False)
 
     def forward(self, x: Tensor, reference: bool = False) -> Tensor:
         swiglu = pith_ops.swiglu_reference if reference else pith_ops.swiglu
         return self.down_proj(swiglu(self.gate_up_proj(x)))
 
 
-class Experts(nn.Module):
+class Experts(FP8Switch, nn.Module):
     """The routed SwiGLU experts, stage 3; a module of their own so the engine can shard them apart."""
 
     def __init__(self, E: int, D: int, F: int):
@@ -59,11 +93,8 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
 
     def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
-        # Weights in the rows' dtype: bf16 rows under autocast meet fp32 master weights (a no-op otherwise);
-        # pith_ops.cast for a vectorised cast of their gradients back (its docstring has the numbers).
-        w_gate_up, w_down = pith_ops.cast(self.w_gate_up, x_ND.dtype), pith_ops.cast(self.w_down, x_ND.dtype)
-        h_N2F = pith_ops.grouped_gemm(x_ND, w_gate_up, group_ends_E)
-        return pith_ops.grouped_gemm(pith_ops.swiglu(h_N2F), w_down, group_ends_E)
+        h_N2F = expert_gemm(x_ND, self.w_gate_up, group_ends_E, self.fp8)
+        return expert_gemm(pith_ops.swiglu(h_N2F), self.w_down, group_ends_E, self.fp8)
 
     def reference(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
         w_gate_up, w_down = self.w_gate_up, self.w_down

@@ -42,6 +42,7 @@ from pith_engine.layers import (
     MLP,
     DecoderModel,
     Experts,
+    Linear,
     RMSNorm,
     combine,
     config_kwargs_from_hf,
@@ -220,15 +221,15 @@ class Attention(nn.Module):
         P = cfg.qk_rope_head_dim
         self.cfg = cfg
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(D, H * C, bias=False)
+            self.q_proj = Linear(D, H * C, bias=False)
         else:
-            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * C, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(D, L + P, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * C, bias=False)
+        self.kv_a_proj_with_mqa = Linear(D, L + P, bias=False)
         self.kv_a_layernorm = RMSNorm(L, LORA_NORM_EPS)
-        self.kv_b_proj = nn.Linear(L, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(H * cfg.v_head_dim, D, bias=False)
+        self.kv_b_proj = Linear(L, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = Linear(H * cfg.v_head_dim, D, bias=False)
         self.scale = softmax_scale(cfg)
 
     def forward(self, x_BSD: Tensor, pos: Positions, reference: bool = False) -> Tensor:

@@ -32,9 +32,12 @@ from pith_engine.attention import attention, attention_reference
 from pith_engine.contract import Positions, Routing, Stage1Out
 from pith_engine.layers import (
     DecoderModel,
+    FP8Switch,
+    Linear,
     RMSNorm,
     combine,
     config_kwargs_from_hf,
+    expert_gemm,
     init_normal,
     rope_inv_freq,
     rotary_positions,
@@ -178,10 +181,10 @@ class Attention(nn.Module):
         D, H, G, Dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.H, self.G, self.Dh = H, G, Dh
         self.window = cfg.sliding_window if cfg.layer_types[i] == SLIDING else None
-        self.q_proj = nn.Linear(D, H * Dh)
-        self.k_proj = nn.Linear(D, G * Dh)
-        self.v_proj = nn.Linear(D, G * Dh)
-        self.o_proj = nn.Linear(H * Dh, D)
+        self.q_proj = Linear(D, H * Dh)
+        self.k_proj = Linear(D, G * Dh)
+        self.v_proj = Linear(D, G * Dh)
+        self.o_proj = Linear(H * Dh, D)
         self.sinks = nn.Parameter(torch.empty(H))  # per-head logit joining the softmax denominator
 
     def forward(self, x_BSD: Tensor, pos: Positions, reference: bool = False) -> Tensor:
@@ -199,7 +202,7 @@ class Attention(nn.Module):
         return self.o_proj(o_BSHD.reshape(B, S, self.H * self.Dh))
 
 
-class Experts(nn.Module):
+class Experts(FP8Switch, nn.Module):
     """The routed experts, stage 3; a module of their own so the engine can shard them apart (the
     biases with the weights)."""
 
@@ -215,13 +218,11 @@ class Experts(nn.Module):
         # The expert of each row, for its biases; rows past the last end are padding (any expert does).
         rows_N = torch.arange(x_ND.shape[0], device=x_ND.device, dtype=group_ends_E.dtype)
         expert_N = torch.searchsorted(group_ends_E, rows_N, right=True).clamp(max=group_ends_E.shape[0] - 1)
-        # Parameters in the rows' dtype: bf16 rows under autocast meet fp32 master weights.
-        w_gate_up, b_gate_up, w_down, b_down = (
-            p.to(x_ND.dtype) for p in (self.w_gate_up, self.b_gate_up, self.w_down, self.b_down)
-        )
-        h_N2F = pith_ops.grouped_gemm(x_ND, w_gate_up, group_ends_E) + b_gate_up[expert_N]
+        # Biases in the rows' dtype: bf16 rows under autocast meet fp32 master weights.
+        b_gate_up, b_down = self.b_gate_up.to(x_ND.dtype), self.b_down.to(x_ND.dtype)
+        h_N2F = expert_gemm(x_ND, self.w_gate_up, group_ends_E, self.fp8) + b_gate_up[expert_N]
         h_NF = pith_ops.swiglu_oss(h_N2F, self.alpha, self.limit)
-        return pith_ops.grouped_gemm(h_NF, w_down, group_ends_E) + b_down[expert_N]
+        return expert_gemm(h_NF, self.w_down, group_ends_E, self.fp8) + b_down[expert_N]
 
     def reference(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
         def expert(e: int, x: Tensor) -> Tensor:

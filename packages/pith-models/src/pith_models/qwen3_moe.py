@@ -29,6 +29,7 @@ from pith_engine.layers import (
     MLP,
     DecoderModel,
     Experts,
+    Linear,
     RMSNorm,
     combine,
     config_kwargs_from_hf,
@@ -141,10 +142,10 @@ class Attention(nn.Module):
         super().__init__()
         D, H, G, Dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.H, self.G, self.Dh = H, G, Dh
-        self.q_proj = nn.Linear(D, H * Dh, bias=False)
-        self.k_proj = nn.Linear(D, G * Dh, bias=False)
-        self.v_proj = nn.Linear(D, G * Dh, bias=False)
-        self.o_proj = nn.Linear(H * Dh, D, bias=False)
+        self.q_proj = Linear(D, H * Dh, bias=False)
+        self.k_proj = Linear(D, G * Dh, bias=False)
+        self.v_proj = Linear(D, G * Dh, bias=False)
+        self.o_proj = Linear(H * Dh, D, bias=False)
         self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps)
 

@@ -7,6 +7,9 @@ and a plain-PyTorch `*_reference` that is its specification.
 from pith_ops.adamw import adamw_, adamw_reference_
 from pith_ops.cast import cast
 from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_reference
+from pith_ops.fp8_linear import fp8_linear, fp8_linear_reference
+from pith_ops.fp8_quant import quantize_cols, quantize_cols_reference, quantize_rows, quantize_rows_reference
 from pith_ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from pith_ops.moe_permute import moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference
 from pith_ops.rmsnorm import rms_norm, rms_norm_reference
@@ -19,6 +22,10 @@ __all__ = [
     "apply_rope",
     "cast",
     "apply_rope_reference",
+    "fp8_grouped_gemm",
+    "fp8_grouped_gemm_reference",
+    "fp8_linear",
+    "fp8_linear_reference",
     "grouped_gemm",
     "grouped_gemm_reference",
     "linear_cross_entropy",
@@ -27,6 +34,10 @@ __all__ = [
     "moe_permute_reference",
     "moe_unpermute",
     "moe_unpermute_reference",
+    "quantize_cols",
+    "quantize_cols_reference",
+    "quantize_rows",
+    "quantize_rows_reference",
     "rms_norm",
     "rms_norm_reference",
     "swiglu",

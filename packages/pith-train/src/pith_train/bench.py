@@ -32,6 +32,7 @@ import time
 import pith_models
 import pith_ops._common
 import torch
+from pith_engine.layers import use_fp8
 from pith_models import qwen3_moe
 from torch.profiler import ProfilerActivity, profile
 
@@ -56,6 +57,7 @@ AC = ("none", "selective", "full")  # train.Stages' recompute policies
 # other kernel goes by the first component with a fragment of its (lower-cased) name, else "other".
 RANGES = {"optimizer": "optimizer", "lm_head+loss": "lm_head + loss"}
 OP_FRAGMENTS = (
+    ("FP8 GEMMs", ("_scaled_mm", "_scaled_grouped_mm")),  # --fp8: experts and projections
     ("expert GEMMs", ("grouped_mm", "grouped_gemm")),
     ("router + permutation", ("moe_permute", "moe_unpermute")),
     ("attention", ("scaled_dot_product", "flex_attention")),
@@ -68,16 +70,21 @@ NAME_FRAGMENTS = (
     ("router + permutation", ("_histogram", "_slots", "_gather_rows", "_combine", "topk", "softmax", "sort")),
     ("other GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm")),
 )
-COMPONENTS = (*[c for c, _ in NAME_FRAGMENTS], "other")
+# Found by kernel name before the ranges: the FP8 quantisation kernels run inside the FP8 GEMM ops.
+FIRST_NAME_FRAGMENTS = (("FP8 quantisation", ("_quant_rows", "_quant_cols")),)
+COMPONENTS = (*[c for c, _ in NAME_FRAGMENTS], "FP8 GEMMs", "FP8 quantisation", "other")
 
 
 def classify(name: str, ranges: set[str]) -> str:
     """The component of a kernel (or CPU op) `name` launched inside the marked ranges `ranges`."""
+    low = name.lower()
+    for component, frags in FIRST_NAME_FRAGMENTS:
+        if any(f in low for f in frags):
+            return component
     for marked, component in RANGES.items():
         if marked in ranges:
             return component
     ops = " ".join(ranges).lower()
-    low = name.lower()
     return next(
         (c for c, frags in OP_FRAGMENTS if any(f in ops for f in frags)),
         next((c for c, frags in NAME_FRAGMENTS if any(f in low for f in frags)), "other"),
@@ -172,6 +179,7 @@ def run(
     compile: bool = True,
     ac: str = "none",
     grouped_gemm: str = "torch",
+    fp8: bool = False,
     profile_steps: int = 0,
     data: str | None = None,
     device: str = "auto",
@@ -199,7 +207,8 @@ def run(
     cfg = load_config(
         None,
         [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={B}", f"train.device={device}",
-         f"train.compile={str(compile).lower()}", f"train.ac={ac}", f"train.seed={seed}"],
+         f"train.compile={str(compile).lower()}", f"train.ac={ac}", f"train.seed={seed}",
+         f"train.fp8={str(fp8).lower()}"],
     )  # fmt: skip
     # Expandable segments, as TorchTitan runs: freed blocks coalesce, so the reserved peak stays near
     # the allocated one. Read when CUDA first allocates in this process; an explicit setting wins.
@@ -211,6 +220,7 @@ def run(
     _set_grouped_gemm_backend(grouped_gemm)
     torch.manual_seed(seed)
     model = pith_models.build(model_cfg, dev, seed).float()
+    use_fp8(model, fp8)
     optimizer = build_optimizer(model, cfg)
     stages = Stages(model, compile and cuda, ac, torch.bfloat16 if cuda else None)
     biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
@@ -266,6 +276,7 @@ def run(
             "compile": compile and cuda,
             "ac": ac,
             "grouped_gemm": grouped_gemm,
+            "fp8": fp8,
             "steps": steps,
             "warmup": warmup,
             "torch": torch.__version__,
@@ -306,7 +317,7 @@ def summary(r: dict) -> str:
     s = r["settings"]
     lines = [
         f"{r['card']}: {r['workload']['tokens_per_step']:,} tokens/step, compile={s['compile']} ac={s['ac']}"
-        f" grouped_gemm={s['grouped_gemm']}",
+        f" grouped_gemm={s['grouped_gemm']} fp8={s['fp8']}",
         f"  {r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms (median of {s['steps']})",
         f"  MFU {r['mfu_measured']:.1%}: causal FLOPs over the measured"
         f" {r['measured_matmul_tflops']:.3g} TFLOP/s matmul (bf16 on CUDA)"

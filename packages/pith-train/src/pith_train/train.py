@@ -27,9 +27,11 @@ import torch.distributed as dist
 from pith_engine import checkpoint, executor, parallel
 from pith_engine.contract import Routing
 from pith_engine.executor import ExpertComm, LocalExperts
+from pith_engine.layers import use_fp8
 from pith_engine.ring_attention import zigzag_positions, zigzag_split
 from pith_models import deepseek_v2
 from pith_models.hf import config_from_hf
+from pith_ops.fp8_grouped_gemm import GROUP_ALIGN
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
@@ -74,7 +76,7 @@ def parallel_layout(cfg: Config, device: torch.device) -> Layout:
     )
     mesh = parallel.build_mesh(shape, device)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    comm = parallel.expert_comm(mesh)
+    comm = parallel.expert_comm(mesh, GROUP_ALIGN if cfg.train.fp8 else 1)  # FP8: 16-row expert groups
     return Layout(rank, shape.world, mesh.data_rank, shape.data_ranks, mesh.reduce_group, comm, mesh)
 
 
@@ -351,6 +353,7 @@ def pretrain(
         rundir.write_config(run_dir, cfg)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model.name, device, cfg.train.seed).float()
+    use_fp8(model, cfg.train.fp8)
     cuda = device.type == "cuda"
     # Each rank keeps its experts and its FSDP shards; bf16 all-gathers, fp32 gradient reduction.
     parallel.parallelize(model, layout.mesh, torch.bfloat16 if cuda else None)

@@ -1,0 +1,222 @@
+"""fp8_linear and fp8_grouped_gemm against their float64 dequantise-then-matmul references (output and
+both gradients), against the exact product, opcheck, compile, errors.
+
+Tolerances: against the reference only the bf16 rounding of the GEMM output and fp32 (CUDA: fast)
+accumulation differ: |op - ref| <= 2^-7 |ref| + 1% of ref's rms (5% on CUDA: see assert_matches), and
+the norm of the difference is below 4e-3 of ref's. Against the exact float64 product
+the e4m3 operands (3 mantissa bits, up to 2^-4 relative each) give a relative Frobenius error
+measured at ~0.037 for Gaussian data; the bound is 0.06 (at sizes where the error averages out).
+
+Shape legend: T rows, D input features, O output features; grouped: N rows, I input features, E experts.
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from pith_engine.layers import Experts, Linear, use_fp8
+from pith_ops import (
+    fp8_grouped_gemm,
+    fp8_grouped_gemm_reference,
+    fp8_linear,
+    fp8_linear_reference,
+    grouped_gemm_reference,
+)
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    if not want.numel():
+        return
+    # CUDA's fast FP8 accumulation over K = 2048 left a few elements in a million off by up to 3.7% of
+    # the rms (H200), the norm of the difference at 1.9e-3 relative; fp32 accumulation stays at 1e-2.
+    atol = (5e-2 if got.is_cuda else 1e-2) * want.pow(2).mean().sqrt().item() + 1e-30
+    torch.testing.assert_close(got.double(), want.to(got.device), rtol=2**-7, atol=atol)
+    assert not want.any() or rel_error(got, want.to(got.device)) < 4e-3
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def check_linear(T, D, O, seed, device="cpu", dtype=torch.float32, lead=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, T, D, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(O, D, generator=g) / D**0.5).to(device).requires_grad_()  # fp32 master weight
+    y = fp8_linear(x, w)
+    assert y.dtype == dtype and y.shape == (*lead, T, O)
+    dy = torch.randn(y.shape, generator=g).to(device, dtype)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    assert dx.dtype == dtype and dw.dtype == torch.float32
+    ry, rdx, rdw = fp8_linear_reference(x.detach().reshape(-1, D), w.detach(), dy.reshape(-1, O))
+    for got, want in ((y, ry), (dx, rdx), (dw, rdw)):
+        assert_matches(got.reshape(want.shape), want)
+    exact_x, exact_w, exact_dy = (
+        x.detach().double().reshape(-1, D),
+        w.detach().double(),
+        dy.double().reshape(-1, O),
+    )
+    return rel_error(y.reshape(-1, O), exact_x @ exact_w.T), rel_error(dw, exact_dy.T @ exact_x)
+
+
+@given(T=st.integers(1, 48), D=st.integers(1, 48), O=st.integers(1, 48), seed=st.integers(0, 2**16))
+def test_fp8_linear_matches_reference_with_gradients(T, D, O, seed):
+    check_linear(T, D, O, seed)
+
+
+def test_leading_dims_bf16_empty_and_error_against_the_exact_product():
+    assert max(check_linear(64, 128, 96, 0, dtype=torch.bfloat16, lead=(3,))) < 0.06
+    check_linear(0, 32, 16, 1)  # no rows: empty output, zero weight gradient
+
+
+def test_linear_module_switch_runs_fp8_with_bias():
+    lin = Linear(32, 48)
+    x = torch.randn(7, 32)
+    plain = lin(x)
+    use_fp8(lin)
+    y = lin(x)
+    assert lin.fp8 and rel_error(y, plain.double()) < 0.06
+    torch.testing.assert_close(y, fp8_linear(x, lin.weight) + lin.bias)
+    use_fp8(lin, False)
+    assert torch.equal(lin(x), plain)
+
+
+# opcheck's aot_dispatch test sums every output, and torch has no sum for fp8 (the saved operands);
+# the compile test below runs the op through AOT autograd instead.
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def test_linear_opcheck():
+    x, w = torch.randn(13, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    torch.library.opcheck(torch.ops.pith.fp8_linear, (x, w), test_utils=OPCHECK_TESTS)
+
+
+def test_linear_compiles_to_one_graph_with_gradients():
+    x, w = torch.randn(9, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    y = torch.compile(fp8_linear, backend="aot_eager", fullgraph=True)(x, w)
+    want = fp8_linear(x, w)
+    torch.testing.assert_close(y, want)
+    got = torch.autograd.grad(y.sum(), (x, w))
+    for a, b in zip(got, torch.autograd.grad(want.sum(), (x, w))):
+        torch.testing.assert_close(a, b)
+
+
+def test_linear_bad_inputs_raise_value_error():
+    with pytest.raises(ValueError, match="expected a last dimension of 8"):
+        fp8_linear(torch.randn(3, 4), torch.randn(5, 8))
+    with pytest.raises(ValueError, match="w_OD: expected 2 dimensions"):
+        fp8_linear(torch.randn(3, 4), torch.randn(4))
+    with pytest.raises(ValueError, match="expected dtype"):
+        fp8_linear(torch.randn(3, 4), torch.randn(5, 4, dtype=torch.float64))
+
+
+@pytest.mark.gpu
+def test_linear_bf16_on_gpu():
+    assert max(check_linear(4096, 2048, 1536, 0, device="cuda", dtype=torch.bfloat16, lead=(2,))) < 0.06
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_linear(torch.randn(4, 24, device="cuda"), torch.randn(16, 24, device="cuda"))
+    w = torch.randn(16, 32, device="cuda", requires_grad=True)
+    with pytest.raises(ValueError, match="got 20 rows"):
+        fp8_linear(torch.randn(20, 32, device="cuda"), w)
+    with torch.no_grad():  # inference: any row count
+        assert fp8_linear(torch.randn(20, 32, device="cuda"), w).shape == (20, 16)
+
+
+def check_grouped(sizes, tail, I, O, seed, device="cpu", dtype=torch.float32):
+    """sizes: rows per expert; tail: rows past the last group (moe_permute's unused padding)."""
+    g = torch.Generator().manual_seed(seed)
+    E, N = len(sizes), sum(sizes) + tail
+    ends_E = torch.tensor(sizes).cumsum(0).to(device, torch.int32)
+    x = torch.randn(N, I, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(E, I, O, generator=g) / I**0.5).to(device).requires_grad_()  # fp32 master weights
+    y = fp8_grouped_gemm(x, w, ends_E)
+    assert y.dtype == dtype and y.shape == (N, O) and (y[sum(sizes) :] == 0).all()
+    dy = torch.randn(N, O, generator=g).to(device, dtype)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    assert dx.dtype == dtype and dw.dtype == torch.float32 and (dx[sum(sizes) :] == 0).all()
+    ry, rdx, rdw = fp8_grouped_gemm_reference(x.detach(), w.detach(), ends_E.cpu(), dy)
+    for got, want in ((y, ry), (dx, rdx), (dw, rdw)):
+        assert_matches(got, want)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    exact = grouped_gemm_reference(x64, w64, ends_E)
+    exact_dw = torch.autograd.grad(exact, w64, dy.double())[0]
+    return rel_error(y, exact), rel_error(dw, exact_dw)
+
+
+@given(
+    sizes=st.lists(st.integers(0, 21), min_size=1, max_size=6),
+    tail=st.integers(0, 5),
+    I=st.integers(1, 40),
+    O=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_fp8_grouped_gemm_matches_reference_with_gradients(sizes, tail, I, O, seed):
+    check_grouped(sizes, tail, I, O, seed)
+
+
+@pytest.mark.parametrize(
+    "sizes,tail",
+    [
+        ([1], 0),  # one token, one expert
+        ([0, 0, 0], 4),  # every expert empty: output is all padding, dW all zero
+        ([0] * 60 + [3] + [0] * 66 + [2], 1),  # 128 experts, nearly all empty
+    ],
+)
+def test_grouped_edge_shapes(sizes, tail):
+    check_grouped(sizes, tail, I=16, O=32, seed=len(sizes))
+
+
+def test_grouped_bf16_rows_and_error_against_the_exact_product():
+    assert max(check_grouped([96, 0, 160, 64], 16, I=128, O=96, seed=0, dtype=torch.bfloat16)) < 0.06
+
+
+def test_experts_module_switch_runs_fp8():
+    experts = Experts(3, 32, 16)
+    torch.nn.init.normal_(experts.w_gate_up, std=0.2)
+    torch.nn.init.normal_(experts.w_down, std=0.2)
+    x_ND, ends_E = torch.randn(40, 32), torch.tensor([16, 16, 32], dtype=torch.int32)
+    plain = experts(x_ND, ends_E)
+    use_fp8(experts)
+    y = experts(x_ND, ends_E)
+    assert experts.fp8 and rel_error(y, plain.double()) < 0.1 and not torch.equal(y, plain)
+
+
+def test_grouped_opcheck():
+    x, w = torch.randn(13, 16, requires_grad=True), torch.randn(3, 16, 32, requires_grad=True)
+    ends_E = torch.tensor([4, 4, 11], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.pith.fp8_grouped_gemm, (x, w, ends_E), test_utils=OPCHECK_TESTS)
+
+
+def test_grouped_compiles_to_one_graph_with_gradients():
+    x, w = torch.randn(13, 16, requires_grad=True), torch.randn(3, 16, 32, requires_grad=True)
+    ends_E = torch.tensor([4, 4, 11], dtype=torch.int32)
+    y = torch.compile(fp8_grouped_gemm, backend="aot_eager", fullgraph=True)(x, w, ends_E)
+    want = fp8_grouped_gemm(x, w, ends_E)
+    torch.testing.assert_close(y, want)
+    for a, b in zip(torch.autograd.grad(y.sum(), (x, w)), torch.autograd.grad(want.sum(), (x, w))):
+        torch.testing.assert_close(a, b)
+
+
+def test_grouped_bad_inputs_raise_value_error():
+    x, w, ends_E = torch.randn(6, 4), torch.randn(2, 4, 5), torch.tensor([2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="x_NI's columns"):
+        fp8_grouped_gemm(x, torch.randn(2, 3, 5), ends_E)
+    with pytest.raises(ValueError, match="one group end per expert"):
+        fp8_grouped_gemm(x, w, ends_E[:1])
+    with pytest.raises(ValueError, match="w_EIO: expected 3 dimensions"):
+        fp8_grouped_gemm(x, w[0], ends_E)
+
+
+@pytest.mark.gpu
+def test_grouped_bf16_on_gpu():
+    """The Qwen3-30B-A3B gate_up shape over 32 experts, 16-row groups (two empty), a padding tail."""
+    g = torch.Generator().manual_seed(0)
+    sizes = (torch.randint(0, 40, (32,), generator=g) * 16).tolist()
+    sizes[3] = sizes[17] = 0
+    assert max(check_grouped(sizes, 48, I=2048, O=1536, seed=0, device="cuda", dtype=torch.bfloat16)) < 0.06
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_grouped_gemm(
+            torch.randn(4, 24, device="cuda"),
+            torch.randn(1, 24, 16, device="cuda"),
+            torch.tensor([4], device="cuda"),
+        )
