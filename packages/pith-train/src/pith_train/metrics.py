@@ -209,6 +209,7 @@ def plot_schedule(pp: int, micro_batches: int, out: str) -> Path:
         " (hatched: the rank's second chunk; red edges: one overlapped F+B action)"
     )
     fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return Path(out)
