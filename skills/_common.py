@@ -109,7 +109,7 @@ def token_ids(args: argparse.Namespace, vocab: int, device: torch.device) -> Ten
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
-    """How the trainer runs the model (pith_train.train.Stages)."""
+    """How the trainer runs the model (pith_engine.step.Stages)."""
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--compile", action="store_true", help="torch.compile the non-expert stages (CUDA)")
     parser.add_argument("--ac", default="none", choices=["none", "selective", "full"], help="recompute")

@@ -49,7 +49,7 @@ WORKLOAD_SEQ_LEN, WORKLOAD_BATCH = 4096, 4
 # byte tokenizer fits (--data), 2 sequences of 32 tokens.
 TINY, TINY_SEQ_LEN, TINY_BATCH = dataclasses.replace(qwen3_moe.TINY, vocab_size=260), 32, 2
 LR = 3e-4  # constant: no schedule in a benchmark
-AC = ("none", "selective", "full")  # train.Stages' recompute policies
+AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policies
 
 # Components of the profile breakdown. A kernel launched inside a range the trainer marks
 # (torch.autograd.profiler.record_function) belongs to that range's component; next, a kernel whose
