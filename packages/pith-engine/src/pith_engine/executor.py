@@ -116,7 +116,7 @@ def run_layer(
     if r is None:
         return s1.h_BSD, None
     x_ND, group_ends_E, handle = seg(comm.dispatch, r)
-    y_ND = seg(layer.stage3, x_ND, group_ends_E, owner=layer.experts)
+    y_ND = seg(layer.stage3, x_ND, group_ends_E, owner=layer.experts if tape else None)
     y_ND, slots_TK, weights_TK = seg(comm.combine, y_ND, handle)
     return seg(layer.stage5, s1.h_BSD, y_ND, slots_TK, weights_TK), r
 
