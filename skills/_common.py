@@ -21,17 +21,16 @@ from pathlib import Path
 import pith_models
 import pith_ops
 import torch
-from pith_engine import executor
-from pith_train.config import Config as TrainConfig
-from pith_train.optim import build_optimizer
-from pith_train.train import (  # the one place the skills import the trainer's step from
+from pith_engine import executor, parallel
+from pith_engine.step import (  # the one place the skills import the trainer's step from
     IGNORE_INDEX,
-    Layout,
     Stages,
-    model_config,
     step_values,
     train_step,
 )
+from pith_train.config import Config as TrainConfig
+from pith_train.optim import build_optimizer
+from pith_train.train import model_config, step_settings
 from torch import Tensor, nn
 
 GIB = 2**30
@@ -110,16 +109,19 @@ def token_ids(args: argparse.Namespace, vocab: int, device: torch.device) -> Ten
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
-    """How the trainer runs the model (pith_train.train.Stages)."""
+    """How the trainer runs the model (pith_engine.step.Stages)."""
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--compile", action="store_true", help="torch.compile the non-expert stages (CUDA)")
     parser.add_argument("--ac", default="none", choices=["none", "selective", "full"], help="recompute")
 
 
 def stages_of(model: nn.Module, args: argparse.Namespace) -> Stages:
-    """The model's stages as the trainer runs them: bf16 residual stream on CUDA, compile, recompute."""
-    cuda = model.lm_head.weight.is_cuda
-    return Stages(model, args.compile and cuda, args.ac, torch.bfloat16 if cuda else None)
+    """The model's stages as the trainer runs them on one process: bf16 residual stream on CUDA,
+    compile, recompute."""
+    device = model.lm_head.weight.device
+    cuda = device.type == "cuda"
+    mesh = parallel.Mesh(parallel.Layout(), device)
+    return Stages(model, mesh, args.compile and cuda, args.ac, torch.bfloat16 if cuda else None)
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -144,14 +146,14 @@ def train_steps(
     mark: Callable[[int, str], None],
     cfg: TrainConfig,
 ) -> float:
-    """`steps` calls of the trainer's own step (pith_train.train.train_step: bf16 autocast on CUDA, fused
+    """`steps` calls of the trainer's own step (pith_engine.step.train_step: bf16 autocast on CUDA, fused
     loss, MoE aux losses, gradient clipping, AdamW at the peak lr, the expert-bias update) on one batch.
     mark(step, phase) runs at its phase boundaries, seen through hooks rather than a copy of the step:
     "forward" when the backward reaches lm_head's weight (its first gradient; with tied embeddings the
     end of the backward), "backward" before AdamW's step (after the gradient norm), "optimizer" after
     it (before the gradients are freed). Returns the last loss; a non-finite one raises FloatingPointError."""
     labels_BS = torch.cat([ids_BS[:, 1:], torch.full_like(ids_BS[:, :1], IGNORE_INDEX)], dim=1)
-    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
+    settings = step_settings(cfg, model)
     step, forward_marked = 0, False
 
     def head_grad(grad: Tensor) -> None:
@@ -168,9 +170,7 @@ def train_steps(
     try:
         for current in range(steps):
             step, forward_marked = current, False
-            outputs = train_step(
-                model, stages, optimizer, [(ids_BS, labels_BS)], cfg, Layout(), cfg.train.lr, biases
-            )
+            outputs = train_step(stages, optimizer, [(ids_BS, labels_BS)], cfg.train.lr, *settings)
             loss = step_values(*outputs)[0]  # the trainer's one host read of the step's values
     finally:
         for handle in handles:

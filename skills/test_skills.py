@@ -117,6 +117,13 @@ def test_estimate_memory_weights_scale_with_the_layout():
     eight = estimate(model, Layout(dp=2, ep=4), 1, 4096, 2)
     assert one["parameters (fp32, sharded)"] == 4 * n
     assert eight["AdamW moments (2 x fp32, sharded)"] == pytest.approx(8 * n / 8)
+    # pp4: each pipeline rank's share (rank 0 with the embedding and lm_head) adds up to the whole
+    # over the 4 ranks, and every rank holds about one micro-batch's activations through all layers.
+    ranks = [estimate(model, Layout(pp=4, dp=2, ep=4), 1, 4096, 2, r) for r in range(4)]
+    assert sum(r["parameters (fp32, sharded)"] for r in ranks) == pytest.approx(4 * n / 8)
+    acts = [r["activations (4096 tokens/GPU, formula)"] for r in ranks]
+    whole = estimate(model, Layout(dp=2, ep=4), 1, 4096, 2)["activations (4096 tokens/GPU, formula)"]
+    assert all(0.9 * whole <= a <= 9 / 8 * whole for a in acts), (acts, whole)  # last rank: +1 of 8
 
 
 def saved_for_backward(model, ids_BS) -> int:

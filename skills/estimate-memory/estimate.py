@@ -19,7 +19,16 @@ Activations saved for backward, one micro-batch of T = micro_batch x seq_len / c
   + b x T x K x (sum over the layer's expert weights [E, in, out] of in + out)  # grouped-GEMM rows
   + 4 x T x E x 2                                                               # fp32 router logits, probs
 plus b x T x D x 4 for the embedding output, final norm and the loss's dh, plus lm_head's weight
-gradient, which the fused loss computes in the forward (V x D in the weight's dtype). Flash/SDPA
+gradient, which the fused loss computes in the forward (V x D in the weight's dtype).
+
+Pipeline parallelism (--pp): every figure is that of one pipeline rank, and the worst rank is
+reported. Rank r holds the layers of chunks r and 2pp-1-r (pith_engine.schedule.split_layers), rank 0
+also the embedding, final norm and lm_head; FSDP shards them over dp x cp x ep as above. Its units stay
+gathered through the step and accumulate unsharded fp32 gradients until their last backward (pith_engine
+step): (b + 4) bytes x the rank's parameters (experts: the EP rank's share) replace the per-layer
+working copies. At DualPipeV's peak rank r holds 2pp-r-1 (one more on the last rank) micro-batches'
+activations of chunk r and r+1 of chunk 2pp-1-r: about the activations of one micro-batch through all
+L layers (the embedding and loss terms counted once, on rank 0). Flash/SDPA
 attention keeps no S x S matrix. Against the bytes the staged forward saves (measured with
 saved_tensors_hooks on the tiny presets, skills/test_skills.py) it errs high by 10-60%: q, k and v
 read one input, counted three times. Not counted: transient buffers (one chunk of logits in the
@@ -35,46 +44,74 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # skills/, for _common
 import _common  # noqa: E402
 import pith_models  # noqa: E402
-from pith_engine.parallel import Layout, check_layout, expert_param_names, num_experts  # noqa: E402
+from pith_engine import schedule  # noqa: E402
+from pith_engine.parallel import Layout, check_layout, expert_param_names, held_layers, num_experts  # noqa: E402
 from torch import nn  # noqa: E402
 
 BYTES = {"bf16": 2, "fp32": 4}  # --dtype: the compute dtype
 
 
-def activation_bytes(model: nn.Module, tokens: float, b: int, weight_bytes: int) -> float:
-    """The formula of the module docstring for `tokens` tokens on one GPU."""
+def rank_layers(model: nn.Module, pp: int, rank: int) -> dict[int, int]:
+    """Global index -> micro-batches whose activations of that layer pipeline rank `rank` holds at the
+    schedule's peak (module docstring); every layer once without pipeline parallelism."""
+    if pp == 1:
+        return dict.fromkeys(held_layers(model), 1)
+    spans = schedule.split_layers(model.cfg.num_hidden_layers, pp)
+    a, b = schedule.rank_chunks(pp, rank)
+    return {
+        **dict.fromkeys(spans[a], 2 * pp - rank - 1 + (rank == pp - 1)),
+        **dict.fromkeys(spans[b], rank + 1),
+    }
+
+
+def activation_bytes(
+    model: nn.Module, tokens: float, b: int, weight_bytes: int, pp: int = 1, rank: int = 0
+) -> float:
+    """The formula of the module docstring for `tokens` tokens on one GPU (pipeline rank `rank`)."""
     cfg = model.cfg
     D, V, K = cfg.hidden_size, cfg.vocab_size, cfg.num_experts_per_tok
-    total = b * tokens * D * 4 + weight_bytes * V * D
-    for layer in model.layers:
+    total = b * tokens * D * 4 + weight_bytes * V * D if rank == 0 else 0.0
+    layers = held_layers(model)
+    for i, live in rank_layers(model, pp, rank).items():
+        layer = layers[i]
         linear = sum(m.in_features + m.out_features for m in layer.modules() if isinstance(m, nn.Linear))
-        total += b * tokens * (linear + 4 * D)
+        total += live * b * tokens * (linear + 4 * D)
         if layer.experts is not None:
             weights = [p for p in layer.experts.parameters() if p.ndim == 3]
-            total += b * tokens * K * sum(p.shape[1] + p.shape[2] for p in weights)
-            total += 4 * tokens * weights[0].shape[0] * 2
+            total += live * b * tokens * K * sum(p.shape[1] + p.shape[2] for p in weights)
+            total += live * 4 * tokens * weights[0].shape[0] * 2
     return total
 
 
-def estimate(model: nn.Module, layout: Layout, micro_batch: int, seq_len: int, b: int) -> dict[str, float]:
-    """Bytes per GPU by item (see the module docstring); the model may be on the meta device."""
-    world = layout.world
+def estimate(
+    model: nn.Module, layout: Layout, micro_batch: int, seq_len: int, b: int, rank: int = 0
+) -> dict[str, float]:
+    """Bytes per GPU of pipeline rank `rank` by item (see the module docstring); the model may be on
+    the meta device."""
+    stage = layout.dp * layout.cp * layout.ep  # the ranks that shard one pipeline rank's weights
     experts = expert_param_names(model)
-    params = dict(model.named_parameters())
-    n_expert = sum(params[n].numel() for n in experts)
+    layers = held_layers(model)
+    live = rank_layers(model, layout.pp, rank)
+    mine = {id(p) for i in live for p in layers[i].parameters()}
+    in_layers = {id(p) for layer in layers.values() for p in layer.parameters()}
+    params = {
+        n: p for n, p in model.named_parameters() if id(p) in mine or (rank == 0 and id(p) not in in_layers)
+    }
+    n_expert = sum(p.numel() for n, p in params.items() if n in experts)
     n_dense = sum(p.numel() for n, p in params.items() if n not in experts)
-    shard = n_dense / world + n_expert / (layout.ep * layout.dp * layout.cp)
+    shard = n_dense / stage + n_expert / (layout.ep * layout.dp * layout.cp)
 
     def layer_numel(layer: nn.Module) -> float:
         held = {id(p) for p in layer.experts.parameters()} if layer.experts is not None else set()
         return sum(p.numel() / (layout.ep if id(p) in held else 1) for p in layer.parameters())
 
-    if world == 1:
+    if layout.world == 1:
         copies = b * (n_dense + n_expert) if b < 4 else 0.0
+    elif layout.pp > 1:  # gathered through the step, unsharded fp32 gradients until the last backward
+        copies = (b + 4) * (n_dense + n_expert / layout.ep)
     else:
-        in_layers = {id(p) for p in model.layers.parameters()}
         root = sum(p.numel() for p in model.parameters() if id(p) not in in_layers)
-        biggest = max(layer_numel(layer) for layer in model.layers)
+        biggest = max(layer_numel(layer) for layer in layers.values())
         copies = (2 * b + 4) * biggest + b * root
     tokens = micro_batch * seq_len / layout.cp
     return {
@@ -83,7 +120,7 @@ def estimate(model: nn.Module, layout: Layout, micro_batch: int, seq_len: int, b
         "AdamW moments (2 x fp32, sharded)": 8 * shard,
         "weight copies in the compute dtype": copies,
         f"activations ({tokens:g} tokens/GPU, formula)": activation_bytes(
-            model, tokens, b, 4 if world == 1 else b
+            model, tokens, b, 4 if layout.world == 1 else b, layout.pp, rank
         ),
     }
 
@@ -92,22 +129,28 @@ def main(argv: list[str] | None) -> tuple[bool, str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _common.add_model_args(parser, batch=(1, 4096))
     parser.add_argument("--dtype", default="bf16", choices=sorted(BYTES), help="compute dtype")
-    for axis in ("dp", "ep", "cp"):
+    for axis in ("pp", "dp", "ep", "cp"):
         parser.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} ranks")
     parser.add_argument("--gib", type=float, required=True, help="memory budget per GPU, GiB")
     args = parser.parse_args(argv)
     cfg = _common.model_cfg(args)
     model = pith_models.build(cfg)  # meta device
-    layout = Layout(dp=args.dp, cp=args.cp, ep=args.ep)
+    layout = Layout(pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep)
     check_layout(
         layout, world_size=layout.world, num_experts=num_experts(model), seq_len=args.seq_len,
         global_batch=args.micro_batch * layout.data_ranks, micro_batch=args.micro_batch,
     )  # fmt: skip
-    items = estimate(model, layout, args.micro_batch, args.seq_len, BYTES[args.dtype])
+    schedule.check(args.pp, 2 * args.pp, cfg.num_hidden_layers)
+    per_rank = [
+        estimate(model, layout, args.micro_batch, args.seq_len, BYTES[args.dtype], r) for r in range(args.pp)
+    ]
+    rank = max(range(args.pp), key=lambda r: sum(per_rank[r].values()))
+    items = per_rank[rank]
     total = sum(items.values())
     print(
-        f"{args.model}: {pith_models.param_count(model):,} parameters; dp={args.dp} ep={args.ep} cp={args.cp}"
-        f" ({layout.world} GPUs), micro-batch {args.micro_batch} x {args.seq_len} tokens, {args.dtype}"
+        f"{args.model}: {pith_models.param_count(model):,} parameters; pp={args.pp} dp={args.dp} ep={args.ep}"
+        f" cp={args.cp} ({layout.world} GPUs), micro-batch {args.micro_batch} x {args.seq_len} tokens,"
+        f" {args.dtype}" + (f"; pipeline rank {rank}, the largest" if args.pp > 1 else "")
     )
     for what, nbytes in [*items.items(), ("total per GPU", total)]:
         print(f"  {what:<44} {nbytes / _common.GIB:10.3f} GiB")

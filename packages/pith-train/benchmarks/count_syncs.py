@@ -13,23 +13,22 @@ import warnings
 
 import pith_models
 import torch
+from pith_engine.step import Stages, train_step
 from pith_train.bench import WORKLOAD
 from pith_train.config import load_config
 from pith_train.optim import build_optimizer
-from pith_train.train import Stages, parallel_layout, train_step
+from pith_train.train import parallel_layout, step_settings
 
 
 def main() -> None:
     dev = torch.device("cuda")
     cfg = load_config(None, ["data.seq_len=1024", "train.global_batch=2", "train.micro_batch=2"])
     model = pith_models.build(dataclasses.replace(WORKLOAD, num_hidden_layers=2), dev, 0).float()
-    optimizer, stages = build_optimizer(model, cfg), Stages(model, False, "none", torch.bfloat16)
-    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
-    layout = parallel_layout(cfg, dev)
+    optimizer = build_optimizer(model, cfg)
+    stages = Stages(model, parallel_layout(cfg, dev), False, "none", torch.bfloat16)
+    settings = step_settings(cfg, model)
     ids_BS = torch.randint(WORKLOAD.vocab_size, (2, 1025), device=dev)
-    step = lambda: train_step(
-        model, stages, optimizer, [(ids_BS[:, :-1], ids_BS[:, 1:])], cfg, layout, 1e-4, biases
-    )  # noqa: E731
+    step = lambda: train_step(stages, optimizer, [(ids_BS[:, :-1], ids_BS[:, 1:])], 1e-4, *settings)  # noqa: E731
     step()
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:

@@ -62,6 +62,17 @@ def test_plot_writes_a_png_with_a_panel_per_metric(tmp_path, monkeypatch, full):
     assert labels == ["loss", "tokens / s", *more]
 
 
+def test_schedule_prints_every_rank_and_draws_a_png(tmp_path, capsys):
+    main(["schedule", "--pp", "2", "--micro-batches", "4", "--png", str(tmp_path / "s.png")])
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("rank 0: F0.0 >r1:F0.0 F0.1") and out[2].startswith("rank 1: <r0:F0.0 F1.0")
+    assert "[F0.3+B3.1]" in out[1]  # an overlapped pair
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        main(["schedule", "--pp", "4", "--micro-batches", "7"])
+    assert "at least 2*pp = 8 micro-batches per step, got 7" in capsys.readouterr().err
+
+
 def test_cli_reports_bad_overrides_and_prints_config(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["pretrain", "--run-dir", str(tmp_path), "--train.nope=1"])

@@ -9,9 +9,10 @@ import pith_models
 import pytest
 import torch
 from pith_engine import parallel
+from pith_engine.step import Stages, step_values, train_step
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.optim import build_optimizer
-from pith_train.train import Stages, parallel_layout, step_values, train_step
+from pith_train.train import parallel_layout, step_settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CPU = parallel.Mesh(parallel.Layout(), torch.device("cpu"))
@@ -79,14 +80,11 @@ def _setup(micro_config, micro_hf, byte_data, *overrides):
     micro = loader.step_batch(0, cfg.train.global_batch, cfg.train.micro_batch, 0, 1)
     biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
     run = lambda: train_step(  # noqa: E731
-        model,
-        Stages(model),
+        Stages(model, parallel_layout(cfg, torch.device("cpu"))),
         build_optimizer(model, cfg),
         micro,
-        cfg,
-        parallel_layout(cfg, "cpu"),
         1e-2,
-        biases,
+        *step_settings(cfg, model),
     )
     return model, biases, run
 

@@ -1,12 +1,17 @@
 """`torchrun ... -m pith_train pretrain --parallel.*=...` trains like one process: 4 gloo processes in
-cp2 x ep2 log (rank 0 only) the per-step global-batch losses of the single-process run; layouts that
-cannot work stop before any compute with a message naming the numbers."""
+cp2 x ep2, pp2 x ep2 and pp4 log (rank 0 only) the per-step global-batch losses of the single-process
+run, and a checkpoint written under pp2 x ep2 resumes on one process with the same losses; layouts
+that cannot work stop before any compute with a message naming the numbers."""
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 
+import pith_models
 import pytest
+import torch
 from pith_train.layoutcheck import check_layout
 from pith_train.train import pretrain
 
@@ -40,6 +45,48 @@ def test_torchrun_cp2_ep2_logs_the_single_process_losses(micro_config, micro_arg
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step_000004", "step_000006"]
 
 
+def _torchrun(run, args, env):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    cmd += ["-m", "pith_train", "pretrain", "--run-dir", str(run), *args]
+    proc = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+
+
+def _assert_same(got, expected, where):
+    assert [s for s, _ in got] == [s for s, _ in expected], (where, got)
+    for (step, loss), (_, want) in zip(got, expected):
+        assert abs(loss - want) <= 1e-5 * abs(want), f"{where} step {step}: {loss} vs single process {want}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "layers, batch, layout",
+    [
+        # 8 sequences per step in 4 micro-batches (2*pp): of 2 on one process, of 1 per data rank (ep2).
+        (4, ["--train.global_batch=8", "--train.micro_batch=2"], ["--parallel.pp=2", "--parallel.ep=2"]),
+        (8, ["--train.global_batch=8", "--train.micro_batch=1"], ["--parallel.pp=4"]),  # 8 micro-batches
+    ],
+)
+def test_torchrun_pipeline_logs_the_single_process_losses_and_its_checkpoint_resumes_on_one_process(
+    micro_config, micro_args, micro_hf, tmp_path, subprocess_env, layers, batch, layout
+):
+    hf = tmp_path / "hf"  # the micro model with more layers: 2 chunks per pipeline rank
+    cfg = dataclasses.replace(pith_models.from_pretrained(micro_hf).cfg, num_hidden_layers=layers)
+    model = pith_models.build(cfg, "cpu", seed=0)
+    pith_models.save_pretrained(model, hf, dtype=torch.float32)
+    overrides = [*COMPARABLE, f"--model.name={hf}", *batch]
+    pretrain(micro_config(*overrides), tmp_path / "single")
+    expected = _losses(tmp_path / "single")
+    run = tmp_path / "pipeline"
+    _torchrun(run, [*micro_args, *overrides, *layout, "--train.micro_batch=1"], subprocess_env)
+    _assert_same(_losses(run), expected, f"{layout}")
+    # Its step-4 checkpoint resumes on one process: steps 5 and 6 as the uninterrupted run's.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run / "checkpoints" / "step_000004", resumed / "checkpoints" / "step_000004")
+    pretrain(micro_config(*overrides), resumed)
+    _assert_same(_losses(resumed), expected[4:], f"{layout} -> 1 process")
+
+
 @pytest.mark.parametrize(
     "world, overrides, words",
     [
@@ -50,14 +97,15 @@ def test_torchrun_cp2_ep2_logs_the_single_process_losses(micro_config, micro_arg
             "4 experts do not divide",
         ),
         ("3", ["--parallel.cp=3"], "sequence length 32 is not divisible by 2*cp = 6"),
-        ("2", ["--parallel.pp=2"], "pipeline parallelism is not built yet"),
+        ("2", ["--parallel.pp=2"], "at least 2*pp = 4 micro-batches per step, got 2"),
+        ("2", ["--parallel.pp=2", "--train.global_batch=8"], "2 layers cannot fill 2*pp = 4 chunks"),
     ],
 )
 def test_a_layout_that_cannot_work_stops_before_compute_naming_the_numbers(
     micro_config, tmp_path, monkeypatch, world, overrides, words
 ):
     monkeypatch.setenv("WORLD_SIZE", world)  # as torchrun sets it
-    with pytest.raises(ValueError, match="parallel layout") as e:
+    with pytest.raises(ValueError, match="parallel layout|pipeline") as e:
         pretrain(micro_config(*overrides), tmp_path / "run")
     assert words in str(e.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

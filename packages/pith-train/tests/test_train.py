@@ -11,14 +11,12 @@ import types
 
 import pith_models
 import pytest
-import torch
 from pith_engine import checkpoint
-from pith_engine.contract import Routing
 from pith_train import train
 from pith_train.cli import main
 from pith_train.config import load_config
 from pith_train.optim import build_optimizer, lr_at
-from pith_train.train import flops_per_token, moe_aux, pretrain, update_expert_bias
+from pith_train.train import flops_per_token, pretrain
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -118,48 +116,6 @@ def test_bad_inputs_stop_before_any_compute(micro_args, tmp_path, overrides, mes
         pretrain(cfg, run)
     assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
     assert not (run / "data").exists()  # the built-in corpus was not prepared either
-
-
-def _routing(T: int, E: int, K: int, seed: int) -> Routing:
-    g = torch.Generator().manual_seed(seed)
-    logits_TE = torch.randn(T, E, generator=g, dtype=torch.float64)
-    probs_TE = logits_TE.softmax(-1)
-    ids_TK = probs_TE.topk(K, -1).indices
-    return Routing(torch.zeros(T, 1), ids_TK, probs_TE.gather(1, ids_TK), probs_TE, logits_TE)
-
-
-def test_aux_losses_match_their_definitions():
-    cfg = load_config(None, ["--train.lbl_coef=0.3", "--train.z_loss_coef=0.2"])
-    T, E, K = 12, 5, 2
-    routings = [_routing(T, E, K, s) for s in range(3)]
-    aux, counts_LE = moe_aux(routings, cfg, T, None)
-    expected = 0.0
-    for r in routings:
-        f = [float((r.expert_ids_TK == e).sum()) / (T * K) for e in range(E)]
-        P = [float(r.probs_TE[:, e].sum()) / T for e in range(E)]
-        lbl = E * sum(fe * pe for fe, pe in zip(f, P))
-        z = sum(float(torch.logsumexp(row, 0)) ** 2 for row in r.logits_TE) / T
-        expected += (0.3 * lbl + 0.2 * z) / len(routings)
-    assert math.isclose(float(aux), expected, rel_tol=1e-6)
-    assert counts_LE.sum(1).tolist() == [T * K] * 3
-    # Two data ranks, each with half the tokens, divide by the whole micro-batch's token count: their
-    # z-loss shares add up to the whole (the load-balancing part also needs the all-reduced counts,
-    # which the multi-process tests cover).
-    halves = [
-        Routing(r.x_TD[sl], r.expert_ids_TK[sl], r.weights_TK[sl], r.probs_TE[sl], r.logits_TE[sl])
-        for r in routings
-        for sl in (slice(0, T // 2), slice(T // 2, T))
-    ]
-    cfg_z = load_config(None, ["--train.lbl_coef=0", "--train.z_loss_coef=1"])
-    whole = float(moe_aux(routings, cfg_z, T, None)[0])
-    parts = float(moe_aux(halves[0::2], cfg_z, T, None)[0] + moe_aux(halves[1::2], cfg_z, T, None)[0])
-    assert math.isclose(whole, parts, rel_tol=1e-6)  # fp32 logsumexp
-
-
-def test_expert_bias_moves_toward_balance():
-    bias = torch.zeros(4)
-    update_expert_bias([bias], torch.tensor([[10.0, 2.0, 4.0, 0.0]]), rate=0.01)
-    assert bias.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.01])
 
 
 def test_flops_per_token_counts_active_weights_and_attention(micro_hf):

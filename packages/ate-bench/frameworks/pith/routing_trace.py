@@ -1,5 +1,5 @@
 """op-03's reference procedure on Pith, run by `ate-bench run --agent scripted` in an attempt's
-worktree: a short training run of the trainer's own step (pith_train.train.train_step) on the
+worktree: a short training run of the trainer's own step (pith_engine.step.train_step) on the
 staged dataset that, at each traced step, runs the step's first micro-batch through the stages
 once more without gradients and saves the router decisions of its first TOKENS tokens.
 
@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from pith_engine import executor
+from pith_engine.step import Stages, step_values, train_step
 from pith_train.config import load_config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.optim import build_optimizer, lr_at
-from pith_train.train import Stages, build_model, parallel_layout, step_values, train_step
+from pith_train.train import build_model, parallel_layout, step_settings
 
 TOKENS = 256
 
@@ -39,14 +40,14 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and cfg.train.cpu_threads:  # as the trainer does
         torch.set_num_threads(cfg.train.cpu_threads)
-    layout = parallel_layout(cfg, device)
+    mesh = parallel_layout(cfg, device)
     loader = WindowLoader(PackedDataset(args.data), cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model.name, device, cfg.train.seed).float()
     cuda = device.type == "cuda"
-    stages = Stages(model, False, cfg.train.ac, torch.bfloat16 if cuda else None)
+    stages = Stages(model, mesh, False, cfg.train.ac, torch.bfloat16 if cuda else None)
     optimizer = build_optimizer(model, cfg)
-    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
+    settings = step_settings(cfg, model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for step in range(1, cfg.train.steps + 1):
@@ -54,7 +55,7 @@ def main() -> None:
         micro = loader.step_batch(cursor, cfg.train.global_batch, cfg.train.micro_batch)
         if step == 1 or step % args.trace_every == 0:
             with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=cuda):
-                _, routings = executor.forward(stages, micro[0][0].to(device), executor.LocalExperts())
+                _, routings = executor.forward(model, micro[0][0].to(device), executor.LocalExperts())
             ids_LTK = torch.stack([r.expert_ids_TK[:TOKENS] for r in routings]).cpu()
             w_LTK = torch.stack([r.weights_TK[:TOKENS].float() for r in routings]).cpu()
             w_LTK = w_LTK / w_LTK.sum(-1, keepdim=True)  # the task asks for k weights summing to 1
@@ -64,7 +65,7 @@ def main() -> None:
                 out / f"step-{step:08d}.npz", expert_ids=ids, gate_weights=w_LTK.numpy(), num_experts=experts
             )
             print(f"step {step}: traced {len(routings)} MoE layers x {TOKENS} tokens -> {out}")
-        outputs = train_step(model, stages, optimizer, micro, cfg, layout, lr_at(step - 1, cfg), biases)
+        outputs = train_step(stages, optimizer, micro, lr_at(step - 1, cfg), *settings)
         loss = step_values(*outputs)[0]
         print(f"step {step} loss {loss:.4f}")
 

@@ -28,13 +28,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from pith_engine import schedule
 from pith_engine.executor import ExpertComm, LocalExperts
 from pith_engine.expert_parallel import ExpertParallel
 
 
 @dataclass(frozen=True)
 class Layout:
-    pp: int = 1  # pipeline stages (not built yet: must be 1)
+    pp: int = 1  # pipeline ranks (DualPipeV: 2 chunks of layers each, pith_engine.schedule)
     dp: int = 1  # data-parallel (FSDP) ranks
     cp: int = 1  # context-parallel ranks: share sequences, split them along time
     ep: int = 1  # expert-parallel ranks: take different sequences, hold different experts
@@ -56,8 +57,6 @@ def check_layout(
     problems = [f"{k}={v} must be >= 1" for k, v in vars(p).items() if v < 1]
     if problems:
         raise ValueError("parallel layout: " + "; ".join(problems))
-    if p.pp != 1:
-        problems.append(f"pipeline parallelism is not built yet (pp={p.pp}; use pp=1)")
     if world_size != p.world:
         problems.append(f"world size {world_size} != pp*dp*cp*ep = {p.pp}*{p.dp}*{p.cp}*{p.ep} = {p.world}")
     if num_experts % p.ep:
@@ -79,9 +78,11 @@ class Mesh:
 
     layout: Layout
     device: torch.device
+    pp_rank: int = 0
     dp_rank: int = 0
     cp_rank: int = 0
     ep_rank: int = 0
+    pp_group: ProcessGroup | None = None  # pipeline neighbours (P2P) and sums over the pipeline ranks
     cp_group: ProcessGroup | None = None  # ring attention
     ep_group: ProcessGroup | None = None  # expert all-to-alls
     reduce_group: ProcessGroup | None = None  # dp x cp x ep: losses, token and expert-load counts, norms
@@ -116,9 +117,11 @@ def build_mesh(layout: Layout, device: torch.device) -> Mesh:
     return Mesh(
         layout,
         device,
+        pp_rank=mesh.get_local_rank("pp"),
         dp_rank=mesh.get_local_rank("dp"),
         cp_rank=mesh.get_local_rank("cp"),
         ep_rank=mesh.get_local_rank("ep"),
+        pp_group=mesh.get_group("pp") if layout.pp > 1 else None,
         cp_group=mesh.get_group("cp") if layout.cp > 1 else None,
         ep_group=mesh.get_group("ep"),
         reduce_group=dense.get_group(),
@@ -132,8 +135,15 @@ def expert_comm(mesh: Mesh, align: int = 1) -> ExpertComm:
     return ExpertParallel(mesh.ep_group, align) if mesh.layout.ep > 1 else LocalExperts(align)
 
 
+def held_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """The decoder layers this rank holds, by global index (a pipeline rank holds some)."""
+    if isinstance(model.layers, nn.ModuleDict):
+        return {int(i): layer for i, layer in model.layers.items()}
+    return dict(enumerate(model.layers))
+
+
 def _expert_modules(model: nn.Module) -> list[nn.Module]:
-    return [layer.experts for layer in model.layers if layer.experts is not None]
+    return [layer.experts for layer in held_layers(model).values() if layer.experts is not None]
 
 
 def num_experts(model: nn.Module) -> int:
@@ -148,10 +158,19 @@ def expert_param_names(model: nn.Module) -> set[str]:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """In place: keep this EP rank's experts, then FSDP2 (param_dtype for compute, fp32 reduction).
+    """In place: keep this pipeline rank's layers (pith_engine.schedule's V; the embedding, final norm
+    and lm_head on rank 0 only) and this EP rank's experts, then FSDP2 (param_dtype for compute, fp32
+    reduction).
 
     The model must hold every expert (E along dim 0 of each expert weight) and may be on the meta
     device; materialise and initialise after, or load a checkpoint."""
+    pp = mesh.layout.pp
+    if pp > 1:
+        spans = schedule.split_layers(len(held_layers(model)), pp)
+        keep = [i for c in schedule.rank_chunks(pp, mesh.pp_rank) for i in spans[c]]
+        model.layers = nn.ModuleDict({str(i): layer for i, layer in held_layers(model).items() if i in keep})
+        if mesh.pp_rank != 0:
+            del model.embed_tokens, model.norm, model.lm_head
     ep, r = mesh.layout.ep, mesh.ep_rank
     for m in _expert_modules(model):
         for name, p in list(m.named_parameters(recurse=False)):
@@ -163,7 +182,7 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
         return model
     # cast_forward_inputs off: Positions carries fp32 rotary tables that must stay fp32.
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for layer in model.layers:
+    for layer in held_layers(model).values():
         if layer.experts is not None:
             fully_shard(layer.experts, mesh=mesh.expert_mesh, mp_policy=mp)
         fully_shard(layer, mesh=mesh.dense_mesh, mp_policy=mp)
@@ -184,10 +203,13 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def all_reduce_sum(t: Tensor, mesh: Mesh) -> Tensor:
-    """In place: the sum over all dp x cp x ep ranks (identity on one process)."""
+def all_reduce_sum(t: Tensor, mesh: Mesh, pp: bool = False) -> Tensor:
+    """In place: the sum over all dp x cp x ep ranks, and over the pipeline ranks too if `pp` (each
+    holds other layers: the loss terms and gradient norms of the whole model); identity on one process."""
     if mesh.reduce_group is not None:
         dist.all_reduce(t, group=mesh.reduce_group)
+    if pp and mesh.pp_group is not None:
+        dist.all_reduce(t, group=mesh.pp_group)
     return t
 
 
@@ -195,14 +217,15 @@ def all_reduce_sum(t: Tensor, mesh: Mesh) -> Tensor:
 def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
     """The global gradient norm (fp32), as on one process, with no host sync. Every gradient element
     lives on exactly one rank of dp x cp x ep (dense shards over all of it, an EP rank's experts over
-    dp x cp), so the squared norms of the local shards sum to the global one."""
+    dp x cp) of the pipeline rank holding its layer, so the squared norms of the local shards sum to
+    the global one."""
     local = [_local(p.grad) for p in params if p.grad is not None]
     # One fused multi-tensor read of the gradients (a per-tensor pow/sum loop also writes a temporary
     # the size of each gradient: ~10 ms more per step on the pith-train bench's 3B fp32 gradients).
     sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
     if local:
         sq += torch.nn.utils.get_total_norm(local, 2.0).float().pow(2)
-    return all_reduce_sum(sq, mesh).sqrt()
+    return all_reduce_sum(sq, mesh, pp=True).sqrt()
 
 
 def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
@@ -227,7 +250,8 @@ def full_state(model: nn.Module, mesh: Mesh, grads: bool = False) -> dict[str, T
     out = {}
     for name, p in model.named_parameters():
         t = p.grad if grads else p
-        t = t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+        # A copy: over a mesh of one rank full_tensor() is the local tensor itself.
+        t = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
         if name in experts and mesh.layout.ep > 1:
             parts = [torch.empty_like(t) for _ in range(mesh.layout.ep)]
             dist.all_gather(parts, t.contiguous(), group=mesh.ep_group)

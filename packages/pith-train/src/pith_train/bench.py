@@ -4,8 +4,8 @@ The workload (issue 7): the Qwen3-30B-A3B geometry truncated to 4 decoder layers
 / 4 KV heads, head_dim 128, 128 experts, top-8, expert width 768, vocabulary 151,936: 3.11B parameters,
 0.85B active per token), 4 sequences of 4096 tokens per optimizer step (16,384 tokens), random tokens
 (uniform over the vocabulary, seeded, fresh every step), bf16 autocast over fp32 master weights, fused
-AdamW. Each step is the trainer's own `train_step` (forward, fused loss, backward, clip, AdamW,
-expert-bias update) through the trainer's `Stages` (compile, activation checkpointing); nothing here
+AdamW. Each step is the trainer's own step, pith_engine.step.train_step (forward, fused loss, backward,
+clip, AdamW, expert-bias update) through its `Stages` (compile, activation checkpointing); nothing here
 is a second training loop.
 
 FLOPs per token, two conventions (both from `train.flops_per_token`, f(S) at sequence length S):
@@ -33,6 +33,7 @@ import pith_models
 import pith_ops._common
 import torch
 from pith_engine.layers import use_fp8
+from pith_engine.step import train_step
 from pith_models import qwen3_moe
 from torch.profiler import ProfilerActivity, profile
 
@@ -40,7 +41,7 @@ from pith_train.config import load_config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.metrics import peak_flops
 from pith_train.optim import build_optimizer
-from pith_train.train import Stages, flops_per_token, parallel_layout, train_step
+from pith_train.train import flops_per_token, parallel_layout, step_settings, trainer_stages
 
 WORKLOAD = dataclasses.replace(qwen3_moe.QWEN3_30B_A3B, num_hidden_layers=4)
 WORKLOAD_SEQ_LEN, WORKLOAD_BATCH = 4096, 4
@@ -48,7 +49,7 @@ WORKLOAD_SEQ_LEN, WORKLOAD_BATCH = 4096, 4
 # byte tokenizer fits (--data), 2 sequences of 32 tokens.
 TINY, TINY_SEQ_LEN, TINY_BATCH = dataclasses.replace(qwen3_moe.TINY, vocab_size=260), 32, 2
 LR = 3e-4  # constant: no schedule in a benchmark
-AC = ("none", "selective", "full")  # train.Stages' recompute policies
+AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policies
 
 # Components of the profile breakdown. A kernel launched inside a range the trainer marks
 # (torch.autograd.profiler.record_function) belongs to that range's component; next, a kernel whose
@@ -222,10 +223,10 @@ def run(
     model = pith_models.build(model_cfg, dev, seed).float()
     use_fp8(model, fp8)
     optimizer = build_optimizer(model, cfg)
-    stages = Stages(model, compile and cuda, ac, torch.bfloat16 if cuda else None)
-    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
+    mesh = parallel_layout(cfg, dev)  # one process: no groups, local experts
+    stages = trainer_stages(cfg, model, mesh)
+    settings = step_settings(cfg, model)
     generator = torch.Generator(dev).manual_seed(seed)
-    layout = parallel_layout(cfg, dev)  # one process: no groups, local experts
     loader = None
     if data is not None:
         ds = PackedDataset(data)
@@ -240,7 +241,7 @@ def run(
             micro = [(ids_BS[:, :-1], ids_BS[:, 1:])]
         else:
             micro, cursor = loader.step_batch(cursor, B, B, 0, 1), cursor + B
-        return train_step(model, stages, optimizer, micro, cfg, layout, LR, biases)[0]
+        return train_step(stages, optimizer, micro, LR, *settings).loss
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):

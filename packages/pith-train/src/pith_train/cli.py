@@ -1,5 +1,5 @@
 """The `pith-train` command (also `python -m pith_train`): prepare-data, pretrain, check-layout, eval,
-generate, convert, bench, plot.
+generate, convert, bench, plot, schedule.
 
 Each subcommand is a parser built in `main` plus one function taking the parsed arguments; a new
 subcommand adds both. Errors a user can fix (ValueError, OSError) are one line on stderr and exit 1.
@@ -216,6 +216,26 @@ def cmd_plot(args: argparse.Namespace) -> None:
     print(f"wrote {plot(args.run_dir, args.out)}")
 
 
+def cmd_schedule(args: argparse.Namespace) -> None:
+    from pith_engine.schedule import P2P, Overlap, schedule
+
+    def show(item) -> str:
+        if isinstance(item, P2P):
+            return f"{'>' if item.send else '<'}r{item.peer}:{item.op.value}{item.chunk}.{item.micro}"
+        if isinstance(item, Overlap):
+            return "[" + "+".join(show(a) for a in item) + "]"
+        return f"{item.op.value}{item.chunk}.{item.micro}"
+
+    lists = [schedule(args.pp, rank, args.micro_batches) for rank in range(args.pp)]
+    print("op chunk.micro; [F+B] one overlapped action; >rN / <rN: send to / receive from rank N")
+    for rank, lst in enumerate(lists):
+        print(f"rank {rank}: " + " ".join(show(a) for a in lst))
+    if args.png:
+        from pith_train.metrics import plot_schedule
+
+        print(f"wrote {plot_schedule(args.pp, args.micro_batches, args.png)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pith-train", description="Pith: train Mixture-of-Experts models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -298,6 +318,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("run_dir")
     p.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
     p.set_defaults(run=cmd_plot)
+
+    p = sub.add_parser("schedule", help="print (and draw) the pipeline schedule of one step")
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    p.add_argument("--micro-batches", type=int, required=True, help="micro-batches per step (>= 2*pp)")
+    p.add_argument("--png", help="also draw the simulated timeline to this PNG")
+    p.set_defaults(run=cmd_schedule)
 
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command not in ("pretrain", "check-layout"):

@@ -172,3 +172,44 @@ def plot(run_dir: str, out: str | None = None) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_schedule(pp: int, micro_batches: int, out: str) -> Path:
+    """PNG timeline of one step's pipeline schedule (DualPipeV; pith_engine.schedule.timeline's relative
+    costs): a row per rank, a box per action labelled with its micro-batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pith_engine.schedule import COSTS, Op, Overlap, timeline
+
+    colors = {Op.F: "tab:blue", Op.B: "tab:green", Op.I: "yellowgreen", Op.W: "tab:orange"}
+    rows = timeline(pp, micro_batches)
+    span = max(row[-1][1] for row in rows)
+    fig, ax = plt.subplots(figsize=(max(8, span / 4), 0.6 * pp + 2))
+    for r, row in enumerate(rows):
+        for start, _, item in row:
+            for op, chunk, micro in item if isinstance(item, Overlap) else (item,):
+                width = COSTS[op]
+                hatch = "//" if pp > 1 and chunk >= pp else None
+                edge = ("black", 0.8) if not isinstance(item, Overlap) else ("red", 2.0)
+                ax.barh(r, width, left=start, color=colors[op], edgecolor=edge[0], linewidth=edge[1],
+                        hatch=hatch, height=0.8)  # fmt: skip
+                ax.text(start + width / 2, r, str(micro), ha="center", va="center", fontsize=7)
+                start += width
+    bubble = span - sum(end - start for start, end, _ in rows[0])
+    ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (a forward of one chunk = 1)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    labels = ["F", "B (input + weight)", "I (input)", "W (weight)"]
+    ax.legend(handles, labels, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.set_title(
+        f"pp={pp}, {micro_batches} micro-batches: bubble {bubble:g} per rank of {span:g}"
+        " (hatched: the rank's second chunk; red edges: one overlapped F+B action)"
+    )
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)

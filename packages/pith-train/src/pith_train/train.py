@@ -1,41 +1,26 @@
-"""`pretrain`: build the model and data from a Config, then the training loop.
-
-The loss of an optimizer step is sum(cross-entropy over every label token of the global batch) /
-(label tokens in the global batch), plus the MoE auxiliary losses averaged over its micro-batches.
-Each data rank back-propagates its share of that number (its tokens' cross-entropy over the global
-count, its share of the aux terms), so the shares add up to the single-process loss: gradients must be
-SUMMED over data ranks (not averaged) for any layout to reproduce single-process training.
-
-Shape legend: B sequences, S sequence length, T = B*S tokens, D hidden, E experts, K top-k.
-"""
+"""`pretrain`: build the model and data from a Config, then the training loop. Each optimizer step is
+one call of pith_engine.step.train_step (the schedule, the loss, clipping, the update), read with
+step_values; the loss it minimises is defined there."""
 
 import contextlib
 import dataclasses
-import functools
 import json
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pith_models
-import pith_ops
 import torch
 import torch.distributed as dist
-from pith_engine import checkpoint, executor, parallel
-from pith_engine.contract import Routing
-from pith_engine.executor import ExpertComm, LocalExperts
+from pith_engine import checkpoint, parallel, schedule
 from pith_engine.layers import use_fp8
-from pith_engine.ring_attention import zigzag_positions, zigzag_split
+from pith_engine.parallel import held_layers
+from pith_engine.step import Aux, Stages, evaluate, step_values, train_step
 from pith_models import deepseek_v2
 from pith_models.hf import config_from_hf
 from pith_ops.fp8_grouped_gemm import GROUP_ALIGN
-from torch import Tensor, nn
-from torch.autograd.profiler import record_function
-from torch.distributed import ProcessGroup
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch import nn
 from tqdm import tqdm
 
 from pith_train import config as config_mod
@@ -43,136 +28,43 @@ from pith_train import rundir
 from pith_train.config import Config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.metrics import MetricsLog, log_line, peak_flops, peak_memory_gib
-from pith_train.optim import AdamW, build_optimizer, lr_at
+from pith_train.optim import build_optimizer, lr_at
 from pith_train.prepare import load_tokenizer, prepare, stdlib_corpus
 from pith_train.stopping import Interrupted, StopOnSignal
 
-IGNORE_INDEX = -100
 
-
-@dataclass
-class Layout:
-    """Where this process sits in the parallel layout: the single-process values by default."""
-
-    rank: int = 0  # global rank; rank 0 prints, writes metrics and checkpoint metadata
-    world: int = 1
-    data_rank: int = 0  # which contiguous slice of each micro-batch this process holds
-    data_ranks: int = 1  # ranks taking different sequences (dp * ep)
-    data_group: ProcessGroup | None = None  # sums loss terms, token and expert counts: dp x cp x ep ranks
-    comm: ExpertComm = field(default_factory=LocalExperts)  # stages 2 and 4
-    mesh: parallel.Mesh = field(default_factory=lambda: parallel.Mesh(parallel.Layout(), torch.device("cpu")))
-
-
-def parallel_layout(cfg: Config, device: torch.device) -> Layout:
+def parallel_layout(cfg: Config, device: torch.device) -> parallel.Mesh:
     """This process's place in cfg.parallel (the world from torchrun's env), checked before any compute."""
     shape = parallel.Layout(**dataclasses.asdict(cfg.parallel))
+    model_cfg = model_config(cfg.model.name)
     parallel.check_layout(
         shape,
         world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        num_experts=parallel.num_experts(pith_models.build(model_config(cfg.model.name))),  # on meta
+        num_experts=parallel.num_experts(pith_models.build(model_cfg)),  # on meta
         seq_len=cfg.data.seq_len,
         global_batch=cfg.train.global_batch,
         micro_batch=cfg.train.micro_batch,
     )
-    mesh = parallel.build_mesh(shape, device)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    comm = parallel.expert_comm(mesh, GROUP_ALIGN if cfg.train.fp8 else 1)  # FP8: 16-row expert groups
-    return Layout(rank, shape.world, mesh.data_rank, shape.data_ranks, mesh.reduce_group, comm, mesh)
+    schedule.check(shape.pp, cfg.micro_batches, model_cfg.num_hidden_layers)
+    return parallel.build_mesh(shape, device)
 
 
-def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh):
-    """-> (inputs, labels, position ids or None): under context parallelism this rank's zigzag share of
-    its sequences (chunks r and 2cp-1-r) and their global positions; otherwise all of them."""
-    cp, r = mesh.layout.cp, mesh.cp_rank
-    if cp == 1:
-        return inputs_BS, labels_BS, None
-    pos_BS = zigzag_positions(inputs_BS.shape[1], cp, r).expand(inputs_BS.shape[0], -1)
-    return zigzag_split(inputs_BS, cp, r), zigzag_split(labels_BS, cp, r), pos_BS
+def step_settings(cfg: Config, model: nn.Module) -> tuple[Aux, float, float]:
+    """train_step's arguments after the learning rate: the loss terms, the clipping norm, the bias rate."""
+    whole = pith_models.build(model.cfg)  # on meta: every layer, whichever this rank holds
+    moe_layers = sum(layer.experts is not None for layer in held_layers(whole).values())
+    aux = Aux(cfg.train.lbl_coef, cfg.train.z_loss_coef, max(1, moe_layers))
+    return aux, cfg.optim.grad_clip, cfg.train.bias_rate
 
 
-def _forward(stages, inputs_BS: Tensor, pos_BS: Tensor | None, layout: Layout, device: torch.device):
-    pos_BS = None if pos_BS is None else pos_BS.to(device)
-    return executor.forward(stages, inputs_BS.to(device), layout.comm, pos_BS, layout.mesh.cp_group)
-
-
-def _all_sum(t: Tensor, group: ProcessGroup | None) -> Tensor:
-    if group is not None:
-        dist.all_reduce(t, group=group)
-    return t
-
-
-class Stages:
-    """The model as the trainer runs it: its stage functions, optionally compiled and checkpointed, with
-    the residual stream in `dtype`. The executor only calls prologue / positions / layers' stages /
-    epilogue, which this provides.
-
-    compile: torch.compile(fullgraph=True) of the non-expert stage functions. Expert GEMMs (stage 3)
-    stay eager: they run the grouped-GEMM kernel on data-dependent group sizes.
-    ac, activation checkpointing (recompute in the backward what is not kept from the forward):
-    "none"; "selective": the expert MLPs (stage 3), whose hidden rows (T*K of 3F) are the largest
-    activations and whose weights' bf16 casts would otherwise be kept; "full": stages 1, 3 and 5 of
-    every layer, keeping only each stage's inputs.
-    dtype: the residual stream's dtype after the embedding (bf16 under autocast on CUDA, so that the
-    routed rows, the expert GEMMs and the fused loss run in bf16 too); None keeps the embedding's.
-    """
-
-    class Layer:
-        def __init__(self, layer: nn.Module, compiled, ac: str):
-            # Checkpoint inside compile: torch.compile traces it and its partitioner does the recompute.
-            recompute = lambda fn: lambda *args: torch_checkpoint(fn, *args, use_reentrant=False)
-            full = recompute if ac == "full" else lambda fn: fn
-            self.stage1 = compiled(full(layer.stage1))
-            self.stage3 = recompute(layer.stage3) if ac != "none" else layer.stage3
-            self.stage5 = compiled(full(layer.stage5))
-
-    def __init__(self, model: nn.Module, compile: bool = False, ac: str = "none", dtype=None):
-        compiled = functools.partial(torch.compile, fullgraph=True) if compile else lambda fn: fn
-        self.layers = [self.Layer(layer, compiled, ac) for layer in model.layers]
-        self.lm_head = model.lm_head
-        self.positions = model.positions
-        self.prologue = compiled(lambda ids: model.prologue(ids).to(dtype))
-        self.epilogue = compiled(model.epilogue)
-
-
-def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
-    """Cross-entropy summed over the label tokens, lm_head fused, in h's dtype (the weight cast to it)."""
-    w_VD = pith_ops.cast(lm_head.weight, h_BSD.dtype)
-    return pith_ops.linear_cross_entropy(h_BSD.flatten(0, 1), w_VD, labels_T, IGNORE_INDEX, "sum")
-
-
-def moe_aux(routings: list[Routing], cfg: Config, tokens: int, group: ProcessGroup | None):
-    """This rank's share of (load-balancing loss + z-loss) of one micro-batch, and expert counts [L, E].
-
-    Global-batch load balancing, per MoE layer: E * sum_e f_e * P_e with f_e the fraction of the
-    micro-batch's routed (token, k) entries that chose expert e, counted over every data rank, and P_e
-    the router probability of e averaged over the micro-batch's `tokens` (all ranks). Each rank sums
-    only its own tokens' probabilities, so the ranks' shares add up to the whole. The z-loss is the
-    mean over tokens of logsumexp(router logits)^2. Both are averaged over the MoE layers.
-    """
-    counts_LE = torch.stack(
-        [torch.bincount(r.expert_ids_TK.flatten(), minlength=r.probs_TE.shape[1]) for r in routings]
-    ).float()
-    _all_sum(counts_LE, group)
-    lbl = z = torch.zeros((), device=counts_LE.device)
-    for r, counts_E in zip(routings, counts_LE):
-        E, K = r.probs_TE.shape[1], r.expert_ids_TK.shape[1]
-        if cfg.train.lbl_coef:
-            lbl = lbl + E * (counts_E / (tokens * K) * r.probs_TE.sum(0) / tokens).sum()
-        if cfg.train.z_loss_coef:
-            z = z + (torch.logsumexp(r.logits_TE.float(), dim=-1) ** 2).sum() / tokens
-    aux = (cfg.train.lbl_coef * lbl + cfg.train.z_loss_coef * z) / max(1, len(routings))
-    return aux, counts_LE
-
-
-@torch.no_grad()
-def update_expert_bias(biases: list[Tensor], counts_LE: Tensor, rate: Tensor | float) -> None:
-    """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer.
-
-    The counts are the step's, summed over micro-batches and data ranks, so every rank updates alike;
-    a device-scalar rate (0 for a skipped step) needs no host sync.
-    """
-    for bias_E, counts_E in zip(biases, counts_LE, strict=True):
-        bias_E += rate * torch.sign(counts_E.mean() - counts_E)
+def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages:
+    """The model as the trainer runs it: compiled on CUDA (not under FSDP: its unshard/reshard hooks in
+    the stage methods break fullgraph), cfg's recompute, a bf16 residual stream on CUDA, and under
+    FP8 expert groups padded to the 16 rows its GEMMs need."""
+    cuda = mesh.device.type == "cuda"
+    compile = cfg.train.compile and cuda and mesh.dense_mesh is None
+    dtype, align = torch.bfloat16 if cuda else None, GROUP_ALIGN if cfg.train.fp8 else 1
+    return Stages(model, mesh, compile, cfg.train.ac, dtype, align)
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -196,82 +88,6 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     # MLA (DeepSeek-V2) has distinct q/k and v head dims; the other families one head_dim.
     qk, v = (c.qk_head_dim, c.v_head_dim) if isinstance(c, deepseek_v2.Config) else (c.head_dim, c.head_dim)
     return 6 * active + 6 * c.num_hidden_layers * seq_len * c.num_attention_heads * (qk + v)
-
-
-def train_step(
-    model: nn.Module,
-    stages,
-    optimizer: AdamW,
-    micro: list[tuple[Tensor, Tensor]],
-    cfg: Config,
-    layout: Layout,
-    lr: float,
-    biases: list[Tensor],
-) -> tuple[Tensor, Tensor, Tensor, Tensor | int]:
-    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS)]: forward and backward
-    of each (bf16 autocast on CUDA), then the gradient norm, AdamW at `lr` with the clip coefficient
-    folded into its update, the expert-bias update.
-
-    -> (loss, aux loss, gradient norm, expert counts [L, E]) as device tensors: no host sync of its
-    own, so the CPU queues the whole step ahead of the GPU (step_values reads them in one sync). A
-    non-finite loss or gradient norm skips the update on the device: weights, moments and expert
-    biases stay as they were, and step_values raises FloatingPointError.
-    """
-    device = model.lm_head.weight.device
-    micro = [
-        tuple(_to_device(t, device) for t in local_tokens(inputs_BS, labels_BS, layout.mesh))
-        for inputs_BS, labels_BS in micro
-    ]
-    label_tokens = _all_sum(sum((labels != IGNORE_INDEX).sum() for _, labels, _ in micro), layout.data_group)
-    micro_tokens = cfg.train.micro_batch * cfg.data.seq_len * layout.data_ranks  # one micro-batch, all ranks
-    M = cfg.micro_batches
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    sums = torch.zeros(2, device=device)  # (cross-entropy sum, aux share)
-    counts_LE = 0
-    for inputs_BS, labels_BS, pos_BS in micro:
-        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
-            h_BSD, routings = _forward(stages, inputs_BS, pos_BS, layout, device)
-            with record_function("lm_head+loss"):
-                ce = loss_sum(h_BSD, model.lm_head, labels_BS.flatten())
-        aux, counts = (
-            moe_aux(routings, cfg, micro_tokens, layout.data_group)
-            if routings
-            else (torch.zeros((), device=device), 0)
-        )
-        (ce.float() / label_tokens + aux / M).backward()
-        sums += torch.stack([ce.detach().float(), aux.detach() / M])
-        counts_LE = counts_LE + counts
-    sums = _all_sum(sums, layout.data_group)
-    loss, aux_loss = sums[0] / label_tokens, sums[1]
-    with record_function("optimizer"):
-        grad_norm = parallel.grad_norm(list(model.parameters()), layout.mesh)
-        finite = torch.isfinite(loss + aux_loss + grad_norm)
-        coef = parallel.clip_coef(grad_norm, cfg.optim.grad_clip)
-        optimizer.step(grad_scale=torch.where(finite, coef, torch.nan).reshape(1))
-        optimizer.zero_grad(set_to_none=True)
-        if biases:
-            update_expert_bias(biases, counts_LE, finite * cfg.train.bias_rate)
-    return loss, aux_loss, grad_norm, counts_LE
-
-
-def _to_device(t: Tensor | None, device: torch.device) -> Tensor | None:
-    # From pinned memory without blocking: a copy from pageable memory waits for the whole stream.
-    if t is None or t.device == device or device.type != "cuda":
-        return None if t is None else t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def step_values(loss: Tensor, aux: Tensor, grad_norm: Tensor, counts_LE: Tensor | int):
-    """train_step's outputs read in one host sync -> (loss, aux, grad norm, max/mean expert load per
-    MoE layer); FloatingPointError when the step was skipped for a non-finite value."""
-    parts = [loss.float().reshape(1), aux.float().reshape(1), grad_norm.float().reshape(1)]
-    if isinstance(counts_LE, Tensor):
-        parts.append(counts_LE.amax(1) / counts_LE.mean(1))
-    loss, aux, norm, *load = torch.cat(parts).tolist()
-    if not math.isfinite(loss + aux + norm):
-        raise FloatingPointError(f"loss is {loss} (aux {aux}, gradient norm {norm})")
-    return loss, aux, norm, load
 
 
 def model_config(name: str):
@@ -300,12 +116,12 @@ def build_model(name: str, device: torch.device, seed: int) -> nn.Module:
     return model
 
 
-def open_data(cfg: Config, run_dir: Path, layout: Layout) -> PackedDataset:
+def open_data(cfg: Config, run_dir: Path, main: bool) -> PackedDataset:
     """The configured dataset; the built-in corpus is prepared into RUN_DIR/data on first use."""
     tok = load_tokenizer(cfg.data.tokenizer)
     path = Path(cfg.data.path) if cfg.data.path else run_dir / "data"
     if not cfg.data.path and not (path / "meta.json").is_file():
-        if layout.rank == 0:
+        if main:
             prepare(stdlib_corpus(), str(path), cfg.data.tokenizer, progress=cfg.log.progress)
         if dist.is_initialized():
             dist.barrier()
@@ -325,9 +141,7 @@ def _device(cfg: Config) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
 
 
-def pretrain(
-    cfg: Config, run_dir: str | Path, layout: Layout | None = None, stop_at: int | None = None
-) -> dict:
+def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> dict:
     """Train per `cfg` in `run_dir`, resuming from its latest intact checkpoint; stop after step
     `stop_at` if given. SIGINT/SIGTERM stop it after the current step with a checkpoint (Interrupted).
 
@@ -336,17 +150,17 @@ def pretrain(
     device = _device(cfg)
     if device.type == "cpu" and cfg.train.cpu_threads:
         torch.set_num_threads(cfg.train.cpu_threads)
-    layout = layout or parallel_layout(cfg, device)
+    mesh = parallel_layout(cfg, device)
     run_dir = Path(run_dir)
-    main = layout.rank == 0
+    main = not dist.is_initialized() or dist.get_rank() == 0
     ckpt_root = run_dir / "checkpoints"
     # -- the run directory and the inputs, checked before any training compute
     model_cfg = model_config(cfg.model.name)
     warn = tqdm.write if main else lambda text: None
-    resume_from = rundir.preflight(cfg, run_dir, model_cfg, layout.mesh, warn)
+    resume_from = rundir.preflight(cfg, run_dir, model_cfg, mesh, warn)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    ds = open_data(cfg, run_dir, layout)
+    ds = open_data(cfg, run_dir, main)
     ds.check_vocab(model_cfg.vocab_size)
     loader = WindowLoader(ds, cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed)
     if main:
@@ -355,25 +169,23 @@ def pretrain(
     model = build_model(cfg.model.name, device, cfg.train.seed).float()
     use_fp8(model, cfg.train.fp8)
     cuda = device.type == "cuda"
-    # Each rank keeps its experts and its FSDP shards; bf16 all-gathers, fp32 gradient reduction.
-    parallel.parallelize(model, layout.mesh, torch.bfloat16 if cuda else None)
+    # Each rank keeps its layers, experts and FSDP shards; bf16 all-gathers, fp32 gradient reduction.
+    parallel.parallelize(model, mesh, torch.bfloat16 if cuda else None)
     optimizer = build_optimizer(model, cfg)
-    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
     step, cursor = 0, 0
     if resume_from is not None:
-        checkpoint.load(resume_from, model, optimizer, layout.mesh, verify=False)  # latest_intact verified it
+        checkpoint.load(resume_from, model, optimizer, mesh, verify=False)  # latest_intact verified it
         state = rundir.read_json(resume_from / "trainer.json")
         step, cursor = state["step"], state["cursor"]
-    # Not compiled under FSDP: its unshard/reshard hooks in the stage methods break fullgraph.
-    compile = cfg.train.compile and cuda and layout.mesh.dense_mesh is None
-    stages = Stages(model, compile, cfg.train.ac, torch.bfloat16 if cuda else None)
-    autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
-    flops = flops_per_token(model, cfg.data.seq_len)
+    stages = trainer_stages(cfg, model, mesh)
+    settings = step_settings(cfg, model)
+    flops = flops_per_token(pith_models.build(model.cfg), cfg.data.seq_len)  # the whole model, on meta
     peak, peak_source = peak_flops(device)
     metrics = MetricsLog(
         run_dir, step, main, cfg.log.tensorboard, cfg.log.wandb, dataclasses.asdict(cfg)
     )  # fmt: skip
     G, S = cfg.train.global_batch, cfg.data.seq_len
+    data_slice = mesh.data_rank, mesh.layout.data_ranks  # which sequences of each batch are this rank's
     last = min(cfg.train.steps, stop_at or cfg.train.steps)
     terminal = sys.stderr.isatty()
     bar = tqdm(
@@ -383,18 +195,6 @@ def pretrain(
     if main:
         bar.write(f"{cfg.model.name} on {device}, from step {step}; peak {peak:.3g} FLOP/s ({peak_source})")
 
-    def evaluate() -> float:
-        total = torch.zeros(2, device=device)
-        with torch.no_grad(), autocast:
-            for batch in loader.val_batches(cfg.train.micro_batch, layout.data_rank, layout.data_ranks):
-                inputs_BS, labels_BS, pos_BS = local_tokens(*batch, layout.mesh)
-                h_BSD, _ = _forward(stages, inputs_BS, pos_BS, layout, device)
-                labels_T = labels_BS.to(device).flatten()
-                ce = loss_sum(h_BSD, model.lm_head, labels_T)
-                total += torch.stack([ce.float(), (labels_T != IGNORE_INDEX).sum().float()])
-        total = _all_sum(total, layout.data_group)
-        return (total[0] / total[1]).item()
-
     def save(step: int) -> Path:
         files = {
             "trainer.json": json.dumps({"step": step, "cursor": cursor}),
@@ -403,7 +203,7 @@ def pretrain(
         }
         if cfg.data.tokenizer != "byte":  # the run's tokenizer travels with its weights (generate, convert)
             files["tokenizer.json"] = Path(cfg.data.tokenizer).read_text()
-        path = checkpoint.save(ckpt_root / f"step_{step:06d}", model, optimizer, files, layout.mesh)
+        path = checkpoint.save(ckpt_root / f"step_{step:06d}", model, optimizer, files, mesh)
         checkpoint.prune(ckpt_root, cfg.checkpoint.keep)
         return path
 
@@ -411,11 +211,11 @@ def pretrain(
     with StopOnSignal() as stop, contextlib.closing(metrics):
         while step < last:
             start = time.perf_counter()
-            micro = loader.step_batch(cursor, G, cfg.train.micro_batch, layout.data_rank, layout.data_ranks)
+            micro = loader.step_batch(cursor, G, cfg.train.micro_batch, *data_slice)
             lr = lr_at(step, cfg)
             try:
                 loss, aux_loss, grad_norm, load = step_values(
-                    *train_step(model, stages, optimizer, micro, cfg, layout, lr, biases)
+                    *train_step(stages, optimizer, micro, lr, *settings)
                 )
             except FloatingPointError as e:
                 good = next(
@@ -434,14 +234,14 @@ def pretrain(
                 "loss": loss,
                 "lr": lr,
                 "tokens_per_s": tokens_per_s,
-                "mfu": flops * tokens_per_s / (peak * layout.world),
+                "mfu": flops * tokens_per_s / (peak * mesh.layout.world),
                 "grad_norm": grad_norm,
                 "aux": aux_loss,
                 "expert_load_max_over_mean": load,
                 "memory_gib": peak_memory_gib(device),
             }
             if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == cfg.train.steps:
-                record["val_loss"] = evaluate()
+                record["val_loss"] = evaluate(stages, loader.val_batches(cfg.train.micro_batch, *data_slice))
             metrics.write(**record)
             bar.update(1)
             bar.set_postfix(

@@ -1,0 +1,375 @@
+"""The training step of one rank: its micro-batches' forward and backward work in the order of the
+pipeline schedule (pith_engine.schedule), stage by stage; then the gradient norm, the optimizer and the
+expert-bias update. pith-train calls `train_step` once per optimizer step and `evaluate` to validate.
+
+Loss. The loss of a step is sum(cross-entropy over every label token of the global batch) / (label
+tokens in the global batch), plus the MoE auxiliary losses averaged over its micro-batches. Each data
+rank back-propagates its share of that number (its tokens' cross-entropy over the global count, its
+share of the aux terms), so the shares add up to the single-process loss: gradients are SUMMED over
+data ranks (never averaged) for every layout to reproduce single-process training.
+
+Stage-level execution. The forward of each (chunk, micro-batch) records its autograd segments on an
+executor.Tape: the prologue (chunk 0), each layer's stages 1-5 and, for a MoE layer, its auxiliary
+loss, then epilogue + loss (the last chunk); its backward runs them newest first, the loss terms
+seeded with gradient 1. So the aux loss is injected per layer: a chunk's backward sees only its own
+layers' routing, and the terms add up over layers, micro-batches and ranks. Under pp=1 the schedule
+is F(m) B(m) for each micro-batch and the result is bit for bit that of one backward per micro-batch.
+
+Pipeline. Rank r holds chunks (r, 2pp-1-r) of schedule.split_layers; between neighbours only a chunk's
+output activations and their gradients travel, [B, S_local, D] in the residual stream's dtype (shapes
+known before the step), each run of consecutive transfers of the schedule one batch_isend_irecv.
+
+FSDP. Gradients are reduced once per step: every FSDP unit accumulates unreduced gradients until the
+backward segment of its last micro-batch (Tape(final=True)), which reduce-scatters them. Cost: each
+rank holds its units' unsharded fp32 gradients through the step (4 bytes per parameter of its chunks).
+Under pp > 1 the units also stay gathered between the schedule's interleaved forwards and backwards
+(2 bytes per parameter of its chunks in bf16) and are resharded when the step's backward work is done.
+
+Shape legend: B sequences, S sequence length, T = B*S tokens, D hidden, E experts, K top-k, L layers.
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import pith_ops
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.autograd.profiler import record_function
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from pith_engine import parallel
+from pith_engine.contract import Routing, default_position_ids
+from pith_engine.executor import Tape, run_layer
+from pith_engine.parallel import held_layers
+from pith_engine.ring_attention import zigzag_positions, zigzag_split
+from pith_engine.schedule import (
+    P2P,
+    Action,
+    Op,
+    Overlap,
+    forward_schedule,
+    rank_chunks,
+    schedule,
+    split_layers,
+)
+
+IGNORE_INDEX = -100
+
+
+class Stages:
+    """This rank's part of the model as the step runs it: the stage functions of its pipeline chunks'
+    layers (optionally compiled and checkpointed), the prologue and epilogue, the residual stream's
+    dtype, the mesh and the expert exchange of stages 2 and 4.
+
+    compile: torch.compile(fullgraph=True) of the non-expert stage functions. Expert GEMMs (stage 3)
+    stay eager: they run the grouped-GEMM kernel on data-dependent group sizes.
+    ac, activation checkpointing (recompute in the backward what is not kept from the forward):
+    "none"; "selective": the expert MLPs (stage 3), whose hidden rows (T*K of 3F) are the largest
+    activations and whose weights' bf16 casts would otherwise be kept; "full": stages 1, 3 and 5 of
+    every layer, keeping only each stage's inputs.
+    dtype: the residual stream's dtype after the embedding (bf16 under autocast on CUDA, so that the
+    routed rows, the expert GEMMs and the fused loss run in bf16 too); None keeps the embedding's.
+    align: the row padding of each expert's group in stage 2 (what the expert GEMM needs: FP8's 16).
+    """
+
+    class Layer:
+        def __init__(self, layer: nn.Module, compiled, ac: str):
+            # Checkpoint inside compile: torch.compile traces it and its partitioner does the recompute.
+            recompute = lambda fn: lambda *args: torch_checkpoint(fn, *args, use_reentrant=False)
+            full = recompute if ac == "full" else lambda fn: fn
+            self.module, self.experts = layer, layer.experts
+            self.stage1 = compiled(full(layer.stage1))
+            self.stage3 = recompute(layer.stage3) if ac != "none" else layer.stage3
+            self.stage5 = compiled(full(layer.stage5))
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: parallel.Mesh,
+        compile: bool = False,
+        ac: str = "none",
+        dtype=None,
+        align: int = 1,
+    ):
+        compiled = functools.partial(torch.compile, fullgraph=True) if compile else lambda fn: fn
+        pp = mesh.layout.pp
+        held = held_layers(model)
+        spans = split_layers(model.cfg.num_hidden_layers, pp)
+        self.chunks = {
+            c: {i: self.Layer(held[i], compiled, ac) for i in spans[c]} for c in rank_chunks(pp, mesh.pp_rank)
+        }
+        self.last = len(spans) - 1
+        self.model, self.mesh, self.comm = model, mesh, parallel.expert_comm(mesh, align)
+        self.dtype = dtype or next(model.parameters()).dtype
+        self.biases = {
+            i: b for i, layer in held.items() for n, b in layer.named_buffers() if n.endswith("expert_bias")
+        }
+        # Routed experts per MoE layer (the bias buffers are [E]), the same on every pipeline rank.
+        self.num_experts = max((len(b) for b in self.biases.values()), default=0)
+        if mesh.pp_group is not None:
+            E = torch.tensor(self.num_experts, device=mesh.device)
+            dist.all_reduce(E, dist.ReduceOp.MAX, group=mesh.pp_group)
+            self.num_experts = int(E)
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.prologue = compiled(lambda ids: model.prologue(ids).to(dtype))
+        self.epilogue = compiled(model.epilogue)
+        if pp > 1:  # gathered through the step (module docstring)
+            for unit in self.units:
+                unit.set_reshard_after_forward(False, recurse=False)
+                unit.set_reshard_after_backward(False, recurse=False)
+
+
+def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh):
+    """-> (inputs, labels, position ids or None): under context parallelism this rank's zigzag share of
+    its sequences (chunks r and 2cp-1-r) and their global positions; otherwise all of them."""
+    cp, r = mesh.layout.cp, mesh.cp_rank
+    if cp == 1:
+        return inputs_BS, labels_BS, None
+    pos_BS = zigzag_positions(inputs_BS.shape[1], cp, r).expand(inputs_BS.shape[0], -1)
+    return zigzag_split(inputs_BS, cp, r), zigzag_split(labels_BS, cp, r), pos_BS
+
+
+def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
+    """Cross-entropy summed over the label tokens, lm_head fused, in h's dtype (the weight cast to it)."""
+    w_VD = pith_ops.cast(lm_head.weight, h_BSD.dtype)
+    return pith_ops.linear_cross_entropy(h_BSD.flatten(0, 1), w_VD, labels_T, IGNORE_INDEX, "sum")
+
+
+class Aux(NamedTuple):
+    """The MoE auxiliary losses: coefficients and what they are averaged over."""
+
+    lbl_coef: float = 0.0  # global-batch load balancing
+    z_loss_coef: float = 0.0  # router z-loss
+    moe_layers: int = 1  # MoE layers of the whole model: the terms are averaged over them
+    micro_batches: int = 1  # ... and over the step's micro-batches
+
+
+def layer_aux(r: Routing, aux: Aux, tokens: int, mesh: parallel.Mesh) -> tuple[Tensor, Tensor]:
+    """This rank's share of one MoE layer's (load-balancing loss + z-loss) on one micro-batch, divided
+    by the MoE layers and micro-batches, and the layer's expert counts [E] over every data rank.
+
+    Global-batch load balancing: E * sum_e f_e * P_e with f_e the fraction of the micro-batch's routed
+    (token, k) entries that chose expert e, counted over every data rank, and P_e the router
+    probability of e averaged over the micro-batch's `tokens` (all ranks). Each rank sums only its own
+    tokens' probabilities, so the ranks' shares add up to the whole. The z-loss is the mean over
+    tokens of logsumexp(router logits)^2.
+    """
+    E, K = r.probs_TE.shape[1], r.expert_ids_TK.shape[1]
+    ids = r.expert_ids_TK.flatten()
+    counts_E = torch.zeros(E, device=ids.device).index_add_(0, ids, torch.ones(ids.shape, device=ids.device))
+    parallel.all_reduce_sum(counts_E, mesh)
+    lbl = z = torch.zeros((), device=counts_E.device)
+    if aux.lbl_coef:
+        lbl = lbl + E * (counts_E / (tokens * K) * r.probs_TE.sum(0) / tokens).sum()
+    if aux.z_loss_coef:
+        z = z + (torch.logsumexp(r.logits_TE.float(), dim=-1) ** 2).sum() / tokens
+    return (aux.lbl_coef * lbl + aux.z_loss_coef * z) / aux.moe_layers / aux.micro_batches, counts_E
+
+
+class StepResult(NamedTuple):
+    """Device tensors (step_values reads them)."""
+
+    loss: Tensor  # cross-entropy per label token of the global batch
+    aux: Tensor  # the auxiliary losses' part of the step loss
+    grad_norm: Tensor  # before clipping
+    counts_LE: Tensor | None  # expert counts of every layer over the step (zero rows: dense layers)
+
+
+class _Run:
+    """The state of one step's (or evaluation's) schedule on this rank."""
+
+    def __init__(self, stages: Stages, micro: list, label_tokens, aux: Aux, grad: bool):
+        self.stages, self.micro, self.label_tokens, self.aux = stages, micro, label_tokens, aux
+        self.grad = grad
+        self.data: dict[tuple[Op, int, int], Tensor] = {}  # (F: output / B: input grad, chunk, micro)
+        self.tapes: dict[tuple[int, int], tuple[Tape, Tensor | None, Tensor | None]] = {}
+        device = stages.mesh.device
+        self.sums = torch.zeros(3, device=device)  # cross-entropy sum, aux share, label tokens
+        self.counts: dict[int, Tensor] = {}  # MoE layer -> expert counts [E] (micro-batches, data ranks)
+        # One micro-batch of every data rank: the aux terms' token count.
+        ids_BS = micro[0][0]
+        self.tokens = ids_BS.numel() * stages.mesh.layout.data_ranks * stages.mesh.layout.cp
+
+    def run(self, actions: list) -> None:
+        i = 0
+        while i < len(actions):
+            j = i
+            while j < len(actions) and isinstance(actions[j], P2P):
+                j += 1
+            if j > i:
+                self.transfer(actions[i:j])
+                i = j
+                continue
+            item = actions[i]
+            for a in item if isinstance(item, Overlap) else (item,):  # issue 16 interleaves a pair
+                if a.op is Op.F:
+                    self.forward(a)
+                elif a.op in (Op.B, Op.I):  # I: the whole backward until weight work can be queued
+                    self.backward(a)
+            i += 1
+
+    def forward(self, a: Action) -> None:
+        s, (ids_BS, labels_BS, pos_BS) = self.stages, self.micro[a.micro]
+        mesh = s.mesh
+        tape = Tape(final=a.micro == len(self.micro) - 1) if self.grad else None
+        seg = tape or (lambda fn, *args, owner=None: fn(*args))
+        pos = s.model.positions(default_position_ids(ids_BS) if pos_BS is None else pos_BS, mesh.cp_group)
+        with torch.autocast("cuda", torch.bfloat16, enabled=mesh.device.type == "cuda"):
+            h_in = None
+            if a.chunk == 0:
+                h = seg(s.prologue, ids_BS, owner=s.model)
+            else:
+                h = h_in = self.data.pop((Op.F, a.chunk - 1, a.micro)).requires_grad_(self.grad)
+            for i, layer in s.chunks[a.chunk].items():
+                h, r = run_layer(layer, h, pos, s.comm, tape, layer.module)
+                if r is not None and tape:
+                    share, counts_E = seg(layer_aux, r, self.aux, self.tokens, mesh)
+                    self.sums[1] += share.detach()
+                    self.counts[i] = self.counts.get(i, 0) + counts_E
+                    tape.seed(share)
+            if a.chunk == s.last:
+                with record_function("lm_head+loss"):
+                    share, ce = seg(self.loss, h, labels_BS)
+                self.sums[0] += ce
+                self.sums[2] += (labels_BS != IGNORE_INDEX).sum()
+                if tape:
+                    tape.seed(share)
+                h = None
+            else:
+                self.data[(Op.F, a.chunk, a.micro)] = h.detach()
+        if tape:
+            self.tapes[(a.chunk, a.micro)] = (tape, h_in, h)
+
+    def loss(self, h_BSD: Tensor, labels_BS: Tensor) -> tuple[Tensor, Tensor]:
+        ce = loss_sum(self.stages.epilogue(h_BSD), self.stages.model.lm_head, labels_BS.flatten())
+        return ce.float() / self.label_tokens, ce.detach().float()
+
+    def backward(self, a: Action) -> None:
+        tape, h_in, h_out = self.tapes.pop((a.chunk, a.micro))
+        if h_out is not None:
+            tape.seed(h_out, self.data.pop((Op.B, a.chunk + 1, a.micro)))
+        grads = tape.backward()
+        if h_in is not None:
+            self.data[(Op.B, a.chunk, a.micro)] = grads[id(h_in)]
+
+    def transfer(self, batch: list[P2P]) -> None:
+        """One batch_isend_irecv for consecutive transfers; the receives land in self.data."""
+        mesh, ops, received = self.stages.mesh, [], []
+        for t in batch:
+            key = (t.op, t.chunk, t.micro)
+            peer = dist.get_global_rank(mesh.pp_group, t.peer)
+            if t.send:  # what a neighbour consumes is not needed here after the transfer
+                ops.append(dist.P2POp(dist.isend, self.data.pop(key).contiguous(), peer, mesh.pp_group))
+            else:
+                ids_BS = self.micro[t.micro][0]
+                D = self.stages.model.cfg.hidden_size
+                buf = torch.empty(*ids_BS.shape, D, dtype=self.stages.dtype, device=mesh.device)
+                ops.append(dist.P2POp(dist.irecv, buf, peer, mesh.pp_group))
+                received.append((key, buf))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for key, buf in received:
+            self.data[key] = buf
+
+
+def _to_device(t: Tensor | None, device: torch.device) -> Tensor | None:
+    # From pinned memory without blocking: a copy from pageable memory waits for the whole stream.
+    if t is None or t.device == device or device.type != "cuda":
+        return None if t is None else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _micro_on_device(micro: list, mesh: parallel.Mesh) -> list:
+    return [tuple(_to_device(t, mesh.device) for t in local_tokens(x, y, mesh)) for x, y in micro]
+
+
+def train_step(
+    stages: Stages,
+    optimizer: torch.optim.Optimizer,
+    micro: list[tuple[Tensor, Tensor]],
+    lr: float,
+    aux: Aux,
+    grad_clip: float,
+    bias_rate: float,
+) -> StepResult:
+    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS)]: the schedule's
+    forward and backward work (bf16 autocast on CUDA), then the gradient norm, the optimizer at `lr`
+    with the clip coefficient folded into its update (`optimizer.step(grad_scale=...)`, as
+    pith_train.optim.AdamW), the expert-bias update (aux-loss-free balancing, rate `bias_rate`).
+
+    -> StepResult of device tensors: no host sync of its own, so the CPU queues the whole step ahead
+    of the GPU (step_values reads them in one sync). A non-finite loss or gradient norm skips the
+    update on the device: weights, moments and expert biases stay as they were, and step_values
+    raises FloatingPointError."""
+    mesh, model = stages.mesh, stages.model
+    micro = _micro_on_device(micro, mesh)
+    label_tokens = parallel.all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y, _ in micro), mesh)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    for unit in stages.units:  # reduced in each unit's last backward segment (module docstring)
+        unit.set_requires_gradient_sync(False, recurse=False)
+    run = _Run(stages, micro, label_tokens, aux._replace(micro_batches=len(micro)), True)
+    run.run(schedule(mesh.layout.pp, mesh.pp_rank, len(micro)))
+    if mesh.layout.pp > 1:
+        for unit in stages.units:
+            unit.reshard()
+    sums = parallel.all_reduce_sum(run.sums[:2].clone(), mesh, pp=True)
+    loss, aux_loss = sums[0] / label_tokens, sums[1]
+    with record_function("optimizer"):
+        grad_norm = parallel.grad_norm(list(model.parameters()), mesh)
+        finite = torch.isfinite(loss + aux_loss + grad_norm)
+        coef = parallel.clip_coef(grad_norm, grad_clip)
+        optimizer.step(grad_scale=torch.where(finite, coef, torch.nan).reshape(1))
+        optimizer.zero_grad(set_to_none=True)
+        update_expert_bias(stages.biases, run.counts, finite * bias_rate)
+    return StepResult(loss, aux_loss, grad_norm, _all_counts(run.counts, stages))
+
+
+def step_values(loss: Tensor, aux: Tensor, grad_norm: Tensor, counts_LE: Tensor | None):
+    """train_step's outputs read in one host sync -> (loss, aux, grad norm, max/mean expert load per
+    MoE layer); FloatingPointError when the step was skipped for a non-finite value."""
+    parts = [loss.float().reshape(1), aux.float().reshape(1), grad_norm.float().reshape(1)]
+    if counts_LE is not None:
+        parts.append(counts_LE.amax(1) / counts_LE.mean(1))
+    loss, aux, norm, *load = torch.cat(parts).tolist()
+    if not math.isfinite(loss + aux + norm):
+        raise FloatingPointError(f"loss is {loss} (aux {aux}, gradient norm {norm})")
+    return loss, aux, norm, [x for x in load if x == x]  # dense layers' 0/0 left out
+
+
+@torch.no_grad()
+def update_expert_bias(biases: dict[int, Tensor], counts: dict[int, Tensor], rate: Tensor | float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer.
+
+    The counts are the step's, summed over micro-batches and data ranks, so every rank updates alike;
+    a device-scalar rate (0 for a skipped step) needs no host sync."""
+    assert biases.keys() <= counts.keys() or not biases, (biases.keys(), counts.keys())
+    for i, bias_E in biases.items():
+        bias_E += rate * torch.sign(counts[i].mean() - counts[i])
+
+
+def _all_counts(counts: dict[int, Tensor], stages: Stages) -> Tensor | None:
+    """[L, E] expert counts of every layer of the model (gathered over the pipeline ranks; zero rows
+    for dense layers), None for a dense model."""
+    if not stages.num_experts:
+        return None
+    out = torch.zeros(stages.model.cfg.num_hidden_layers, stages.num_experts, device=stages.mesh.device)
+    for i, c in counts.items():
+        out[i] = c
+    if stages.mesh.pp_group is not None:
+        dist.all_reduce(out, group=stages.mesh.pp_group)
+    return out
+
+
+@torch.no_grad()
+def evaluate(stages: Stages, batches) -> float:
+    """Cross-entropy per label token over `batches` [(inputs_BS, labels_BS)] on every data rank."""
+    mesh = stages.mesh
+    micro = _micro_on_device(list(batches), mesh)
+    run = _Run(stages, micro, 1, Aux(), grad=False)
+    run.run(forward_schedule(mesh.layout.pp, mesh.pp_rank, len(micro)))
+    total = parallel.all_reduce_sum(run.sums[[0, 2]].clone(), mesh, pp=True)
+    return (total[0] / total[1]).item()
