@@ -41,8 +41,8 @@ class Pending:
 
     def __init__(self, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup):
         self.out = x.new_empty(sum(out_splits), *x.shape[1:])
-        x = x.contiguous()
-        self.work = dist.all_to_all_single(self.out, x, out_splits, in_splits, group, async_op=True)
+        self.x = x.contiguous()  # kept alive until the exchange is done
+        self.work = dist.all_to_all_single(self.out, self.x, out_splits, in_splits, group, async_op=True)
 
     def wait(self) -> Tensor:
         self.work.wait()
