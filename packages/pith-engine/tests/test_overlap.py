@@ -1,8 +1,9 @@
 """The overlapped pair: the interleave of one MoE layer's forward with another's backward is the
 documented one; every exchange of one side is in flight while the other side computes (any step
 sequences without back-to-back exchanges); and under ep=2 on gloo, micro-batch 1's forward
-overlapped with micro-batch 0's backward (weight gradients deferred to a queue and run after) gives
-the losses and every gradient of the plain whole-graph run, bit for bit.
+overlapped with micro-batch 0's backward (weight gradients deferred to a queue and run after, each
+MoE layer's auxiliary loss injected in its stage 1) gives the losses and every gradient of the plain
+whole-graph run, bit for bit.
 
 Run as a script, this file is one rank of the distributed test.
 """
@@ -90,14 +91,18 @@ def _worker(world: int, rank: int, tmp: Path) -> None:
         w = model.lm_head.weight
         return lambda h: pith_ops.linear_cross_entropy(h.flatten(0, 1), w, labels_BS.flatten(), -100, "sum")
 
+    def aux_of(r):  # a router z-loss and a probability penalty, per layer
+        z = (torch.logsumexp(r.logits_TE.float(), dim=-1) ** 2).mean()
+        return 1e-2 * z + 1e-1 * (r.probs_TE**2).sum() / r.probs_TE.shape[0]
+
     # Plain: each micro-batch's forward and backward through one autograd graph.
     plain, comm = fresh(), ExpertParallel(group)
     plain_losses = []
     for ids, lab in zip(micro, labels):
-        h, _ = executor.forward(plain, ids, comm)
-        loss = loss_of(plain, lab)(h)
-        loss.backward()
-        plain_losses.append(loss.detach())
+        h, routings = executor.forward(plain, ids, comm)
+        aux = sum(aux_of(r) for r in routings)
+        (loss_of(plain, lab)(h) + aux).backward()
+        plain_losses.append((loss_of(plain, lab)(h).detach(), aux.detach()))
 
     # Overlapped: F(0) alone, then F(1) with B(0) as one overlapped pair, then B(1); every backward's
     # weight gradients deferred and run afterwards (the W slots).
@@ -107,7 +112,7 @@ def _worker(world: int, rank: int, tmp: Path) -> None:
     queue = WeightGradQueue()
     set_wgrad_queue(model, queue)
     mbs = [
-        MicroBatch(model, comm, ids, model.positions(default_position_ids(ids)), loss_of(model, lab))
+        MicroBatch(model, comm, ids, model.positions(default_position_ids(ids)), loss_of(model, lab), aux_of)
         for ids, lab in zip(micro, labels)
     ]
     run_pair(mbs[0].forward_steps(), [])
@@ -119,8 +124,8 @@ def _worker(world: int, rank: int, tmp: Path) -> None:
         run_pair(mbs[1].backward_steps(), [])
     queue.run_all()
 
-    for a, b in zip(plain_losses, [mb.loss for mb in mbs]):
-        assert torch.equal(a, b), (a, b)
+    for (ce, aux), mb in zip(plain_losses, mbs):
+        assert torch.equal(ce, mb.loss) and torch.equal(aux, mb.aux), (ce, aux, mb)
     for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
         assert q.grad is not None and torch.equal(p.grad, q.grad), (name, (p.grad - q.grad).abs().max())
     # The pair's trace: every exchange of one micro-batch waited only after a compute of the other.

@@ -104,10 +104,21 @@ class Segment:
 class MicroBatch:
     """One micro-batch through `model` as steps: `forward_steps()` then, after it ran,
     `backward_steps()`. The loss is loss_fn(epilogue output); its backward starts from d loss = 1.
+    aux_fn(routing) -> scalar, if given, is each MoE layer's auxiliary loss term, computed in that
+    layer's stage-1 segment and back-propagated from there (d term = 1); `aux` sums them.
     comm is the ExpertParallel of the EP group."""
 
-    def __init__(self, model: MoEModel, comm: ExpertParallel, input_ids_BS: Tensor, pos: Positions, loss_fn):
-        self.model, self.comm, self.pos, self.loss_fn = model, comm, pos, loss_fn
+    def __init__(
+        self,
+        model: MoEModel,
+        comm: ExpertParallel,
+        input_ids_BS: Tensor,
+        pos: Positions,
+        loss_fn: Callable[[Tensor], Tensor],
+        aux_fn: Callable[[Routing], Tensor] | None = None,
+    ):
+        self.model, self.comm, self.pos, self.loss_fn, self.aux_fn = model, comm, pos, loss_fn, aux_fn
+        self.aux = torch.zeros(())
         self.input_ids = input_ids_BS
         self.h: Tensor | None = None  # the residual stream between forward steps
         self.dh: Tensor | None = None  # its gradient between backward steps
@@ -148,11 +159,19 @@ class _LayerRun:
         mb, comm, t = self.mb, self.mb.comm, self.tag
 
         def f1():
-            self.s1 = Segment(lambda h: _flat_stage1(self.layer.stage1(h, mb.pos)), mb.h)
-            self.routing = _routing(self.s1.outputs)
+            def stage1(h):
+                s1 = self.layer.stage1(h, mb.pos)
+                r = s1.routing
+                if r is None:
+                    return (s1.h_BSD,)
+                return (s1.h_BSD, *r, mb.aux_fn(r) if mb.aux_fn else torch.zeros((), device=h.device))
+
+            self.s1 = Segment(stage1, mb.h)
+            self.routing = None if len(self.s1.outputs) == 1 else Routing(*self.s1.outputs[1:-1])
             if self.routing is None:
                 mb.h = self.s1.outputs[0]
             else:  # issued early: its wait in F2.issue is the layer's host sync
+                mb.aux = mb.aux + self.s1.outputs[-1].detach()
                 self.counts = comm.counts(self.routing)
 
         def f2_issue():
@@ -205,7 +224,8 @@ class _LayerRun:
                 mb.dh = self.s1.backward(mb.dh)[0]
             else:
                 d_x_TD, d_weights_TK = self.d_routing
-                mb.dh = self.s1.backward(self.d_h1, d_x_TD, None, d_weights_TK, None, None)[0]
+                d_aux = torch.ones_like(self.s1.outputs[-1]) if mb.aux_fn else None
+                mb.dh = self.s1.backward(self.d_h1, d_x_TD, None, d_weights_TK, None, None, d_aux)[0]
 
         def b5():
             self.d_h1, self.d_rows_SD = self.s5.backward(mb.dh)
@@ -238,12 +258,3 @@ class _LayerRun:
             Step(f"B2 {t}", None, b2_issue, b2_wait),
             Step(f"B1 {t}", b1),
         ]
-
-
-def _flat_stage1(s1) -> tuple:
-    r = s1.routing
-    return (s1.h_BSD,) if r is None else (s1.h_BSD, *r)
-
-
-def _routing(outputs: tuple) -> Routing | None:
-    return None if len(outputs) == 1 else Routing(*outputs[1:])
