@@ -3,7 +3,7 @@ documented one; every exchange of one side is in flight while the other side com
 sequences without back-to-back exchanges); and under ep=2 on gloo, micro-batch 1's forward
 overlapped with micro-batch 0's backward (weight gradients deferred to a queue and run after, each
 MoE layer's auxiliary loss injected in its stage 1) gives the losses and every gradient of the plain
-whole-graph run, bit for bit.
+whole-graph run, bit for bit; so do two pipeline chunks run one after the other.
 
 Run as a script, this file is one rank of the distributed test.
 """
@@ -123,6 +123,24 @@ def _worker(world: int, rank: int, tmp: Path) -> None:
     with queue.deferring():
         run_pair(mbs[1].backward_steps(), [])
     queue.run_all()
+
+    # Two pipeline chunks (layers 0-1, layer 2) in a row, the activation and its gradient handed over.
+    chunked = fresh()
+    chunked_losses = []
+    for ids, lab in zip(micro, labels):
+        pos = chunked.positions(default_position_ids(ids))
+        a = MicroBatch(chunked, comm, ids, pos, None, aux_of, chunk=range(2))
+        b = MicroBatch(chunked, comm, ids, pos, loss_of(chunked, lab), aux_of, chunk=range(2, 3))
+        run_pair(a.forward_steps(), [])
+        b.h = a.h.detach()
+        run_pair(b.forward_steps(), [])
+        run_pair(b.backward_steps(), [])
+        a.dh = b.dh
+        run_pair(a.backward_steps(), [])
+        chunked_losses.append((b.loss, a.aux + b.aux))
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), ("chunked", name, (p.grad - q.grad).abs().max())
+    assert all(torch.equal(x, y) for x, y in zip(sum(plain_losses, ()), sum(chunked_losses, ())))
 
     for (ce, aux), mb in zip(plain_losses, mbs):
         assert torch.equal(ce, mb.loss) and torch.equal(aux, mb.aux), (ce, aux, mb)

@@ -102,8 +102,12 @@ class Segment:
 
 
 class MicroBatch:
-    """One micro-batch through `model` as steps: `forward_steps()` then, after it ran,
-    `backward_steps()`. The loss is loss_fn(epilogue output); its backward starts from d loss = 1.
+    """One micro-batch through the layers `chunk` (indices into model.layers; all by default) as
+    steps: `forward_steps()` then, after they ran, `backward_steps()`. The chunk holding layer 0 runs
+    the prologue on input_ids; otherwise set `h` (the received activation) before the forward. The
+    chunk holding the last layer ends in loss_fn(epilogue output), whose backward starts from 1;
+    otherwise set `dh` (the received gradient) before the backward. After the forward `h` is the
+    chunk's output; after the backward `dh` the gradient of its input (pipeline sends read them).
     aux_fn(routing) -> scalar, if given, is each MoE layer's auxiliary loss term, computed in that
     layer's stage-1 segment and back-propagated from there (d term = 1); `aux` sums them.
     comm is the ExpertParallel of the EP group."""
@@ -114,10 +118,12 @@ class MicroBatch:
         comm: ExpertParallel,
         input_ids_BS: Tensor,
         pos: Positions,
-        loss_fn: Callable[[Tensor], Tensor],
+        loss_fn: Callable[[Tensor], Tensor] | None,
         aux_fn: Callable[[Routing], Tensor] | None = None,
+        chunk: range | None = None,
     ):
         self.model, self.comm, self.pos, self.loss_fn, self.aux_fn = model, comm, pos, loss_fn, aux_fn
+        self.chunk = chunk or range(len(model.layers))
         self.aux = torch.zeros(())
         self.input_ids = input_ids_BS
         self.h: Tensor | None = None  # the residual stream between forward steps
@@ -133,20 +139,21 @@ class MicroBatch:
             self.head = Segment(lambda h: self.loss_fn(self.model.epilogue(h)), self.h)
             self.loss = self.head.outputs[0].detach()
 
-        steps = [Step("FP", prologue)]
-        self.layers = [_LayerRun(self, layer, i) for i, layer in enumerate(self.model.layers)]
+        steps = [Step("FP", prologue)] if self.chunk.start == 0 else []
+        self.layers = [_LayerRun(self, self.model.layers[i], i) for i in self.chunk]
         for run in self.layers:
             steps += run.forward_steps()
-        return steps + [Step("FL", loss)]
+        return steps + ([Step("FL", loss)] if self.chunk.stop == len(self.model.layers) else [])
 
     def backward_steps(self) -> list[Step]:
         def loss():
             (self.dh,) = self.head.backward(torch.ones_like(self.head.outputs[0]))
 
-        steps = [Step("BL", loss)]
+        steps = [Step("BL", loss)] if self.chunk.stop == len(self.model.layers) else []
         for run in reversed(self.layers):
             steps += run.backward_steps()
-        return steps + [Step("BP", lambda: self.prologue.backward(self.dh))]
+        first = self.chunk.start == 0
+        return steps + ([Step("BP", lambda: self.prologue.backward(self.dh))] if first else [])
 
 
 class _LayerRun:
