@@ -233,9 +233,11 @@ class _LayerRun:
                 d_x_TD, d_weights_TK = self.d_routing
                 d_aux = torch.ones_like(self.s1.outputs[-1]) if mb.aux_fn else None
                 mb.dh = self.s1.backward(self.d_h1, d_x_TD, None, d_weights_TK, None, None, d_aux)[0]
+            del self.s1  # each segment is dropped after its backward: its activations go with it
 
         def b5():
             self.d_h1, self.d_rows_SD = self.s5.backward(mb.dh)
+            del self.s5
 
         def b4_issue():
             p = self.plan
@@ -243,18 +245,22 @@ class _LayerRun:
 
         def b4_wait():
             self.d_y, _, self.d_weights_MK = self.s4.backward(self.d_pending.wait())
+            del self.s4, self.d_pending, self.d_rows_SD
 
         def b3():
             self.d_x_ND = self.s3.backward(self.d_y)[0]
+            del self.s3, self.d_y
 
         def b2_issue():
             p = self.plan
             d_x_MD, d_meta_M2K = self.s2b.backward(self.d_x_ND, None, None, self.d_weights_MK)
+            del self.s2b, self.d_x_ND, self.d_weights_MK
             self.d_sent = [Pending(g, p.send_rows, p.recv_rows, comm.group) for g in (d_x_MD, d_meta_M2K)]
 
         def b2_wait():
             d_x_SD, d_meta_S2K = (pending.wait() for pending in self.d_sent)
             self.d_routing = self.s2a.backward(d_x_SD, d_meta_S2K, None)
+            del self.s2a, self.d_sent
 
         if self.layer.experts is None:
             return [Step(f"B1 {t}", b1)]
