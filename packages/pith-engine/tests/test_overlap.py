@@ -106,7 +106,7 @@ def _worker(world: int, rank: int, tmp: Path) -> None:
 
     # Overlapped: F(0) alone, then F(1) with B(0) as one overlapped pair, then B(1); every backward's
     # weight gradients deferred and run afterwards (the W slots).
-    from pith_engine.overlap import MicroBatch, run_pair
+    from pith_engine.overlap import MicroBatch, run_overlapped, run_pair
 
     model = fresh()
     queue = WeightGradQueue()
@@ -115,14 +115,25 @@ def _worker(world: int, rank: int, tmp: Path) -> None:
         MicroBatch(model, comm, ids, model.positions(default_position_ids(ids)), loss_of(model, lab), aux_of)
         for ids, lab in zip(micro, labels)
     ]
-    run_pair(mbs[0].forward_steps(), [])
     trace = []
+    run_pair(mbs[0].forward_steps(), [])
     with queue.deferring():
         run_pair(mbs[1].forward_steps(), mbs[0].backward_steps(), trace)
     assert all(p.grad is None for n, p in model.named_parameters() if "experts" in n)  # deferred
     with queue.deferring():
         run_pair(mbs[1].backward_steps(), [])
     queue.run_all()
+    # run_overlapped: the same schedule for any number of micro-batches.
+    again = fresh()
+    again_queue = WeightGradQueue()
+    set_wgrad_queue(again, again_queue)
+    mbs_again = [
+        MicroBatch(again, comm, ids, again.positions(default_position_ids(ids)), loss_of(again, lab), aux_of)
+        for ids, lab in zip(micro, labels)
+    ]
+    run_overlapped(mbs_again, again_queue)
+    for p, q in zip(model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
 
     # Two pipeline chunks (layers 0-1, layer 2) in a row, the activation and its gradient handed over.
     chunked = fresh()

@@ -5,10 +5,11 @@ micro-batch i's backward).
 
 A side is a list of `Step`s: compute steps run at once; communication steps are issued, and waited
 for just before the side's next step. `interleave` is the order (a pure function, tested);
-`run_pair` executes it. `MicroBatch` cuts one micro-batch through a model into such steps: every
-stage an autograd segment of its own (`Segment`: detached inputs, kept outputs, backward when the
-schedule says), stages 2 and 4 under expert parallelism as communication steps whose exchanges,
-forward and backward, are issued asynchronously (`expert_parallel.Pending`).
+`run_pair` executes it; `run_overlapped` runs a pp=1 step's micro-batches so. `MicroBatch` cuts
+one micro-batch (or a chunk of its layers) into such steps: every stage an autograd segment of its
+own (`Segment`: detached inputs, kept outputs, backward when the schedule says), stages 2 and 4
+under expert parallelism as communication steps whose exchanges, forward and backward, are issued
+asynchronously (`expert_parallel.Pending`).
 
 The interleave of one MoE layer's forward (F, micro-batch i+1) with one layer's backward (B,
 micro-batch i), where F2's issue holds the layer's host sync (the exchange counts, issued at the end
@@ -30,6 +31,7 @@ from torch import Tensor
 
 from pith_engine.contract import MoEModel, Positions, Routing
 from pith_engine.expert_parallel import ExpertParallel, Pending
+from pith_engine.layers import WeightGradQueue
 
 
 class Phase(Enum):
@@ -79,6 +81,21 @@ def run_pair(first: Sequence[Step], second: Sequence[Step], trace: list[str] | N
         (step.run if phase is Phase.RUN else step.issue if phase is Phase.ISSUE else step.wait)()
         if trace is not None:
             trace.append(f"{step.name} {phase.value}")
+
+
+def run_overlapped(micro_batches: Sequence["MicroBatch"], queue: WeightGradQueue | None = None) -> None:
+    """A step's micro-batches without pipeline parallelism: F(0), then F(i+1) overlapped with B(i),
+    then B(last). With a queue each backward's weight gradients are deferred and run right after
+    the pair (pp=1 has no bubble to move them into; the queue is how the same code serves DualPipeV)."""
+    fwd = [mb.forward_steps for mb in micro_batches] + [lambda: []]
+    bwd = [lambda: []] + [mb.backward_steps for mb in micro_batches]
+    for f, b in zip(fwd, bwd):
+        if queue is None:
+            run_pair(f(), b())
+            continue
+        with queue.deferring():
+            run_pair(f(), b())
+        queue.run_next()
 
 
 class Segment:
