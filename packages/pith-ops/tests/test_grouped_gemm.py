@@ -1,4 +1,5 @@
-"""grouped_gemm against its float64 reference: output, dX, dW, opcheck, errors.
+"""grouped_gemm against its float64 reference: output, dX, dW, opcheck, errors; its backward in
+two halves (dX now, dW later) against the plain backward, bit for bit.
 
 Shape legend: N grouped rows, I input features, O output features, E experts.
 """
@@ -7,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pith_ops import _common, grouped_gemm, grouped_gemm_reference
+from pith_ops import _common, grouped_gemm, grouped_gemm_backward, grouped_gemm_reference
 
 
 def check_grouped_gemm(sizes, tail, I, O, seed, dtype=torch.float32, device="cpu", tol=1e-4):
@@ -56,6 +57,33 @@ def test_grouped_gemm_edge_shapes(sizes, tail):
 
 def test_grouped_gemm_fp16_matches_reference():
     check_grouped_gemm([5, 0, 19, 8], 3, I=24, O=40, seed=0, dtype=torch.float16, tol=3e-3)
+
+
+@given(
+    sizes=st.lists(st.integers(0, 21), min_size=1, max_size=6),
+    tail=st.integers(0, 5),
+    I=st.integers(1, 24),
+    O=st.integers(1, 24),
+    seed=st.integers(0, 2**16),
+    kernel=st.booleans(),
+)
+def test_grouped_gemm_backward_halves_equal_the_plain_backward_bit_for_bit(sizes, tail, I, O, seed, kernel):
+    """kernel: the Triton kernels (interpreted on CPU), else the reference's autograd formulas."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_common, "INTERPRET", kernel)
+        check_backward_halves(sizes, tail, I, O, seed)
+
+
+def check_backward_halves(sizes, tail, I, O, seed):
+    g = torch.Generator().manual_seed(seed)
+    ends_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x_NI = torch.randn(sum(sizes) + tail, I, generator=g).requires_grad_()
+    w_EIO = torch.randn(len(sizes), I, O, generator=g).requires_grad_()
+    dy_NO = torch.randn(x_NI.shape[0], O, generator=g)
+    want_dx, want_dw = torch.autograd.grad(grouped_gemm(x_NI, w_EIO, ends_E), (x_NI, w_EIO), dy_NO)
+    dx, wgrad = grouped_gemm_backward(x_NI.detach(), w_EIO.detach(), ends_E, dy_NO)
+    assert torch.equal(dx, want_dx) and torch.equal(wgrad(), want_dw)
+    assert grouped_gemm_backward(x_NI.detach(), w_EIO.detach(), ends_E, dy_NO, need_dx=False)[0] is None
 
 
 def test_opcheck():

@@ -1,9 +1,11 @@
 """Building blocks that several model files share, so each model file keeps only its own math.
 
-What is here is the same in every model that uses it: RMSNorm, the dense SwiGLU MLP, the routed
+What is here is the same in every model that uses it: RMSNorm, the dense projections (Linear) and
+SwiGLU MLP, the routed
 SwiGLU experts (stage 3) and stage 5's weighted combine, the reference loop over experts, RoPE
 tables (plain and YaRN), the embedding / final-norm / lm_head frame of a model, the seeded
-normal initialiser, the field checks closing every Config.from_hf, and the Hugging Face layout
+normal initialiser, the weight-gradient queue that Linear and Experts can defer their weight
+gradients to, the field checks closing every Config.from_hf, and the Hugging Face layout
 conversion of the SwiGLU MLP and experts.
 Parameter names are the checkpoints' and the engine's (`mlp.experts.w_gate_up`, `expert_bias`):
 renaming one here renames it in every model.
@@ -13,7 +15,9 @@ Shape legend: B batch, S sequence, T = B*S tokens, D hidden, F (expert) MLP widt
 """
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import MISSING, fields
 from typing import Protocol
 
@@ -24,6 +28,111 @@ from torch.distributed import ProcessGroup
 
 from pith_engine import executor
 from pith_engine.contract import Positions, default_position_ids
+
+
+class WeightGradQueue:
+    """Weight-gradient work that backward passes left for later: a schedule's W slots run it.
+
+    The step executor owns one and hands it to the modules that can defer (`set_wgrad_queue`). A
+    backward run inside `with queue.deferring():` computes input gradients at once and leaves its
+    weight-gradient work here as one group; `run_next()` runs the oldest group (one W action),
+    accumulating into the parameters' .grad through the same autograd edges, bit for bit what the
+    plain backward gives (tested). Outside `deferring()` the work runs inside the backward, as
+    without a queue. Deferred work keeps the GEMM inputs and output gradients alive until it runs."""
+
+    def __init__(self):
+        self._groups: deque[list] = deque()
+        self._open: list | None = None
+
+    @contextmanager
+    def deferring(self):
+        assert self._open is None, "WeightGradQueue.deferring() does not nest"
+        self._open = []
+        try:
+            yield
+        finally:
+            self._groups.append(self._open)
+            self._open = None
+
+    def defer(self, weights: tuple[Tensor, ...], wgrad: Callable[[], tuple[Tensor, ...]]) -> bool:
+        """-> whether the work was queued (inside deferring()); False: the caller runs it now."""
+        if self._open is None:
+            return False
+        self._open.append((weights, wgrad))
+        return True
+
+    def run_next(self) -> None:
+        """Run the oldest group of deferred work (a W action); the queue must not be empty."""
+        tensors, grads = [], []
+        for weights, wgrad in self._groups.popleft():
+            tensors += weights
+            grads += wgrad()
+        if tensors:  # through the weights' own graph (a dtype cast, FSDP's unsharded view) to .grad
+            torch.autograd.backward(tensors, grads)
+
+    def run_all(self) -> None:
+        while self._groups:
+            self.run_next()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
+class _DeferWgrad(torch.autograd.Function):
+    """y = forward(x, *weights) with a backward whose weight gradients a WeightGradQueue may defer.
+
+    split(x, weights, dy, need_dx) -> (dx or None, closure -> weights' grads) when the op has one
+    (pith_ops.grouped_gemm_backward, its FP8 siblings); split None: forward is differentiated by
+    autograd, its graph kept from the forward and asked for dx in the backward and for the
+    weights' grads by the closure (mm's backward computes only what is asked: no recompute)."""
+
+    @staticmethod
+    def forward(ctx, queue: WeightGradQueue, forward: Callable, split: Callable | None, x, *weights):
+        ctx.queue, ctx.split, ctx.weights = queue, split, weights
+        if split is not None:
+            ctx.save_for_backward(x, *weights)
+            return forward(x, *weights)
+        ctx.leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x, *weights)]
+        with torch.enable_grad():
+            ctx.y = forward(*ctx.leaves)
+        return ctx.y.detach()
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_dx, need_w = ctx.needs_input_grad[3], ctx.needs_input_grad[4:]
+        weights = [w for w, need in zip(ctx.weights, need_w) if need]
+        if ctx.split is not None:
+            x, *saved = ctx.saved_tensors
+            dx, split_wgrad = ctx.split(x, saved, dy, need_dx)
+            wgrad = lambda: [g for g, need in zip(split_wgrad(), need_w) if need]
+        else:
+            x_leaf, *w_leaves = ctx.leaves
+            y, leaves = ctx.y, [w for w, need in zip(w_leaves, need_w) if need]
+            dx = torch.autograd.grad(y, x_leaf, dy, retain_graph=bool(leaves))[0] if need_dx else None
+            wgrad = lambda: torch.autograd.grad(y, leaves, dy) if leaves else ()
+            del ctx.y, ctx.leaves
+        if weights and ctx.queue.defer(tuple(weights), wgrad):
+            return None, None, None, dx, *(None for _ in need_w)
+        grads = iter(wgrad())
+        return None, None, None, dx, *(next(grads) if need else None for need in need_w)
+
+
+def defer_wgrad(
+    queue: WeightGradQueue | None, forward: Callable, split: Callable | None, x: Tensor, *weights: Tensor
+) -> Tensor:
+    """forward(x, *weights), its weight gradients deferrable to `queue` (None, or under torch.compile,
+    whose traced backward cannot push to a Python queue: the plain call)."""
+    if queue is None or torch.compiler.is_compiling():
+        return forward(x, *weights)
+    return _DeferWgrad.apply(queue, forward, split, x, *weights)
+
+
+def set_wgrad_queue(model: nn.Module, queue: WeightGradQueue | None) -> None:
+    """Let every projection (Linear) and expert GEMM of `model` defer its weight gradients to `queue`
+    (None: never)."""
+    for m in model.modules():
+        if isinstance(m, FP8Switch):
+            m.wgrad_queue = queue
 
 
 class RMSNorm(nn.Module):
@@ -38,9 +147,11 @@ class RMSNorm(nn.Module):
 
 
 class FP8Switch:
-    """A module whose GEMMs run in FP8 while `fp8` is set (use_fp8 sets it for a whole model)."""
+    """A module whose GEMMs run in FP8 while `fp8` is set (use_fp8 sets it for a whole model), and
+    whose weight gradients go to `wgrad_queue` when one is set (set_wgrad_queue)."""
 
     fp8: bool = False
+    wgrad_queue: WeightGradQueue | None = None
 
 
 def use_fp8(model: nn.Module, enabled: bool = True) -> None:
@@ -53,22 +164,33 @@ def use_fp8(model: nn.Module, enabled: bool = True) -> None:
 
 
 class Linear(FP8Switch, nn.Linear):
-    """nn.Linear, through pith_ops.fp8_linear while fp8 is set. The model files' projections."""
+    """nn.Linear, through pith_ops.fp8_linear while fp8 is set. The model files' projections. Its weight
+    gradients can be deferred (not yet under FP8)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.fp8:
-            return super().forward(x)
+            weights = (self.weight,) if self.bias is None else (self.weight, self.bias)
+            return defer_wgrad(self.wgrad_queue, nn.functional.linear, None, x, *weights)
         y = pith_ops.fp8_linear(x, self.weight)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-def expert_gemm(x_ND: Tensor, w_EIO: Tensor, group_ends_E: Tensor, fp8: bool) -> Tensor:
+def expert_gemm(
+    x_ND: Tensor, w_EIO: Tensor, group_ends_E: Tensor, fp8: bool, queue: WeightGradQueue | None = None
+) -> Tensor:
     """The experts' grouped GEMM: FP8 straight from the (fp32 master) weight, or in the rows' dtype
     (bf16 rows under autocast meet fp32 master weights; a no-op cast otherwise; pith_ops.cast for a
-    vectorised cast of the gradient back, its docstring has the numbers)."""
+    vectorised cast of the gradient back, its docstring has the numbers), its weight gradient
+    deferrable to `queue` (not yet under FP8)."""
     if fp8:
         return pith_ops.fp8_grouped_gemm(x_ND, w_EIO, group_ends_E)
-    return pith_ops.grouped_gemm(x_ND, pith_ops.cast(w_EIO, x_ND.dtype), group_ends_E)
+
+    def split(x_NI, weights, dy_NO, need_dx):
+        dx, wgrad = pith_ops.grouped_gemm_backward(x_NI, weights[0], group_ends_E, dy_NO, need_dx)
+        return dx, lambda: (wgrad(),)
+
+    forward = lambda x, w: pith_ops.grouped_gemm(x, w, group_ends_E)
+    return defer_wgrad(queue, forward, split, x_ND, pith_ops.cast(w_EIO, x_ND.dtype))
 
 
 class MLP(nn.Module):
@@ -93,8 +215,8 @@ class Experts(FP8Switch, nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
 
     def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
-        h_N2F = expert_gemm(x_ND, self.w_gate_up, group_ends_E, self.fp8)
-        return expert_gemm(pith_ops.swiglu(h_N2F), self.w_down, group_ends_E, self.fp8)
+        h_N2F = expert_gemm(x_ND, self.w_gate_up, group_ends_E, self.fp8, self.wgrad_queue)
+        return expert_gemm(pith_ops.swiglu(h_N2F), self.w_down, group_ends_E, self.fp8, self.wgrad_queue)
 
     def reference(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
         w_gate_up, w_down = self.w_gate_up, self.w_down

@@ -220,9 +220,10 @@ class Experts(FP8Switch, nn.Module):
         expert_N = torch.searchsorted(group_ends_E, rows_N, right=True).clamp(max=group_ends_E.shape[0] - 1)
         # Biases in the rows' dtype: bf16 rows under autocast meet fp32 master weights.
         b_gate_up, b_down = self.b_gate_up.to(x_ND.dtype), self.b_down.to(x_ND.dtype)
-        h_N2F = expert_gemm(x_ND, self.w_gate_up, group_ends_E, self.fp8) + b_gate_up[expert_N]
+        gemm = lambda x, w: expert_gemm(x, w, group_ends_E, self.fp8, self.wgrad_queue)
+        h_N2F = gemm(x_ND, self.w_gate_up) + b_gate_up[expert_N]
         h_NF = pith_ops.swiglu_oss(h_N2F, self.alpha, self.limit)
-        return expert_gemm(h_NF, self.w_down, group_ends_E, self.fp8) + b_down[expert_N]
+        return gemm(h_NF, self.w_down) + b_down[expert_N]
 
     def reference(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
         def expert(e: int, x: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_re
 from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_reference
 from pith_ops.fp8_linear import fp8_linear, fp8_linear_reference
 from pith_ops.fp8_quant import quantize_cols, quantize_cols_reference, quantize_rows, quantize_rows_reference
-from pith_ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from pith_ops.grouped_gemm import grouped_gemm, grouped_gemm_backward, grouped_gemm_reference
 from pith_ops.moe_permute import moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference
 from pith_ops.rmsnorm import rms_norm, rms_norm_reference
 from pith_ops.rope import apply_rope, apply_rope_reference
@@ -27,6 +27,7 @@ __all__ = [
     "fp8_linear",
     "fp8_linear_reference",
     "grouped_gemm",
+    "grouped_gemm_backward",
     "grouped_gemm_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",

@@ -45,11 +45,13 @@ class _Cast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dtype):
         ctx.dtype = x.dtype
+        # No gradient stays none (a weight gradient deferred to a queue): no zeros cast and accumulated.
+        ctx.set_materialize_grads(False)
         return x.to(dtype)
 
     @staticmethod
     def backward(ctx, g):
-        return _cast_back(g, ctx.dtype), None
+        return None if g is None else _cast_back(g, ctx.dtype), None
 
 
 def cast(x: Tensor, dtype: torch.dtype) -> Tensor:

@@ -11,6 +11,8 @@ Two implementations behind one custom op (forward, dX, dW; bf16 in, fp32 accumul
 Neither writes rows past group_ends[-1]; a small kernel zeroes them (no host sync to find them).
 """
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -183,10 +185,33 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy_NO):
     x_NI, w_EIO, ends = ctx.saved_tensors
+    dx, wgrad = grouped_gemm_backward(x_NI, w_EIO, ends, dy_NO, ctx.needs_input_grad[0])
+    return dx, wgrad() if ctx.needs_input_grad[1] else None, None
+
+
+def grouped_gemm_backward(
+    x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, dy_NO: Tensor, need_dx: bool = True
+) -> tuple[Tensor | None, Callable[[], Tensor]]:
+    """grouped_gemm's backward in two halves: -> (dx_NI now, or None without need_dx; a closure
+    computing dw_EIO when called), so a schedule can run the weight gradient later. Both halves are
+    the kernels (off the GPU: the reference's autograd) that a plain backward runs:
+    the gradients are bit-identical to it, however late the closure is called."""
     dy_NO = dy_NO.contiguous()
-    dx = _grouped_gemm_op(dy_NO, w_EIO.transpose(1, 2), ends) if ctx.needs_input_grad[0] else None
-    dw = _wgrad_op(x_NI, dy_NO, ends, w_EIO.shape[0]) if ctx.needs_input_grad[1] else None
-    return dx, dw, None
+    if not use_triton(x_NI):
+        return _reference_backward(x_NI, w_EIO, group_ends_E, dy_NO, need_dx)
+    ends, E = group_ends_E.to(torch.int32), w_EIO.shape[0]
+    dx = _grouped_gemm_op(dy_NO, w_EIO.transpose(1, 2), ends) if need_dx else None
+    return dx, lambda: _wgrad_op(x_NI, dy_NO, ends, E)
+
+
+def _reference_backward(x_NI, w_EIO, group_ends_E, dy_NO, need_dx):
+    """Autograd through grouped_gemm_reference, recomputed (CPU spec path), asked for dx now and for dw
+    when the closure is called: mm's backward computes only the gradients asked for."""
+    x, w = x_NI.detach().requires_grad_(need_dx), w_EIO.detach().requires_grad_()
+    with torch.enable_grad():
+        y_NO = grouped_gemm_reference(x, w, group_ends_E)
+    dx = torch.autograd.grad(y_NO, x, dy_NO, retain_graph=True)[0] if need_dx else None
+    return dx, lambda: torch.autograd.grad(y_NO, w, dy_NO)[0]
 
 
 _grouped_gemm_op.register_autograd(_backward, setup_context=_setup)

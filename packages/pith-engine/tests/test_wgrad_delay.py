@@ -1,0 +1,111 @@
+"""Weight-gradient delay: Linear and Experts with a WeightGradQueue give bit-for-bit the gradients of
+the plain modules, whether the weight-gradient work runs inside the backward or later from the queue,
+over two accumulated micro-batches; deferred work leaves .grad untouched until it runs; under
+torch.compile the queue is bypassed and the result is unchanged.
+
+Shape legend: B batch, S sequence, D in features, O out features, N grouped rows, E experts, F expert
+hidden width.
+"""
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from pith_engine.layers import Experts, Linear, WeightGradQueue, set_wgrad_queue
+from pith_ops import _common
+
+
+def _grads(module, batches, queue, defer):
+    """Forward + backward of each micro-batch; with `defer`, each backward inside queue.deferring() and
+    its weight-gradient work run after the next micro-batch's backward (as a schedule's W slots do)."""
+    set_wgrad_queue(module, queue)
+    input_grads = []
+    for i, (inputs, dy) in enumerate(batches):
+        leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        out = module(*leaves)
+        if defer:
+            with queue.deferring():
+                out.backward(dy)
+            assert len(queue) == 1 + (i > 0)
+            if i == 0:  # nothing of this backward's weight work has run yet
+                assert all(p.grad is None for p in module.parameters())
+            if i > 0:
+                queue.run_next()
+        else:
+            out.backward(dy)
+        input_grads.append(leaves[0].grad)
+    queue.run_all() if queue is not None else None
+    return input_grads, [p.grad for p in module.parameters()]
+
+
+def _check_all_ways_equal(module, batches):
+    want = _grads(copy.deepcopy(module), batches, None, False)
+    for defer in (False, True):
+        got = _grads(copy.deepcopy(module), batches, WeightGradQueue(), defer)
+        for a, b in zip(want[0] + want[1], got[0] + got[1], strict=True):
+            assert torch.equal(a, b), (defer, (a - b).abs().max())
+
+
+@given(
+    lead=st.sampled_from([(0,), (3,), (2, 5), (1, 1)]),
+    D=st.integers(1, 17),
+    O=st.integers(1, 17),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_deferred_weight_grads_equal_the_plain_backward_bit_for_bit(lead, D, O, bias, seed):
+    torch.manual_seed(seed)
+    module = Linear(D, O, bias)
+    batches = [((torch.randn(*lead, D),), torch.randn(*lead, O)) for _ in range(2)]
+    _check_all_ways_equal(module, batches)
+
+
+@given(
+    sizes=st.lists(st.integers(0, 9), min_size=1, max_size=5),
+    tail=st.integers(0, 3),
+    D=st.integers(1, 12),
+    F=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+    kernel=st.booleans(),
+)
+def test_experts_deferred_weight_grads_equal_the_plain_backward_bit_for_bit(sizes, tail, D, F, seed, kernel):
+    """kernel: the grouped-GEMM Triton kernels (interpreted on CPU), else their reference."""
+    torch.manual_seed(seed)
+    module = Experts(len(sizes), D, F)
+    torch.nn.init.normal_(module.w_gate_up)
+    torch.nn.init.normal_(module.w_down)
+    ends_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    N = sum(sizes) + tail
+    batches = [((torch.randn(N, D), ends_E), torch.randn(N, D)) for _ in range(2)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_common, "INTERPRET", kernel)
+        _check_all_ways_equal(module, batches)
+
+
+def test_deferred_weight_grads_flow_through_the_weights_dtype_cast():
+    """fp16 rows meet fp32 weights (Experts casts them): the queue's work reaches the fp32 .grad."""
+    torch.manual_seed(0)
+    module = Experts(3, 8, 4)
+    torch.nn.init.normal_(module.w_gate_up, std=0.3)
+    torch.nn.init.normal_(module.w_down, std=0.3)
+    ends_E = torch.tensor([2, 2, 7], dtype=torch.int32)
+    batches = [((torch.randn(9, 8).half(), ends_E), torch.randn(9, 8).half())]
+    _check_all_ways_equal(module, batches)
+    assert module.w_gate_up.grad is None  # the checks ran on copies
+
+
+def test_linear_with_a_queue_compiles_to_one_graph_and_computes_weight_grads_at_once():
+    torch.manual_seed(0)
+    plain, queued = Linear(6, 5), Linear(6, 5)
+    queued.load_state_dict(plain.state_dict())
+    queue = WeightGradQueue()
+    set_wgrad_queue(queued, queue)
+    x, dy = torch.randn(2, 3, 6), torch.randn(2, 3, 5)
+    plain(x).backward(dy)
+    with queue.deferring():
+        torch.compile(queued, backend="aot_eager", fullgraph=True)(x).backward(dy)
+    queue.run_all()
+    for a, b in zip(plain.parameters(), queued.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
