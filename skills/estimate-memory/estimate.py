@@ -46,7 +46,7 @@ def activation_bytes(model: nn.Module, tokens: float, b: int, weight_bytes: int)
     cfg = model.cfg
     D, V, K = cfg.hidden_size, cfg.vocab_size, cfg.num_experts_per_tok
     total = b * tokens * D * 4 + weight_bytes * V * D
-    for layer in model.layers:
+    for layer in model.layers.values():
         linear = sum(m.in_features + m.out_features for m in layer.modules() if isinstance(m, nn.Linear))
         total += b * tokens * (linear + 4 * D)
         if layer.experts is not None:
@@ -74,7 +74,7 @@ def estimate(model: nn.Module, layout: Layout, micro_batch: int, seq_len: int, b
     else:
         in_layers = {id(p) for p in model.layers.parameters()}
         root = sum(p.numel() for p in model.parameters() if id(p) not in in_layers)
-        biggest = max(layer_numel(layer) for layer in model.layers)
+        biggest = max(layer_numel(layer) for layer in model.layers.values())
         copies = (2 * b + 4) * biggest + b * root
     tokens = micro_batch * seq_len / layout.cp
     return {

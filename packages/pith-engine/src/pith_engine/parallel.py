@@ -12,7 +12,15 @@ rank through the all-to-all backward; dense weights are summed over ep by FSDP).
 
 FSDP's unshard/reshard hooks run on module calls; the five-stage executor calls `stage1` (and the
 model's `prologue` / `epilogue`) as methods, so those are registered as FSDP forward methods; stage 3
-calls `layer.experts` (a module); stage 5 must not use parameters of its own.
+calls `layer.experts` (a module); stage 5 must not use parameters of its own. Each router (`layer.
+router`, called as a module inside stage 1) is an FSDP unit of its own with an fp32 policy: routing
+logits, softmax and top-k stay fp32 while the rest of the layer computes in bf16.
+
+Sharded build: `parallelize` works on the meta device, so a rank builds the whole model on meta,
+keeps its experts and its FSDP shards, and materialises (to_empty) and initialises only those
+(pith_models.build; pith_engine.layers.init_normal draws the same global weights under any layout).
+`local_rows` says which rows of a global tensor a rank's shard holds; initialisation, HF loading and
+checkpoints all go through it.
 
 Shape legend: E experts, El experts per EP rank.
 """
@@ -26,7 +34,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from pith_engine.executor import ExpertComm, LocalExperts
 from pith_engine.expert_parallel import ExpertParallel
@@ -94,6 +102,9 @@ class Mesh:
         return self.dp_rank * self.layout.ep + self.ep_rank
 
 
+SINGLE = Mesh(Layout(), torch.device("cpu"))  # a single process: no groups
+
+
 def build_mesh(layout: Layout, device: torch.device) -> Mesh:
     """The mesh for `layout`, starting the process group from torchrun's env if needed (nccl on CUDA,
     gloo on CPU). One process started without torchrun (no RANK in the env) needs no process group;
@@ -133,7 +144,7 @@ def expert_comm(mesh: Mesh, align: int = 1) -> ExpertComm:
 
 
 def _expert_modules(model: nn.Module) -> list[nn.Module]:
-    return [layer.experts for layer in model.layers if layer.experts is not None]
+    return [layer.experts for layer in model.layers.values() if layer.experts is not None]
 
 
 def num_experts(model: nn.Module) -> int:
@@ -150,8 +161,8 @@ def expert_param_names(model: nn.Module) -> set[str]:
 def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = None) -> nn.Module:
     """In place: keep this EP rank's experts, then FSDP2 (param_dtype for compute, fp32 reduction).
 
-    The model must hold every expert (E along dim 0 of each expert weight) and may be on the meta
-    device; materialise and initialise after, or load a checkpoint."""
+    The model must hold every expert (E along dim 0 of each expert weight) and is best on the meta
+    device (pith_models.build materialises and initialises after); a materialised model works too."""
     ep, r = mesh.layout.ep, mesh.ep_rank
     for m in _expert_modules(model):
         for name, p in list(m.named_parameters(recurse=False)):
@@ -163,15 +174,32 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
         return model
     # cast_forward_inputs off: Positions carries fp32 rotary tables that must stay fp32.
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for layer in model.layers:
+    fp32 = MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+    # Over a group of one rank the shard is the whole tensor: resharding after the forward would only
+    # free a bf16 copy to make it again in the backward (as a single process keeps autocast's casts).
+    keep = lambda m: dict(mesh=m, reshard_after_forward=m.size() > 1)
+    layers = list(model.layers.values())
+    for layer in layers:
+        if layer.router is not None:
+            fully_shard(layer.router, mp_policy=fp32, **keep(mesh.dense_mesh))
         if layer.experts is not None:
-            fully_shard(layer.experts, mesh=mesh.expert_mesh, mp_policy=mp)
-        fully_shard(layer, mesh=mesh.dense_mesh, mp_policy=mp)
+            fully_shard(layer.experts, mp_policy=mp, **keep(mesh.expert_mesh))
+        fully_shard(layer, mp_policy=mp, **keep(mesh.dense_mesh))
         register_fsdp_forward_method(layer, "stage1")
     # The root stays unsharded after the epilogue: the loss reads lm_head.weight right after it.
     fully_shard(model, mesh=mesh.dense_mesh, mp_policy=mp, reshard_after_forward=False)
     register_fsdp_forward_method(model, "prologue")
     register_fsdp_forward_method(model, "epilogue")
+    # Explicit forward prefetch: under EP, dispatch waits on the host for its split sizes, so without
+    # it the experts' all-gather (issued when stage 3 calls them) and the next layer's would start
+    # only after that wait, with nothing queued to overlap them. Issued at the previous unit's start
+    # instead, they run while stage 1 (resp. stages 3-5) computes.
+    for layer, after in zip(layers, [*layers[1:], None]):
+        chain = [m for m in (layer, layer.experts, after) if m is not None]
+        for m, nxt in zip(chain, chain[1:]):
+            m.set_modules_to_forward_prefetch([nxt])
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -180,8 +208,35 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     return model
 
 
+def gradient_sync(model: nn.Module, last: bool) -> None:
+    """Before each micro-batch's backward: reduce-scatter the gradients only after the step's last one.
+
+    The earlier backwards accumulate each FSDP unit's unsharded gradient in fp32 (the reduce dtype) on
+    this rank: one reduction per optimizer step instead of one per micro-batch, for memory of the
+    unsharded gradients of every unit (dense weights whole, this EP rank's experts whole over dp x cp)
+    instead of their shards, from the first micro-batch's backward to the step's reduction."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
+        model.set_is_last_backward(last)
+
+
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_rows(t: Tensor) -> tuple[Tensor, range]:
+    """-> (this rank's local tensor of `t`, the rows of dim 0 of t's global tensor it holds). FSDP2
+    shards dim 0 in torch.chunk pieces (uneven ones last; a rank may hold none); a plain tensor is
+    whole. For an EP-sliced expert weight the global tensor is this EP rank's experts."""
+    local = _local(t)
+    if not isinstance(t, DTensor):
+        return local, range(t.shape[0])
+    assert t.placements == (Shard(0),), t.placements
+    n, size = t.shape[0], -(-t.shape[0] // t.device_mesh.size())
+    first = min(n, t.device_mesh.get_local_rank() * size)
+    rows = range(first, min(n, first + size))
+    assert len(rows) == local.shape[0], (rows, local.shape)
+    return local, rows
 
 
 def all_reduce_sum(t: Tensor, mesh: Mesh) -> Tensor:

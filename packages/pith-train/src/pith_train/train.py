@@ -30,17 +30,17 @@ from pith_engine.executor import ExpertComm, LocalExperts
 from pith_engine.layers import use_fp8
 from pith_engine.ring_attention import zigzag_positions, zigzag_split
 from pith_models import deepseek_v2
-from pith_models.hf import config_from_hf
 from pith_ops.fp8_grouped_gemm import GROUP_ALIGN
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from tqdm import tqdm
 
 from pith_train import config as config_mod
 from pith_train import rundir
-from pith_train.config import Config
+from pith_train.config import Config, ModelConfig, model_config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.metrics import MetricsLog, log_line, peak_flops, peak_memory_gib
 from pith_train.optim import AdamW, build_optimizer, lr_at
@@ -69,7 +69,7 @@ def parallel_layout(cfg: Config, device: torch.device) -> Layout:
     parallel.check_layout(
         shape,
         world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        num_experts=parallel.num_experts(pith_models.build(model_config(cfg.model.name))),  # on meta
+        num_experts=parallel.num_experts(pith_models.build(model_config(cfg.model))),  # on meta
         seq_len=cfg.data.seq_len,
         global_batch=cfg.train.global_batch,
         micro_batch=cfg.train.micro_batch,
@@ -106,8 +106,14 @@ class Stages:
     the residual stream in `dtype`. The executor only calls prologue / positions / layers' stages /
     epilogue, which this provides.
 
-    compile: torch.compile(fullgraph=True) of the non-expert stage functions. Expert GEMMs (stage 3)
-    stay eager: they run the grouped-GEMM kernel on data-dependent group sizes.
+    compile: torch.compile of the non-expert stage functions. Expert GEMMs (stage 3) stay eager: they
+    run the grouped-GEMM kernel on data-dependent group sizes. On one process fullgraph=True. Under
+    FSDP a stage method is FSDP's wrapper (its unshard / reshard and backward hooks around the model's
+    body, pith_engine.parallel), and dynamo runs FSDP's hooks eagerly (torch._dynamo.disable'd), so
+    the compiled function breaks the graph exactly there and the body in between is one graph, as
+    TorchTitan's per-block compile keeps the hooks outside; fullgraph is off for that reason only (the
+    router's FSDP unit, an fp32 island, adds one more pair of breaks inside stage 1; test_compile.py
+    checks that FSDP's hooks are the only breaks).
     ac, activation checkpointing (recompute in the backward what is not kept from the forward):
     "none"; "selective": the expert MLPs (stage 3), whose hidden rows (T*K of 3F) are the largest
     activations and whose weights' bf16 casts would otherwise be kept; "full": stages 1, 3 and 5 of
@@ -126,8 +132,9 @@ class Stages:
             self.stage5 = compiled(full(layer.stage5))
 
     def __init__(self, model: nn.Module, compile: bool = False, ac: str = "none", dtype=None):
-        compiled = functools.partial(torch.compile, fullgraph=True) if compile else lambda fn: fn
-        self.layers = [self.Layer(layer, compiled, ac) for layer in model.layers]
+        fullgraph = not isinstance(model, FSDPModule)
+        compiled = functools.partial(torch.compile, fullgraph=fullgraph) if compile else lambda fn: fn
+        self.layers = {i: self.Layer(layer, compiled, ac) for i, layer in model.layers.items()}
         self.lm_head = model.lm_head
         self.positions = model.positions
         self.prologue = compiled(lambda ids: model.prologue(ids).to(dtype))
@@ -149,9 +156,10 @@ def moe_aux(routings: list[Routing], cfg: Config, tokens: int, group: ProcessGro
     only its own tokens' probabilities, so the ranks' shares add up to the whole. The z-loss is the
     mean over tokens of logsumexp(router logits)^2. Both are averaged over the MoE layers.
     """
-    counts_LE = torch.stack(
-        [torch.bincount(r.expert_ids_TK.flatten(), minlength=r.probs_TE.shape[1]) for r in routings]
-    ).float()
+    # Counted by scatter-add: torch.bincount sizes its output from the data (2 host syncs per call).
+    ids_LN = torch.stack([r.expert_ids_TK.flatten() for r in routings])
+    counts_LE = torch.zeros(len(routings), routings[0].probs_TE.shape[1], device=ids_LN.device)
+    counts_LE.scatter_add_(1, ids_LN, torch.ones_like(ids_LN, dtype=counts_LE.dtype))
     _all_sum(counts_LE, group)
     lbl = z = torch.zeros((), device=counts_LE.device)
     for r, counts_E in zip(routings, counts_LE):
@@ -162,6 +170,13 @@ def moe_aux(routings: list[Routing], cfg: Config, tokens: int, group: ProcessGro
             z = z + (torch.logsumexp(r.logits_TE.float(), dim=-1) ** 2).sum() / tokens
     aux = (cfg.train.lbl_coef * lbl + cfg.train.z_loss_coef * z) / max(1, len(routings))
     return aux, counts_LE
+
+
+def expert_biases(model: nn.Module) -> list[Tensor]:
+    """The routers' expert_bias buffers [E], one per MoE layer, in layer order."""
+    return [
+        b for layer in model.layers.values() for n, b in layer.named_buffers() if n.endswith("expert_bias")
+    ]
 
 
 @torch.no_grad()
@@ -229,7 +244,8 @@ def train_step(
         group["lr"] = lr
     sums = torch.zeros(2, device=device)  # (cross-entropy sum, aux share)
     counts_LE = 0
-    for inputs_BS, labels_BS, pos_BS in micro:
+    for j, (inputs_BS, labels_BS, pos_BS) in enumerate(micro):
+        parallel.gradient_sync(model, last=j == len(micro) - 1)  # one reduction per optimizer step
         with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
             h_BSD, routings = _forward(stages, inputs_BS, pos_BS, layout, device)
             with record_function("lm_head+loss"):
@@ -274,30 +290,25 @@ def step_values(loss: Tensor, aux: Tensor, grad_norm: Tensor, counts_LE: Tensor 
     return loss, aux, norm, load
 
 
-def model_config(name: str):
-    """The model config for model.name: a name in pith_models.MODELS, or a directory's config.json."""
-    if name in pith_models.MODELS:
-        return pith_models.MODELS[name]
-    path = Path(name)
-    if not path.is_dir():
-        raise ValueError(
-            f"model.name {name!r}: not a known model ({sorted(pith_models.MODELS)}) nor a directory"
-        )
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model.name {name!r}: a model directory needs a config.json, and it has none")
-    return config_from_hf(json.loads((path / "config.json").read_text()))
-
-
-def build_model(name: str, device: torch.device, seed: int) -> nn.Module:
-    """A zoo model (initialised from seed), a Hugging Face directory, or a Pith checkpoint's weights."""
-    cfg = model_config(name)
-    if name in pith_models.MODELS:
-        return pith_models.build(cfg, device, seed)
-    if not (Path(name) / ".metadata").is_file():
-        return pith_models.from_pretrained(name, device=str(device))
-    model = pith_models.build(cfg, device, seed)
-    checkpoint.load(Path(name), model)
-    return model
+def build_model(
+    model: ModelConfig | str,
+    device: torch.device,
+    seed: int,
+    mesh: parallel.Mesh = parallel.SINGLE,
+    param_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """This rank's part (its experts, its FSDP shards over `mesh`) of a zoo model initialised from
+    seed, a Hugging Face directory or a Pith checkpoint's weights; only that part is materialised, and
+    only that part is read from a directory."""
+    model = ModelConfig(model) if isinstance(model, str) else model
+    cfg = model_config(model)
+    if model.name in pith_models.MODELS or not (Path(model.name) / ".metadata").is_file():
+        if model.name in pith_models.MODELS:
+            return pith_models.build(cfg, device, seed, mesh, param_dtype)
+        return pith_models.from_pretrained(model.name, device, mesh, param_dtype)
+    built = pith_models.build(cfg, device, seed, mesh, param_dtype)
+    checkpoint.load(Path(model.name), built, mesh=mesh)  # DCP reads this rank's pieces
+    return built
 
 
 def open_data(cfg: Config, run_dir: Path, layout: Layout) -> PackedDataset:
@@ -341,7 +352,7 @@ def pretrain(
     main = layout.rank == 0
     ckpt_root = run_dir / "checkpoints"
     # -- the run directory and the inputs, checked before any training compute
-    model_cfg = model_config(cfg.model.name)
+    model_cfg = model_config(cfg.model)
     warn = tqdm.write if main else lambda text: None
     resume_from = rundir.preflight(cfg, run_dir, model_cfg, layout.mesh, warn)
     if main:
@@ -352,23 +363,20 @@ def pretrain(
     if main:
         rundir.write_config(run_dir, cfg)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model.name, device, cfg.train.seed).float()
-    use_fp8(model, cfg.train.fp8)
     cuda = device.type == "cuda"
-    # Each rank keeps its experts and its FSDP shards; bf16 all-gathers, fp32 gradient reduction.
-    parallel.parallelize(model, layout.mesh, torch.bfloat16 if cuda else None)
+    # Each rank builds only its experts and its FSDP shards (fp32); bf16 all-gathers, fp32 reduction.
+    model = build_model(cfg.model, device, cfg.train.seed, layout.mesh, torch.bfloat16 if cuda else None)
+    use_fp8(model, cfg.train.fp8)
     optimizer = build_optimizer(model, cfg)
-    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
+    biases = expert_biases(model)
     step, cursor = 0, 0
     if resume_from is not None:
         checkpoint.load(resume_from, model, optimizer, layout.mesh, verify=False)  # latest_intact verified it
         state = rundir.read_json(resume_from / "trainer.json")
         step, cursor = state["step"], state["cursor"]
-    # Not compiled under FSDP: its unshard/reshard hooks in the stage methods break fullgraph.
-    compile = cfg.train.compile and cuda and layout.mesh.dense_mesh is None
-    stages = Stages(model, compile, cfg.train.ac, torch.bfloat16 if cuda else None)
+    stages = Stages(model, cfg.train.compile and cuda, cfg.train.ac, torch.bfloat16 if cuda else None)
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
-    flops = flops_per_token(model, cfg.data.seq_len)
+    flops = flops_per_token(pith_models.build(model_cfg), cfg.data.seq_len)  # the whole model, on meta
     peak, peak_source = peak_flops(device)
     metrics = MetricsLog(
         run_dir, step, main, cfg.log.tensorboard, cfg.log.wandb, dataclasses.asdict(cfg)
