@@ -37,11 +37,12 @@ def _graph_breaks_only_at_fsdp_hooks(model: torch.nn.Module) -> None:
 
 
 def _router_logits_are_fp32(mesh: parallel.Mesh) -> None:
-    model = pith_models.build(qwen3_moe.TINY, "cpu", 0, mesh, torch.bfloat16)
+    dev = mesh.device
+    model = pith_models.build(qwen3_moe.TINY, dev, 0, mesh, torch.bfloat16)
     layer = model.layers["1"]
-    h_BSD = torch.randn(2, 8, 64)
-    pos = model.positions(torch.arange(8).expand(2, 8))
-    with torch.autocast("cpu", torch.bfloat16):
+    h_BSD = torch.randn(2, 8, 64, device=dev)
+    pos = model.positions(torch.arange(8, device=dev).expand(2, 8))
+    with torch.autocast(dev.type, torch.bfloat16):
         r = layer.stage1(h_BSD, pos).routing
     assert r.logits_TE.dtype == torch.float32 and r.probs_TE.dtype == torch.float32
     gate_ED = layer.router.weight  # one rank: kept unsharded after the forward, in its fp32 policy
@@ -65,10 +66,17 @@ def _reductions(model: torch.nn.Module, mesh: parallel.Mesh, sync_each: bool):
     return counts, grads
 
 
-def _worker(tmp: Path) -> None:
+def _worker(tmp: Path, device: str) -> None:
     torch.manual_seed(0)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-    mesh = parallel.build_mesh(parallel.Layout(), torch.device("cpu"))
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    mesh = parallel.build_mesh(
+        parallel.Layout(), torch.device(device, 0) if device == "cuda" else torch.device(device)
+    )
+    if device == "cuda":
+        _router_logits_are_fp32(mesh)
+        dist.destroy_process_group()
+        return
     model = pith_models.build(qwen3_moe.TINY, "cpu", 0, mesh)
     _graph_breaks_only_at_fsdp_hooks(model)
     _router_logits_are_fp32(mesh)
@@ -85,8 +93,13 @@ def _worker(tmp: Path) -> None:
 
 @pytest.mark.distributed
 def test_fsdp_compiles_between_its_hooks_routes_in_fp32_and_reduces_once_per_step(run_ranks, tmp_path):
-    run_ranks(__file__, 1, tmp_path)
+    run_ranks(__file__, 1, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_router_logits_are_fp32_on_cuda_under_bf16_autocast_and_fsdp(run_ranks, tmp_path):
+    run_ranks(__file__, 1, tmp_path, "cuda")
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[3]))
+    _worker(Path(sys.argv[3]), sys.argv[4])
