@@ -1,9 +1,10 @@
-"""FSDP2 as `parallelize` applies it, on one gloo rank (a subprocess, so no test sees a process group):
+"""FSDP2 as `parallelize` applies it, on two gloo ranks (dp=2; a group of one rank is left unsharded):
 
 - compile: dynamo runs FSDP's hooks eagerly, so a stage method compiled under FSDP breaks its graph only
   at FSDP's hooks (a dense layer's stage 1 not at all: its own hooks sit outside the traced frame; a
   MoE layer's at the router's fp32 unit), never inside the model's code;
-- the router computes its logits in fp32 under bf16 autocast with bf16 FSDP all-gathers of the rest;
+- the router computes its logits in fp32 under bf16 autocast with bf16 FSDP all-gathers of the rest
+  (on CUDA, one GPU: under CUDA's autocast, with no FSDP over the one rank);
 - gradient_sync: over two micro-batches each FSDP unit reduces its gradient once, and the gradient is
   the one of reducing after every micro-batch.
 """
@@ -45,7 +46,7 @@ def _router_logits_are_fp32(mesh: parallel.Mesh) -> None:
     with torch.autocast(dev.type, torch.bfloat16):
         r = layer.stage1(h_BSD, pos).routing
     assert r.logits_TE.dtype == torch.float32 and r.probs_TE.dtype == torch.float32
-    gate_ED = layer.router.weight  # one rank: kept unsharded after the forward, in its fp32 policy
+    gate_ED = layer.router.weight
     gate_ED = (gate_ED.full_tensor() if isinstance(gate_ED, DTensor) else gate_ED).double()
     expected_TE = r.x_TD.double() @ gate_ED.T  # the rows stage 1 routed, in float64
     # bf16 logits would be off by ~1e-3 relative; fp32 ones by ~1e-6.
@@ -66,13 +67,12 @@ def _reductions(model: torch.nn.Module, mesh: parallel.Mesh, sync_each: bool):
     return counts, grads
 
 
-def _worker(tmp: Path, device: str) -> None:
+def _worker(world: int, rank: int, tmp: Path, device: str) -> None:
     torch.manual_seed(0)
     backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
-    mesh = parallel.build_mesh(
-        parallel.Layout(), torch.device(device, 0) if device == "cuda" else torch.device(device)
-    )
+    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    dev = torch.device(device, 0) if device == "cuda" else torch.device(device)
+    mesh = parallel.build_mesh(parallel.Layout(dp=world), dev)
     if device == "cuda":
         _router_logits_are_fp32(mesh)
         dist.destroy_process_group()
@@ -93,13 +93,13 @@ def _worker(tmp: Path, device: str) -> None:
 
 @pytest.mark.distributed
 def test_fsdp_compiles_between_its_hooks_routes_in_fp32_and_reduces_once_per_step(run_ranks, tmp_path):
-    run_ranks(__file__, 1, tmp_path, "cpu")
+    run_ranks(__file__, 2, tmp_path, "cpu")
 
 
 @pytest.mark.gpu
-def test_router_logits_are_fp32_on_cuda_under_bf16_autocast_and_fsdp(run_ranks, tmp_path):
+def test_router_logits_are_fp32_on_cuda_under_bf16_autocast(run_ranks, tmp_path):
     run_ranks(__file__, 1, tmp_path, "cuda")
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[3]), sys.argv[4])
+    _worker(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])

@@ -8,7 +8,9 @@ update on) to a relative 1e-5, and every parameter's (clipped) gradient of the f
 Each model is the trainer's sharded build (pith_models.build with the layout's mesh: this rank's
 experts and FSDP shards only, drawn from the seed); the layout is the trainer's own
 (train.parallel_layout from a Config's [parallel]). A checkpoint written under dp2 x ep2 after 3 steps
-resumes on one process and under dp2 to the uninterrupted losses.
+resumes on one process and under dp2 to the uninterrupted losses. A Hugging Face directory loaded
+sharded under dp2 x ep2 and ep4 (each rank reading its experts only: per-expert tensors for Qwen3-MoE,
+slices of stacked ones for GPT-OSS) holds exactly the single-process load's tensors.
 """
 
 import dataclasses
@@ -118,6 +120,29 @@ def _worker(tmp: Path) -> None:
             assert grads.keys() == ref[1].keys(), where
             bad = [n for n, g in grads.items() if not torch.allclose(g, ref[1][n], GRAD_RTOL, GRAD_ATOL)]
             assert not bad, f"{where}: gradients differ from the single process for {bad}"
+
+    if world == 4:
+        for name in ("qwen3_moe", "gpt_oss"):
+            hf_dir = tmp / f"hf_{name}"
+            if rank == 0:
+                pith_models.save_pretrained(pith_models.build(MODELS[name], "cpu", 1), hf_dir, torch.float32)
+                whole = pith_models.from_pretrained(hf_dir).state_dict()
+            dist.barrier()
+            for shape in (Layout(dp=2, ep=2), Layout(ep=4)):
+                cfg = load_config(
+                    None,
+                    [
+                        *OVERRIDES,
+                        "train.micro_batch=1",
+                        *[f"parallel.{k}={v}" for k, v in dataclasses.asdict(shape).items()],
+                    ],
+                )
+                mesh = train.parallel_layout(cfg, torch.device("cpu")).mesh
+                got = full_state(pith_models.from_pretrained(hf_dir, "cpu", mesh), mesh)
+                if rank == 0:
+                    assert got.keys() <= whole.keys(), (name, shape)
+                    bad = [k for k, t in got.items() if not torch.equal(t, whole[k])]
+                    assert not bad, f"{name} {shape}: the sharded load differs for {bad}"
 
     # Resuming across layouts; 6 experts over ep2 x dp2 are 3 per EP rank in FSDP pieces of 2 and 1.
     cfg6 = dataclasses.replace(MODELS["qwen3_moe"], num_experts=6)
