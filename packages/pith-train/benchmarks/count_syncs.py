@@ -16,15 +16,15 @@ import torch
 from pith_train.bench import WORKLOAD
 from pith_train.config import load_config
 from pith_train.optim import build_optimizer
-from pith_train.train import Stages, parallel_layout, train_step
+from pith_train.train import Stages, expert_biases, parallel_layout, train_step
 
 
 def main() -> None:
     dev = torch.device("cuda")
     cfg = load_config(None, ["data.seq_len=1024", "train.global_batch=2", "train.micro_batch=2"])
-    model = pith_models.build(dataclasses.replace(WORKLOAD, num_hidden_layers=2), dev, 0).float()
+    model = pith_models.build(dataclasses.replace(WORKLOAD, num_hidden_layers=2), dev, 0)
     optimizer, stages = build_optimizer(model, cfg), Stages(model, False, "none", torch.bfloat16)
-    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
+    biases = expert_biases(model)
     layout = parallel_layout(cfg, dev)
     ids_BS = torch.randint(WORKLOAD.vocab_size, (2, 1025), device=dev)
     step = lambda: train_step(

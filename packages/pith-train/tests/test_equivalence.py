@@ -89,7 +89,9 @@ def run(model_cfg, shape: Layout | None, steps=range(STEPS), load=None, save=Non
     for step in steps:
         rows = [(j * layout.data_ranks + layout.data_rank) * per_rank for j in range(MICRO_BATCHES)]
         micro = [(ids[step, r : r + per_rank], labels[step, r : r + per_rank]) for r in rows]
-        loss, aux, _, _ = train.train_step(model, stages, optimizer, micro, cfg, layout, LR, biases)
+        loss, aux, _, _ = train.step_values(
+            *train.train_step(model, stages, optimizer, micro, cfg, layout, LR, biases)
+        )
         losses.append((loss, aux))
     if save:
         checkpoint.save(save, model, optimizer, mesh=layout.mesh)

@@ -11,7 +11,7 @@ import torch
 from pith_engine import parallel
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.optim import build_optimizer
-from pith_train.train import Stages, parallel_layout, step_values, train_step
+from pith_train.train import Stages, expert_biases, parallel_layout, step_values, train_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CPU = parallel.Mesh(parallel.Layout(), torch.device("cpu"))
@@ -77,7 +77,7 @@ def _setup(micro_config, micro_hf, byte_data, *overrides):
     model = pith_models.from_pretrained(micro_hf)
     loader = WindowLoader(PackedDataset(str(byte_data)), cfg.data.seq_len, cfg.data.val_windows, 0)
     micro = loader.step_batch(0, cfg.train.global_batch, cfg.train.micro_batch, 0, 1)
-    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
+    biases = expert_biases(model)
     run = lambda: train_step(  # noqa: E731
         model,
         Stages(model),

@@ -107,8 +107,9 @@ class Experts(FP8Switch, nn.Module):
 def routed_reference(
     x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, E: int, expert: Callable[[int, Tensor], Tensor]
 ) -> Tensor:
-    """Stages 2 to 5 unstaged: expert(e, rows) over each expert's tokens in a loop, weighted sum in fp32."""
-    out_TD = torch.zeros_like(x_TD, dtype=torch.float32)
+    """Stages 2 to 5 unstaged: expert(e, rows) over each expert's tokens in a loop, weighted sum in fp32
+    (fp64 for a float64 model, whose routing weights are fp64)."""
+    out_TD = torch.zeros_like(x_TD, dtype=torch.promote_types(weights_TK.dtype, torch.float32))
     for e in range(E):
         t, k = (expert_ids_TK == e).nonzero(as_tuple=True)
         out_TD = out_TD.index_add(0, t, expert(e, x_TD[t]).float() * weights_TK[t, k, None])
@@ -119,8 +120,8 @@ def router_logits(router: nn.Module, x_TD: Tensor) -> Tensor:
     """The routing logits [T, E] in fp32, also under bf16 autocast (which would run the linear in bf16:
     ~3 significant digits, enough to flip near-tied top-k choices). `router` is called as a module,
     so its own FSDP unit (fp32 policy, pith_engine.parallel) gathers its weight in fp32."""
-    with torch.autocast(x_TD.device.type, enabled=False):
-        return router(x_TD.float())
+    with torch.autocast(x_TD.device.type, enabled=False):  # fp64 rows for a float64 model (tests)
+        return router(x_TD.to(torch.promote_types(router.weight.dtype, torch.float32)))
 
 
 def combine(h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
