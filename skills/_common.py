@@ -151,7 +151,9 @@ def train_steps(
     end of the backward), "backward" before AdamW's step (after the gradient norm), "optimizer" after
     it (before the gradients are freed). Returns the last loss; a non-finite one raises FloatingPointError."""
     labels_BS = torch.cat([ids_BS[:, 1:], torch.full_like(ids_BS[:, :1], IGNORE_INDEX)], dim=1)
-    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
+    biases = [
+        b for layer in model.layers.values() for n, b in layer.named_buffers() if n.endswith("expert_bias")
+    ]
     step, forward_marked = 0, False
 
     def head_grad(grad: Tensor) -> None:

@@ -46,7 +46,9 @@ def main() -> None:
     cuda = device.type == "cuda"
     stages = Stages(model, False, cfg.train.ac, torch.bfloat16 if cuda else None)
     optimizer = build_optimizer(model, cfg)
-    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
+    biases = [
+        b for layer in model.layers.values() for n, b in layer.named_buffers() if n.endswith("expert_bias")
+    ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for step in range(1, cfg.train.steps + 1):
