@@ -134,7 +134,7 @@ def forward(
     pos = model.positions(position_ids_BS, cp_group)
     h = model.prologue(input_ids_BS)
     routings = []
-    for layer in model.layers:
+    for layer in model.layers.values():
         h, r = run_layer(layer, h, pos, comm)
         if r is not None:
             routings.append(r)
