@@ -21,7 +21,6 @@ def test_a_consistent_layout_passes_and_counts_its_data_ranks():
         (Layout(dp=2, ep=4), dict(num_experts=6), ["6 experts", "ep=4"]),
         (Layout(dp=2, cp=4), dict(seq_len=12), ["sequence length 12", "2*cp = 8"]),
         (Layout(dp=2, cp=2, ep=2), dict(global_batch=12, micro_batch=2), ["global batch 12", "2*2*2 = 8"]),
-        (Layout(pp=2, dp=4), {}, ["pipeline parallelism is not built yet", "pp=2"]),
         (Layout(dp=0, cp=2, ep=4), {}, ["dp=0 must be >= 1"]),
     ],
 )
