@@ -25,7 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from pith_engine import checkpoint
-from pith_engine.parallel import Layout, full_state
+from pith_engine.parallel import SINGLE, Layout, full_state
+from pith_engine.step import Stages, step_values, train_step
 from pith_models import deepseek_v2, gpt_oss, qwen3_moe
 from pith_train import train
 from pith_train.config import load_config
@@ -71,30 +72,28 @@ def run(model_cfg, shape: Layout | None, steps=range(STEPS), load=None, save=Non
     parallel = [f"parallel.{k}={v}" for k, v in dataclasses.asdict(shape).items()]
     cfg = load_config(None, [*OVERRIDES, f"train.micro_batch={per_rank}", *parallel])
     cpu = torch.device("cpu")
-    layout = train.Layout() if shape.world == 1 else train.parallel_layout(cfg, cpu)
-    model = pith_models.build(model_cfg, cpu, cfg.train.seed, layout.mesh)
+    mesh = SINGLE if shape.world == 1 else train.parallel_layout(cfg, cpu)
+    model = pith_models.build(model_cfg, cpu, cfg.train.seed, mesh)
     optimizer = build_optimizer(model, cfg)
-    stages, biases = train.Stages(model), train.expert_biases(model)
+    stages, settings = Stages(model, mesh), train.step_settings(cfg, model)
     grads = {}
 
     def first_step_grads(*_) -> None:  # after clipping, before the update; every rank calls it
         if not grads:
-            grads.update(full_state(model, layout.mesh, grads=True))
+            grads.update(full_state(model, mesh, grads=True))
 
     optimizer.register_step_pre_hook(first_step_grads)
     if load:
-        checkpoint.load(load, model, optimizer, layout.mesh)
+        checkpoint.load(load, model, optimizer, mesh)
     ids, labels = batches(model_cfg.vocab_size)
     losses = []
     for step in steps:
-        rows = [(j * layout.data_ranks + layout.data_rank) * per_rank for j in range(MICRO_BATCHES)]
+        rows = [(j * mesh.layout.data_ranks + mesh.data_rank) * per_rank for j in range(MICRO_BATCHES)]
         micro = [(ids[step, r : r + per_rank], labels[step, r : r + per_rank]) for r in rows]
-        loss, aux, _, _ = train.step_values(
-            *train.train_step(model, stages, optimizer, micro, cfg, layout, LR, biases)
-        )
+        loss, aux, _, _ = step_values(*train_step(stages, optimizer, micro, LR, *settings))
         losses.append((loss, aux))
     if save:
-        checkpoint.save(save, model, optimizer, mesh=layout.mesh)
+        checkpoint.save(save, model, optimizer, mesh=mesh)
     return losses, grads
 
 
@@ -139,7 +138,7 @@ def _worker(tmp: Path) -> None:
                         *[f"parallel.{k}={v}" for k, v in dataclasses.asdict(shape).items()],
                     ],
                 )
-                mesh = train.parallel_layout(cfg, torch.device("cpu")).mesh
+                mesh = train.parallel_layout(cfg, torch.device("cpu"))
                 got = full_state(pith_models.from_pretrained(hf_dir, "cpu", mesh), mesh)
                 if rank == 0:
                     assert got.keys() <= whole.keys(), (name, shape)
