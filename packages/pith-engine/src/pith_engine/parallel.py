@@ -221,7 +221,9 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     # it the experts' all-gather (issued when stage 3 calls them) and the next layer's would start
     # only after that wait, with nothing queued to overlap them. Issued at the previous unit's start
     # instead, they run while stage 1 (resp. stages 3-5) computes.
-    for layer, after in zip(layers, [*layers[1:], None]):
+    # Not under PP: a rank's two chunks are not consecutive, and the schedule, not layer order, says
+    # which unit runs next.
+    for layer, after in zip(layers, [*layers[1:], None]) if mesh.layout.pp == 1 else ():
         chain = [m for m in (layer, layer.experts, after) if isinstance(m, FSDPModule)]
         for m, nxt in zip(chain, chain[1:]):
             m.set_modules_to_forward_prefetch([nxt])
