@@ -92,15 +92,19 @@ def check(m: ModuleType, hf_parity: bool) -> list[str]:
         all(p.is_meta for p in model.parameters()), "Model(cfg) under torch.device('meta') allocates nothing"
     )
     expect(model.cfg is cfg, "model.cfg is the config")
-    expect(isinstance(model.layers, nn.ModuleList) and isinstance(model.lm_head, nn.Linear),
-           "model.layers is an nn.ModuleList, model.lm_head an nn.Linear")  # fmt: skip
+    keys = [str(i) for i in range(cfg.num_hidden_layers)]
+    expect(isinstance(model.layers, nn.ModuleDict) and list(model.layers) == keys
+           and isinstance(model.lm_head, nn.Linear),
+           "model.layers is an nn.ModuleDict keyed by global index, model.lm_head an nn.Linear")  # fmt: skip
     lacking = [f"Model.{n}" for n in MODEL_METHODS if not callable(getattr(model, n, None))]
-    for i, layer in enumerate(model.layers):
-        lacking += [f"layers[{i}].{n}" for n in (*LAYER_METHODS, "experts") if not hasattr(layer, n)]
+    for i, layer in model.layers.items():
+        lacking += [
+            f"layers[{i}].{n}" for n in (*LAYER_METHODS, "experts", "router") if not hasattr(layer, n)
+        ]
     if not expect(not lacking, f"the MoEModel / DecoderLayer contract (lacking: {lacking or 'none'})"):
         return failures
     E = num_experts(model)
-    moe = [layer for layer in model.layers if layer.experts is not None]
+    moe = [layer for layer in model.layers.values() if layer.experts is not None]
     expect(bool(moe), f"TINY has MoE layers ({len(moe)} of {len(model.layers)}, E = {E})")
     sd = model.state_dict()
     bias = [(k, v) for k, v in sd.items() if k.endswith("expert_bias")]

@@ -32,7 +32,7 @@ class Layer(nn.Module):
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList([Layer(False), Layer(True), Layer(True)])
+        self.layers = nn.ModuleDict({str(i): Layer(i > 0) for i in range(3)})
         self.lm_head = nn.Linear(D, 7, bias=False)
 
 
@@ -44,7 +44,7 @@ def _trained(seed: int) -> tuple[Model, torch.optim.AdamW]:
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         opt.step()
-    for layer in model.layers:
+    for layer in model.layers.values():
         layer.expert_bias.normal_()
     return model, opt
 

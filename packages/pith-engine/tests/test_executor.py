@@ -61,7 +61,7 @@ class ToyModel(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(V, D)
-        self.layers = nn.ModuleList([ToyLayer(False), ToyLayer(True)])
+        self.layers = nn.ModuleDict({"0": ToyLayer(False), "1": ToyLayer(True)})
         self.lm_head = nn.Linear(D, V, bias=False)
 
     def prologue(self, input_ids_BS):
@@ -76,7 +76,7 @@ class ToyModel(nn.Module):
     def reference_forward(self, input_ids_BS):
         pos = self.positions(default_position_ids(input_ids_BS))
         h_BSD = self.prologue(input_ids_BS)
-        for layer in self.layers:
+        for layer in self.layers.values():
             h_BSD = layer.reference_forward(h_BSD, pos)
         return self.lm_head(self.epilogue(h_BSD))
 

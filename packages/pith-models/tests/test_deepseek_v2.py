@@ -49,9 +49,9 @@ def test_staged_forward_equals_reference(cfg, align):
 
 
 def test_dense_layers_follow_first_k_dense_replace_and_moe_layer_freq():
-    kinds = [layer.experts is not None for layer in pith_models.build(FREQ2).layers]
+    kinds = [layer.experts is not None for layer in pith_models.build(FREQ2).layers.values()]
     assert kinds == [False, False, True, False]
-    kinds = [layer.experts is not None for layer in pith_models.build(CFG).layers]
+    kinds = [layer.experts is not None for layer in pith_models.build(CFG).layers.values()]
     assert kinds == [False, True, True]
 
 
@@ -114,7 +114,7 @@ def test_backward_gives_finite_gradients_equal_to_the_reference(staged_grads_equ
 
 def test_group_limited_routing_stays_in_the_best_groups_and_differs_from_greedy():
     model, _ = make(CFG)
-    moe = model.layers[1].mlp
+    moe = model.layers["1"].mlp
     x_TD = torch.randn(64, CFG.hidden_size, generator=torch.Generator().manual_seed(3))
     limited = moe.route(x_TD)
     G, per_group = CFG.n_group, CFG.n_routed_experts // CFG.n_group
@@ -129,14 +129,14 @@ def test_group_limited_routing_stays_in_the_best_groups_and_differs_from_greedy(
 
 def test_norm_topk_prob_renormalises_without_routed_scaling():
     model, _ = make(dataclasses.replace(NORM_TOPK, routed_scaling_factor=3.0))
-    r = model.layers[1].mlp.route(torch.randn(9, CFG.hidden_size))
+    r = model.layers["1"].mlp.route(torch.randn(9, CFG.hidden_size))
     chosen_TK = r.probs_TE.gather(1, r.expert_ids_TK)
     torch.testing.assert_close(r.weights_TK, chosen_TK / chosen_TK.sum(-1, keepdim=True))
 
 
 def test_expert_bias_steers_selection_but_not_combine_weights():
     model, _ = make(CFG)
-    moe = model.layers[1].mlp
+    moe = model.layers["1"].mlp
     x_TD = torch.randn(5, CFG.hidden_size)
     plain = moe.route(x_TD)
     moe.expert_bias[6] = 10.0  # larger than any probability gap: expert 6 (and its group) always chosen

@@ -44,7 +44,7 @@ def test_staged_forward_equals_reference(align):
 def test_layers_alternate_sliding_and_full_attention():
     model, ids_BS = make()
     W = CFG.sliding_window
-    assert [layer.self_attn.window for layer in model.layers] == [W, None, W]
+    assert [layer.self_attn.window for layer in model.layers.values()] == [W, None, W]
     # The window changes what late tokens see, not what the first sliding_window tokens see.
     wide = pith_models.build(dataclasses.replace(CFG, sliding_window=S), device="cpu")
     wide.load_state_dict(model.state_dict())
@@ -76,8 +76,8 @@ HF_CASES = {
 @pytest.mark.parametrize("cfg", HF_CASES.values(), ids=HF_CASES.keys())
 def test_logits_match_transformers_on_import_and_export(cfg, tmp_path, hf_round_trip):
     model = hf_round_trip(random_hf_model(cfg), cfg, tmp_path, S)
-    x_TD = model.layers[0].post_attention_layernorm(model.embed_tokens.weight[:32])
-    gate_up_TF = (x_TD @ model.layers[0].mlp.experts.w_gate_up[0]).detach()
+    x_TD = model.layers["0"].post_attention_layernorm(model.embed_tokens.weight[:32])
+    gate_up_TF = (x_TD @ model.layers["0"].mlp.experts.w_gate_up[0]).detach()
     assert (gate_up_TF.abs() > cfg.swiglu_limit).any()  # the clamps are exercised
 
 
@@ -89,7 +89,7 @@ def test_backward_gives_finite_gradients_to_every_parameter_sinks_included(stage
 
 def test_router_softmaxes_the_chosen_logits_and_expert_bias_only_steers():
     model, _ = make()
-    moe = model.layers[0].mlp
+    moe = model.layers["0"].mlp
     x_TD = torch.randn(6, CFG.hidden_size)
     r = moe.route(x_TD)
     logits_TE = x_TD @ moe.router.weight.T + moe.router.bias
@@ -105,13 +105,13 @@ def test_router_softmaxes_the_chosen_logits_and_expert_bias_only_steers():
 
 def test_stage3_adds_the_biases_of_the_experts_the_module_holds():
     model, _ = make()
-    experts = model.layers[0].experts
+    experts = model.layers["0"].experts
     held = slice(2, 5)  # what an expert-parallel rank would hold: 3 of the 8 experts
     for name, p in list(experts.named_parameters()):
         setattr(experts, name, torch.nn.Parameter(p[held].detach()))
     x_ND = torch.randn(7, CFG.hidden_size)
     group_ends_E = torch.tensor([2, 2, 6], dtype=torch.int32)  # expert 1 gets no rows, row 6 is padding
-    y_ND = model.layers[0].stage3(x_ND, group_ends_E)
+    y_ND = model.layers["0"].stage3(x_ND, group_ends_E)
     for e, (s, t) in enumerate(zip([0, 2, 2], group_ends_E.tolist())):
         h = x_ND[s:t].double() @ experts.w_gate_up[e].double() + experts.b_gate_up[e].double()
         gate, up = (

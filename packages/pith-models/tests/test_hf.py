@@ -157,6 +157,6 @@ def test_unsupported_config_is_a_value_error(hf_dir, tmp_path, change, match):
 
 def test_export_refuses_a_nonzero_expert_bias(hf_dir, tmp_path):
     model = pith_models.from_pretrained(hf_dir)
-    model.layers[1].mlp.expert_bias[0] = 0.5
+    model.layers["1"].mlp.expert_bias[0] = 0.5
     with pytest.raises(ValueError, match="expert_bias is nonzero"):
         pith_models.save_pretrained(model, tmp_path)

@@ -38,11 +38,11 @@ def test_staged_forward_equals_reference(cfg, align):
 
 def test_dense_and_moe_layers_follow_the_hf_rule():
     four = dataclasses.replace(SPARSE_STEP, num_hidden_layers=4)
-    assert [layer.experts is not None for layer in pith_models.build(four).layers] == [0, 1, 0, 1]
+    assert [layer.experts is not None for layer in pith_models.build(four).layers.values()] == [0, 1, 0, 1]
     four = dataclasses.replace(four, mlp_only_layers=(3,))
-    assert [layer.experts is not None for layer in pith_models.build(four).layers] == [0, 1, 0, 0]
+    assert [layer.experts is not None for layer in pith_models.build(four).layers.values()] == [0, 1, 0, 0]
     four = dataclasses.replace(four, mlp_only_layers=(0,), decoder_sparse_step=1)
-    assert [layer.experts is not None for layer in pith_models.build(four).layers] == [0, 1, 1, 1]
+    assert [layer.experts is not None for layer in pith_models.build(four).layers.values()] == [0, 1, 1, 1]
 
 
 def test_backward_gives_finite_gradients_equal_to_the_reference(staged_grads_equal_reference):
@@ -51,7 +51,7 @@ def test_backward_gives_finite_gradients_equal_to_the_reference(staged_grads_equ
 
 def test_expert_bias_steers_selection_but_not_combine_weights():
     model, ids_BS = make(CFG)
-    moe = model.layers[1].mlp
+    moe = model.layers["1"].mlp
     x_TD = torch.randn(5, CFG.hidden_size)
     plain = moe.route(x_TD)
     moe.expert_bias[3] = 10.0  # larger than any probability gap: expert 3 is always chosen
@@ -64,7 +64,7 @@ def test_expert_bias_steers_selection_but_not_combine_weights():
 
 def test_stage3_uses_the_experts_the_module_holds():
     model, _ = make(CFG)
-    layer = model.layers[1]
+    layer = model.layers["1"]
     held = slice(1, 4)  # what an expert-parallel rank would hold: 3 of the 4 experts
     experts = layer.experts
     experts.w_gate_up = torch.nn.Parameter(experts.w_gate_up[held].detach())

@@ -78,7 +78,9 @@ def _setup(micro_config, micro_hf, byte_data, *overrides):
     model = pith_models.from_pretrained(micro_hf)
     loader = WindowLoader(PackedDataset(str(byte_data)), cfg.data.seq_len, cfg.data.val_windows, 0)
     micro = loader.step_batch(0, cfg.train.global_batch, cfg.train.micro_batch, 0, 1)
-    biases = [b for layer in model.layers for n, b in layer.named_buffers() if n.endswith("expert_bias")]
+    biases = [
+        b for layer in model.layers.values() for n, b in layer.named_buffers() if n.endswith("expert_bias")
+    ]
     run = lambda: train_step(  # noqa: E731
         Stages(model, parallel_layout(cfg, torch.device("cpu"))),
         build_optimizer(model, cfg),

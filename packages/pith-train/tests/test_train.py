@@ -1,3 +1,4 @@
+import dataclasses
 import importlib.machinery
 import json
 import math
@@ -8,15 +9,19 @@ import struct
 import subprocess
 import sys
 import types
+import warnings
 
 import pith_models
 import pytest
+import torch
 from pith_engine import checkpoint
+from pith_engine.step import Stages, train_step
+from pith_models import qwen3_moe
 from pith_train import train
 from pith_train.cli import main
 from pith_train.config import load_config
 from pith_train.optim import build_optimizer, lr_at
-from pith_train.train import flops_per_token, pretrain
+from pith_train.train import flops_per_token, parallel_layout, pretrain, step_settings
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -139,6 +144,43 @@ def test_lr_schedules():
     assert lr_at(10, wsd) == lr_at(79, wsd) == peak
     assert lr_at(99, wsd) == pytest.approx(peak * wsd.optim.min_lr_ratio)
     assert lr_at(80, wsd) < peak
+
+
+def _syncs_of_a_step(moe_layers: int) -> list[str]:
+    """file:line of each synchronising call of the second eager train_step on CUDA."""
+    model_cfg = dataclasses.replace(
+        qwen3_moe.TINY, vocab_size=260, num_hidden_layers=moe_layers, mlp_only_layers=()
+    )
+    model = pith_models.build(model_cfg, "cuda", 0)
+    cfg = load_config(None, ["--train.global_batch=2", "--train.micro_batch=2", "--data.seq_len=32"])
+    stages = Stages(model, parallel_layout(cfg, torch.device("cuda")), False, "none", torch.bfloat16)
+    optimizer, settings = build_optimizer(model, cfg), step_settings(cfg, model)
+    ids_BS = torch.randint(0, 260, (2, 33), device="cuda")
+    micro = [(ids_BS[:, :-1], ids_BS[:, 1:])]
+    train_step(stages, optimizer, micro, 1e-3, *settings)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_step(stages, optimizer, micro, 1e-3, *settings)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.gpu
+def test_host_syncs_of_a_step_none_per_moe_layer_and_none_in_the_model_or_engine():
+    """Synchronising calls of one eager single-process train_step on CUDA, counted with torch's sync
+    debug mode after a warm-up step: the same with 1 and 3 MoE layers (none per layer), and none from
+    the model, engine or operator code; those left are the step's own (printed: label-token count,
+    loss .item()s, gradient norm)."""
+    one, three = _syncs_of_a_step(1), _syncs_of_a_step(3)
+    print(f"host syncs per step: {len(one)}: {one}")
+    assert len(three) == len(one), (one, three)
+    assert not [s for s in three if any(f"/{p}/" in s for p in ("pith_ops", "pith_engine", "pith_models"))], (
+        three
+    )
 
 
 @pytest.mark.gpu

@@ -39,12 +39,10 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
 
-from pith_engine.parallel import Layout, Mesh, expert_param_names
+from pith_engine.parallel import SINGLE, Mesh, expert_param_names, local_rows
 
 STEP_DIR = re.compile(r"step_(\d+)")
-SINGLE = Mesh(Layout(), torch.device("cpu"))  # a single process: no groups
 
 
 def _distributed(mesh: Mesh) -> bool:
@@ -123,16 +121,8 @@ def problem(path: Path, mesh: Mesh = SINGLE) -> str | None:
 
 def held_experts(t: Tensor, mesh: Mesh) -> list[tuple[int, Tensor]]:
     """(global expert index, view of its [...] tensor) for each expert of stacked `t` on this rank."""
-    local = t.to_local() if isinstance(t, DTensor) else t
-    El = t.shape[0]  # experts per EP rank (a DTensor's shape is its global one over dp x cp)
-    rows = range(El)
-    if isinstance(t, DTensor):
-        assert t.placements == (Shard(0),), t.placements
-        pieces = torch.arange(El).chunk(t.device_mesh.size())  # FSDP2's split: torch.chunk of dim 0
-        i = t.device_mesh.get_local_rank()
-        rows = pieces[i].tolist() if i < len(pieces) else []
-    assert len(rows) == local.shape[0], (len(rows), local.shape)
-    first = mesh.ep_rank * El
+    local, rows = local_rows(t)  # rows of this EP rank's El experts (a DTensor's shape is El over dp x cp)
+    first = mesh.ep_rank * t.shape[0]
     return [(first + r, local[j]) for j, r in enumerate(rows)]
 
 

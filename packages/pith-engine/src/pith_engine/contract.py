@@ -62,6 +62,9 @@ class DecoderLayer(Protocol):
     # (module call, so FSDP's hooks run); None for a dense layer. The engine slices it to a rank's
     # experts under EP and shards it over dp x cp, apart from the rest of the layer.
     experts: nn.Module | None
+    # The router: a module that stage1 calls (x_TD in fp32 -> logits_TE), so the engine can keep its
+    # weight fp32 under FSDP (its own unit); None for a dense layer.
+    router: nn.Module | None
 
     def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out: ...
 
@@ -80,7 +83,7 @@ class DecoderLayer(Protocol):
 class MoEModel(Protocol):
     """A decoder-only language model built from DecoderLayers."""
 
-    layers: nn.ModuleList  # DecoderLayers in order; global layer index = position in this list
+    layers: nn.ModuleDict  # DecoderLayers keyed by str(global layer index), in order (maybe a subset)
     lm_head: nn.Linear  # weight [V, D]; the loss fuses it (pith_ops.linear_cross_entropy)
 
     def prologue(self, input_ids_BS: Tensor) -> Tensor:

@@ -88,11 +88,13 @@ class Tape:
             if not roots:
                 continue
             sync = self.final and isinstance(owner, FSDPModule)
+            # recurse: units nested in the owner whose backward runs in its segment (a layer's fp32
+            # router unit) reduce with it; units with segments of their own (experts) are done by then.
             if sync:
-                owner.set_requires_gradient_sync(True, recurse=False)
+                owner.set_requires_gradient_sync(True)
             torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
             if sync:
-                owner.set_requires_gradient_sync(False, recurse=False)
+                owner.set_requires_gradient_sync(False)
             for leaf, src in zip(leaves, sources):
                 if leaf.grad is not None:
                     key = id(src)
@@ -134,7 +136,7 @@ def forward(
     pos = model.positions(position_ids_BS, cp_group)
     h = model.prologue(input_ids_BS)
     routings = []
-    for layer in model.layers:
+    for layer in model.layers.values():
         h, r = run_layer(layer, h, pos, comm)
         if r is not None:
             routings.append(r)

@@ -14,6 +14,7 @@ Shape legend: B batch, S sequence, T = B*S tokens, D hidden, F (expert) MLP widt
 (those a module holds), K top-k, N rows grouped by expert, R rotary pairs, V vocabulary.
 """
 
+import hashlib
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -28,6 +29,7 @@ from torch.distributed import ProcessGroup
 
 from pith_engine import executor
 from pith_engine.contract import Positions, default_position_ids
+from pith_engine.parallel import SINGLE, Mesh, expert_param_names, local_rows
 
 
 class WeightGradQueue:
@@ -227,12 +229,21 @@ class Experts(FP8Switch, nn.Module):
 def routed_reference(
     x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, E: int, expert: Callable[[int, Tensor], Tensor]
 ) -> Tensor:
-    """Stages 2 to 5 unstaged: expert(e, rows) over each expert's tokens in a loop, weighted sum in fp32."""
-    out_TD = torch.zeros_like(x_TD, dtype=torch.float32)
+    """Stages 2 to 5 unstaged: expert(e, rows) over each expert's tokens in a loop, weighted sum in fp32
+    (fp64 for a float64 model, whose routing weights are fp64)."""
+    out_TD = torch.zeros_like(x_TD, dtype=torch.promote_types(weights_TK.dtype, torch.float32))
     for e in range(E):
         t, k = (expert_ids_TK == e).nonzero(as_tuple=True)
         out_TD = out_TD.index_add(0, t, expert(e, x_TD[t]).float() * weights_TK[t, k, None])
     return out_TD.to(x_TD.dtype)
+
+
+def router_logits(router: nn.Module, x_TD: Tensor) -> Tensor:
+    """The routing logits [T, E] in fp32, also under bf16 autocast (which would run the linear in bf16:
+    ~3 significant digits, enough to flip near-tied top-k choices). `router` is called as a module,
+    so its own FSDP unit (fp32 policy, pith_engine.parallel) gathers its weight in fp32."""
+    with torch.autocast(x_TD.device.type, enabled=False):  # fp64 rows for a float64 model (tests)
+        return router(x_TD.to(torch.promote_types(router.weight.dtype, torch.float32)))
 
 
 def combine(h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
@@ -289,14 +300,23 @@ def rotary_positions(
 class DecoderModel(nn.Module):
     """The frame of a pith_engine.contract.MoEModel: embed_tokens, the decoder layers, the final
     RMSNorm `norm` and lm_head (tied to the embedding when cfg.tie_word_embeddings). A model file
-    subclasses it, passing its layers, and defines `positions` (its rotary tables), which
-    reference_forward calls."""
+    subclasses it, passing `make_layer(i)` (the layer of global index i), and defines `positions`
+    (its rotary tables), which reference_forward calls.
 
-    def __init__(self, cfg, layers: Iterable[nn.Module]):  # cfg: the model's Config
+    layer_ids: the global indices of the layers to build (None: all of cfg.num_hidden_layers). The
+    layers sit in an nn.ModuleDict keyed by str(global index), in increasing order, so a model built
+    with only some of them (a pipeline rank's chunks, which need not be adjacent) keeps the names
+    `layers.<i>.` of the whole model: state dicts and checkpoints are layout-independent."""
+
+    def __init__(self, cfg, make_layer: Callable[[int], nn.Module], layer_ids: Iterable[int] | None = None):
         super().__init__()
+        L = cfg.num_hidden_layers
+        ids = range(L) if layer_ids is None else sorted(set(layer_ids))
+        if any(not 0 <= i < L for i in ids):
+            raise ValueError(f"layer_ids {list(ids)}: a model of {L} layers has indices 0..{L - 1}")
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layers)
+        self.layers = nn.ModuleDict({str(i): make_layer(i) for i in ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -318,26 +338,45 @@ class DecoderModel(nn.Module):
     def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
         pos = self.positions(default_position_ids(input_ids_BS))
         h_BSD = self.embed_tokens(input_ids_BS)
-        for layer in self.layers:
+        for layer in self.layers.values():
             h_BSD = layer.reference_forward(h_BSD, pos)
         return self.lm_head(self.norm(h_BSD, True))
 
 
+def _generator(device: torch.device, seed: int, key: str) -> torch.Generator:
+    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
+    return torch.Generator(device).manual_seed(int.from_bytes(digest) >> 1)
+
+
 @torch.no_grad()
-def init_normal(model: nn.Module, seed: int, std: float, zero: tuple[str, ...] = ()) -> None:
+def init_normal(
+    model: nn.Module, seed: int, std: float, zero: tuple[str, ...] = (), mesh: Mesh = SINGLE
+) -> None:
     """Norm weights 1, parameters named ending in one of `zero` 0, expert_bias buffers 0, every other
-    parameter N(0, std) drawn in parameter order from a generator seeded with `seed`."""
-    device = model.lm_head.weight.device
-    if device.type == "meta":
+    parameter N(0, std), whatever the layout: each tensor of the canonical checkpoint layout (a
+    parameter, or one expert of a stacked expert weight: `name.<global expert>`) draws from its own
+    generator seeded by (seed, its name), so one process and every dp/cp/ep/pp layout hold the same
+    global weights, and a rank draws only the pieces it holds (a dense parameter whole, once, then
+    its FSDP rows kept; an expert only where this rank holds it). `model` may be sharded by
+    pith_engine.parallel.parallelize over `mesh`, after materialising (model.to_empty)."""
+    if next(model.parameters()).device.type == "meta":
         raise ValueError("the model is on the meta device: materialise it (model.to_empty(device=...)) first")
-    generator = torch.Generator(device).manual_seed(seed)
+    experts = expert_param_names(model)
     for name, p in model.named_parameters():
+        local, rows = local_rows(p)
         if name.endswith("norm.weight"):
-            p.fill_(1.0)
+            local.fill_(1.0)
         elif name.endswith(zero):
-            p.zero_()
+            local.zero_()
+        elif name in experts:  # dim 0: this EP rank's experts, of which FSDP keeps `rows`
+            for j, r in enumerate(rows):
+                e = mesh.ep_rank * p.shape[0] + r
+                local[j].normal_(0.0, std, generator=_generator(local.device, seed, f"{name}.{e}"))
         else:
-            p.normal_(0.0, std, generator=generator)
+            full = torch.empty(p.shape, device=local.device).normal_(
+                0.0, std, generator=_generator(local.device, seed, name)
+            )
+            local.copy_(full[rows.start : rows.stop])
     for name, b in model.named_buffers():
         if name.endswith("expert_bias"):
             b.zero_()
@@ -383,12 +422,13 @@ def yarn_params_from_hf(d: dict, default_theta: float, yarn_cls: type) -> tuple[
 
 
 def from_hf_swiglu_state_dict(
-    sd: dict[str, Tensor], moe_layers: Iterable[int], E: int, tie_word_embeddings: bool
+    sd: dict[str, Tensor], moe_layers: Iterable[int], E: int, tie_word_embeddings: bool, experts: range
 ) -> dict[str, Tensor]:
     """Hugging Face names and layouts -> ours for a model whose MLPs are MLP and Experts: every
     gate_proj / up_proj pair [F, D] fuses into gate_up_proj [2F, D]; the per-expert [out, in]
-    weights of layers.{i}.mlp.experts.{e} stack into w_gate_up [E, D, 2F] and w_down [E, F, D];
-    each MoE layer gets a zero expert_bias. Assumes a complete input (hf.py checks it first)."""
+    weights of layers.{i}.mlp.experts.{e}, e in `experts`, stack into w_gate_up [len(experts), D, 2F]
+    and w_down [len(experts), F, D]; each MoE layer gets a zero expert_bias [E]. Assumes a complete
+    input (hf.py checks it first)."""
     out = {}
     for k, v in sd.items():
         name = k.removeprefix("model.")
@@ -401,11 +441,11 @@ def from_hf_swiglu_state_dict(
             out[name] = v
     for i in moe_layers:
         hf, ours = f"model.layers.{i}.mlp.experts.", f"layers.{i}.mlp."
-        experts = [f"{hf}{e}." for e in range(E)]
+        held = [f"{hf}{e}." for e in experts]
         out[ours + "experts.w_gate_up"] = torch.stack(
-            [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in experts]
+            [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in held]
         )
-        out[ours + "experts.w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in experts])
+        out[ours + "experts.w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in held])
         out[ours + "expert_bias"] = torch.zeros(E, dtype=torch.float32)
     if tie_word_embeddings:
         out["lm_head.weight"] = out["embed_tokens.weight"]

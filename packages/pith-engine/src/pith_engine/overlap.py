@@ -32,6 +32,7 @@ from torch import Tensor
 from pith_engine.contract import MoEModel, Positions, Routing
 from pith_engine.expert_parallel import ExpertParallel, Pending
 from pith_engine.layers import WeightGradQueue
+from pith_engine.parallel import held_layers
 
 
 class Phase(Enum):
@@ -157,7 +158,7 @@ class MicroBatch:
             self.loss = self.head.outputs[0].detach()
 
         steps = [Step("FP", prologue)] if self.chunk.start == 0 else []
-        self.layers = [_LayerRun(self, self.model.layers[i], i) for i in self.chunk]
+        self.layers = [_LayerRun(self, held_layers(self.model)[i], i) for i in self.chunk]
         for run in self.layers:
             steps += run.forward_steps()
         return steps + ([Step("FL", loss)] if self.chunk.stop == len(self.model.layers) else [])

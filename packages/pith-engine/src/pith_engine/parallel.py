@@ -12,7 +12,15 @@ rank through the all-to-all backward; dense weights are summed over ep by FSDP).
 
 FSDP's unshard/reshard hooks run on module calls; the five-stage executor calls `stage1` (and the
 model's `prologue` / `epilogue`) as methods, so those are registered as FSDP forward methods; stage 3
-calls `layer.experts` (a module); stage 5 must not use parameters of its own.
+calls `layer.experts` (a module); stage 5 must not use parameters of its own. Each router (`layer.
+router`, called as a module inside stage 1) is an FSDP unit of its own with an fp32 policy: routing
+logits, softmax and top-k stay fp32 while the rest of the layer computes in bf16.
+
+Sharded build: `parallelize` works on the meta device, so a rank builds the whole model on meta,
+keeps its experts and its FSDP shards, and materialises (to_empty) and initialises only those
+(pith_models.build; pith_engine.layers.init_normal draws the same global weights under any layout).
+`local_rows` says which rows of a global tensor a rank's shard holds; initialisation, HF loading and
+checkpoints all go through it.
 
 Shape legend: E experts, El experts per EP rank.
 """
@@ -26,7 +34,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from pith_engine import schedule
 from pith_engine.executor import ExpertComm, LocalExperts
@@ -95,10 +103,14 @@ class Mesh:
         return self.dp_rank * self.layout.ep + self.ep_rank
 
 
+SINGLE = Mesh(Layout(), torch.device("cpu"))  # a single process: no groups
+
+
 def build_mesh(layout: Layout, device: torch.device) -> Mesh:
     """The mesh for `layout`, starting the process group from torchrun's env if needed (nccl on CUDA,
     gloo on CPU). One process started without torchrun (no RANK in the env) needs no process group;
-    under torchrun even one process takes the distributed path (FSDP over one rank)."""
+    under torchrun even one process takes the distributed path (a process group of one; parallelize
+    leaves one-rank groups unsharded)."""
     if layout.world == 1 and not dist.is_initialized() and "RANK" not in os.environ:
         return Mesh(layout, device)
     if not dist.is_initialized():
@@ -162,8 +174,8 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     and lm_head on rank 0 only) and this EP rank's experts, then FSDP2 (param_dtype for compute, fp32
     reduction).
 
-    The model must hold every expert (E along dim 0 of each expert weight) and may be on the meta
-    device; materialise and initialise after, or load a checkpoint."""
+    The model must hold every expert (E along dim 0 of each expert weight) and is best on the meta
+    device (pith_models.build materialises and initialises after); a materialised model works too."""
     pp = mesh.layout.pp
     if pp > 1:
         spans = schedule.split_layers(len(held_layers(model)), pp)
@@ -178,19 +190,43 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
                 raise ValueError(f"expert weight {name} {tuple(p.shape)}: {p.shape[0]} experts over ep={ep}")
             held = p.shape[0] // ep
             setattr(m, name, nn.Parameter(p.detach()[r * held : (r + 1) * held].clone()))
-    if mesh.dense_mesh is None:
+    # A group of one rank shards nothing: FSDP over it only adds copies (its all-gather and
+    # reduce-scatter buffers; on an H200 the bench workload under torchrun on one GPU ran at 87.6% of
+    # the single process's tokens/s with every unit over its 1-rank group). Such weights stay plain,
+    # as on one process (bf16 by autocast): the whole model under one rank, and the experts under EP
+    # with dp = cp = 1 (each EP rank's experts are its own; nothing to reduce over dp x cp).
+    if mesh.dense_mesh is None or mesh.dense_mesh.size() == 1:
         return model
     # cast_forward_inputs off: Positions carries fp32 rotary tables that must stay fp32.
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for layer in held_layers(model).values():
-        if layer.experts is not None:
+    fp32 = MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+    layers = list(held_layers(model).values())
+    plain = (
+        {p for m in _expert_modules(model) for p in m.parameters()} if mesh.expert_mesh.size() == 1 else set()
+    )
+    for layer in layers:
+        if layer.router is not None:
+            fully_shard(layer.router, mesh=mesh.dense_mesh, mp_policy=fp32)
+        if layer.experts is not None and not plain:
             fully_shard(layer.experts, mesh=mesh.expert_mesh, mp_policy=mp)
-        fully_shard(layer, mesh=mesh.dense_mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh.dense_mesh, mp_policy=mp, ignored_params=plain)
         register_fsdp_forward_method(layer, "stage1")
     # The root stays unsharded after the epilogue: the loss reads lm_head.weight right after it.
-    fully_shard(model, mesh=mesh.dense_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh.dense_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=plain)
     register_fsdp_forward_method(model, "prologue")
     register_fsdp_forward_method(model, "epilogue")
+    # Explicit forward prefetch: under EP, dispatch waits on the host for its split sizes, so without
+    # it the experts' all-gather (issued when stage 3 calls them) and the next layer's would start
+    # only after that wait, with nothing queued to overlap them. Issued at the previous unit's start
+    # instead, they run while stage 1 (resp. stages 3-5) computes.
+    # Not under PP: a rank's two chunks are not consecutive, and the schedule, not layer order, says
+    # which unit runs next.
+    for layer, after in zip(layers, [*layers[1:], None]) if mesh.layout.pp == 1 else ():
+        chain = [m for m in (layer, layer.experts, after) if isinstance(m, FSDPModule)]
+        for m, nxt in zip(chain, chain[1:]):
+            m.set_modules_to_forward_prefetch([nxt])
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -199,8 +235,35 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     return model
 
 
+def gradient_sync(model: nn.Module, last: bool) -> None:
+    """Before each micro-batch's backward: reduce-scatter the gradients only after the step's last one.
+
+    The earlier backwards accumulate each FSDP unit's unsharded gradient in fp32 (the reduce dtype) on
+    this rank: one reduction per optimizer step instead of one per micro-batch, for memory of the
+    unsharded gradients of every unit (dense weights whole, this EP rank's experts whole over dp x cp)
+    instead of their shards, from the first micro-batch's backward to the step's reduction."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
+        model.set_is_last_backward(last)
+
+
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_rows(t: Tensor) -> tuple[Tensor, range]:
+    """-> (this rank's local tensor of `t`, the rows of dim 0 of t's global tensor it holds). FSDP2
+    shards dim 0 in torch.chunk pieces (uneven ones last; a rank may hold none); a plain tensor is
+    whole. For an EP-sliced expert weight the global tensor is this EP rank's experts."""
+    local = _local(t)
+    if not isinstance(t, DTensor):
+        return local, range(t.shape[0])
+    assert t.placements == (Shard(0),), t.placements
+    n, size = t.shape[0], -(-t.shape[0] // t.device_mesh.size())
+    first = min(n, t.device_mesh.get_local_rank() * size)
+    rows = range(first, min(n, first + size))
+    assert len(rows) == local.shape[0], (rows, local.shape)
+    return local, rows
 
 
 def all_reduce_sum(t: Tensor, mesh: Mesh, pp: bool = False) -> Tensor:

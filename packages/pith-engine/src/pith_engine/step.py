@@ -64,8 +64,8 @@ class Stages:
     layers (optionally compiled and checkpointed), the prologue and epilogue, the residual stream's
     dtype, the mesh and the expert exchange of stages 2 and 4.
 
-    compile: torch.compile(fullgraph=True) of the non-expert stage functions. Expert GEMMs (stage 3)
-    stay eager: they run the grouped-GEMM kernel on data-dependent group sizes.
+    compile: torch.compile of the non-expert stage functions (fullgraph on one process). Expert GEMMs
+    (stage 3) stay eager: they run the grouped-GEMM kernel on data-dependent group sizes.
     ac, activation checkpointing (recompute in the backward what is not kept from the forward):
     "none"; "selective": the expert MLPs (stage 3), whose hidden rows (T*K of 3F) are the largest
     activations and whose weights' bf16 casts would otherwise be kept; "full": stages 1, 3 and 5 of
@@ -94,7 +94,11 @@ class Stages:
         dtype=None,
         align: int = 1,
     ):
-        compiled = functools.partial(torch.compile, fullgraph=True) if compile else lambda fn: fn
+        # Under FSDP a stage method is FSDP's wrapper, whose unshard/reshard hooks dynamo runs eagerly:
+        # the graph breaks exactly there and the body between is one graph (TorchTitan's per-block
+        # compile keeps the hooks outside the same way); fullgraph is off for that reason only.
+        fullgraph = not isinstance(model, FSDPModule)
+        compiled = functools.partial(torch.compile, fullgraph=fullgraph) if compile else lambda fn: fn
         pp = mesh.layout.pp
         held = held_layers(model)
         spans = split_layers(model.cfg.num_hidden_layers, pp)

@@ -2,17 +2,21 @@
 
 import pith_models
 model = pith_models.build("tiny-moe", device="cpu")          # random init, seed 0
+mine = pith_models.build("qwen3-30b-a3b", "cuda", mesh=mesh)  # this rank's experts and shards only
 big = pith_models.build("qwen3-30b-a3b")                     # meta device: no memory
 print(pith_models.param_count(big))
 hf_model = pith_models.from_pretrained("path/to/hf_dir")      # strict load
 pith_models.save_pretrained(hf_model, "out_dir")              # bf16, transformers-loadable
 """
 
+from collections.abc import Iterable
+
 import torch
+from pith_engine.parallel import SINGLE, Mesh
 from torch import nn
 
 from pith_models import deepseek_v2, gpt_oss, qwen3_moe
-from pith_models.hf import from_pretrained, module_of, save_pretrained
+from pith_models.hf import build_empty, from_pretrained, module_of, save_pretrained
 
 # The trainer's --model.name values: the one place a model name maps to a config.
 MODELS = {
@@ -26,17 +30,27 @@ MODELS = {
 }
 
 
-def build(name_or_config, device: str | torch.device = "meta", seed: int = 0) -> nn.Module:
-    """The model for a name in MODELS or a model Config; initialised (init_weights) unless on meta."""
+def build(
+    name_or_config,
+    device: str | torch.device = "meta",
+    seed: int = 0,
+    mesh: Mesh | None = None,
+    param_dtype: torch.dtype | None = None,
+    layer_ids: Iterable[int] | None = None,
+) -> nn.Module:
+    """The model for a name in MODELS or a model Config; initialised (init_weights) unless on meta.
+
+    mesh: build this rank's part only (pith_engine.parallel.parallelize: its experts, its FSDP shards
+    with param_dtype for compute), on the meta device first, materialising and initialising only
+    those; the same seed gives the same global weights under every layout. layer_ids: the global
+    indices of the layers to build (default all; names stay global)."""
     if isinstance(name_or_config, str):
         if name_or_config not in MODELS:
             raise ValueError(f"unknown model name {name_or_config!r}; known: {sorted(MODELS)}")
         name_or_config = MODELS[name_or_config]
-    module = module_of(name_or_config)
-    with torch.device(device):
-        model = module.Model(name_or_config)
-    if model.lm_head.weight.device.type != "meta":
-        module.init_weights(model, seed)
+    model = build_empty(name_or_config, device, mesh, param_dtype, layer_ids)
+    if next(model.parameters()).device.type != "meta":
+        module_of(name_or_config).init_weights(model, seed, mesh or SINGLE)
     return model
 
 

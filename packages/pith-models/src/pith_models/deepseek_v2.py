@@ -30,12 +30,12 @@ N nope dims, P rope dims, R = P/2 rotary pairs, A v head dim, L kv_lora_rank, E 
 those this module holds), G expert groups, F expert width, K top-k, V vocabulary.
 """
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import pith_ops
 import torch
-import torch.nn.functional as F
 from pith_engine.attention import attention, attention_reference
 from pith_engine.contract import Positions, Routing, Stage1Out
 from pith_engine.layers import (
@@ -50,10 +50,12 @@ from pith_engine.layers import (
     init_normal,
     rope_inv_freq,
     rotary_positions,
+    router_logits,
     to_hf_swiglu_state_dict,
     yarn_mscale,
     yarn_params_from_hf,
 )
+from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -270,7 +272,7 @@ class MoE(nn.Module):
 
     def route(self, x_TD: Tensor) -> Routing:
         cfg = self.cfg
-        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        logits_TE = router_logits(self.gate, x_TD)
         probs_TE = logits_TE.softmax(-1)
         select_TE = probs_TE.detach() + self.expert_bias
         if cfg.topk_method == "group_limited_greedy":
@@ -305,6 +307,10 @@ class Layer(nn.Module):
     def experts(self) -> Experts | None:
         return self.mlp.experts if isinstance(self.mlp, MoE) else None
 
+    @property
+    def router(self) -> nn.Linear | None:
+        return self.mlp.gate if isinstance(self.mlp, MoE) else None
+
     def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out:
         h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), pos)
         x_BSD = self.post_attention_layernorm(h_BSD)
@@ -326,23 +332,25 @@ class Layer(nn.Module):
 
 
 class Model(DecoderModel):
-    def __init__(self, cfg: Config):
-        super().__init__(cfg, [Layer(cfg, i) for i in range(cfg.num_hidden_layers)])
+    def __init__(self, cfg: Config, layer_ids: Iterable[int] | None = None):
+        super().__init__(cfg, lambda i: Layer(cfg, i), layer_ids)
 
     def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions:
         inv_freq_R, factor = rope_frequencies(self.cfg, position_ids_BS.device)
         return rotary_positions(position_ids_BS, inv_freq_R, cp_group, factor)
 
 
-def init_weights(model: Model, seed: int) -> None:
-    """Norm weights 1, expert_bias 0, every other weight N(0, initializer_range), reproducible from seed."""
-    init_normal(model, seed, model.cfg.initializer_range)
+def init_weights(model: Model, seed: int, mesh: Mesh = SINGLE) -> None:
+    """Norm weights 1, expert_bias 0, every other weight N(0, initializer_range), reproducible from seed
+    and the same global weights under any layout (`mesh`: the one model was sharded over)."""
+    init_normal(model, seed, model.cfg.initializer_range, mesh=mesh)
 
 
-def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
+def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config, experts: range | None = None) -> dict[str, Tensor]:
     """Hugging Face names/layouts (per-expert [out, in] weights, separate gate and up) -> ours."""
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
-    return from_hf_swiglu_state_dict(sd, moe_layers, cfg.n_routed_experts, cfg.tie_word_embeddings)
+    held = range(cfg.n_routed_experts) if experts is None else experts
+    return from_hf_swiglu_state_dict(sd, moe_layers, cfg.n_routed_experts, cfg.tie_word_embeddings, held)
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:

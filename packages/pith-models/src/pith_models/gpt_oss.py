@@ -22,12 +22,12 @@ Dh head dim, R = Dh/2 rotary pairs, E experts (E_held: those this module holds),
 K top-k, N rows grouped by expert, V vocabulary.
 """
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import pith_ops
 import torch
-import torch.nn.functional as F
 from pith_engine.attention import attention, attention_reference
 from pith_engine.contract import Positions, Routing, Stage1Out
 from pith_engine.layers import (
@@ -42,9 +42,11 @@ from pith_engine.layers import (
     rope_inv_freq,
     rotary_positions,
     routed_reference,
+    router_logits,
     yarn_mscale,
     yarn_params_from_hf,
 )
+from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -244,7 +246,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
 
     def route(self, x_TD: Tensor) -> Routing:
-        logits_TE = F.linear(x_TD.float(), self.router.weight.float(), self.router.bias.float())
+        logits_TE = router_logits(self.router, x_TD)
         expert_ids_TK = torch.topk(logits_TE.detach() + self.expert_bias, self.top_k, dim=-1).indices
         weights_TK = logits_TE.gather(1, expert_ids_TK).softmax(-1)
         return Routing(x_TD, expert_ids_TK, weights_TK, logits_TE.softmax(-1), logits_TE)
@@ -266,6 +268,10 @@ class Layer(nn.Module):
     def experts(self) -> Experts:
         return self.mlp.experts
 
+    @property
+    def router(self) -> nn.Linear:
+        return self.mlp.router
+
     def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out:
         h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), pos)
         return Stage1Out(h_BSD, self.mlp.route(self.post_attention_layernorm(h_BSD).flatten(0, 1)))
@@ -282,18 +288,19 @@ class Layer(nn.Module):
 
 
 class Model(DecoderModel):
-    def __init__(self, cfg: Config):
-        super().__init__(cfg, [Layer(cfg, i) for i in range(cfg.num_hidden_layers)])
+    def __init__(self, cfg: Config, layer_ids: Iterable[int] | None = None):
+        super().__init__(cfg, lambda i: Layer(cfg, i), layer_ids)
 
     def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions:
         inv_freq_R, factor = rope_frequencies(self.cfg, position_ids_BS.device)
         return rotary_positions(position_ids_BS, inv_freq_R, cp_group, factor)
 
 
-def init_weights(model: Model, seed: int) -> None:
+def init_weights(model: Model, seed: int, mesh: Mesh = SINGLE) -> None:
     """Norm weights 1, biases and expert_bias 0, every other weight (sinks included) N(0,
-    initializer_range), reproducible from seed."""
-    init_normal(model, seed, model.cfg.initializer_range, zero=("bias", "b_gate_up", "b_down"))
+    initializer_range), reproducible from seed
+    and the same global weights under any layout (`mesh`: the one model was sharded over)."""
+    init_normal(model, seed, model.cfg.initializer_range, zero=("bias", "b_gate_up", "b_down"), mesh=mesh)
 
 
 # Our expert tensor names <-> transformers' (same layouts: [E, in, out], gate/up interleaved).
@@ -305,8 +312,9 @@ _EXPERT_NAMES = {
 }
 
 
-def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
-    """Hugging Face names -> ours (the layouts already agree)."""
+def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config, experts: range | None = None) -> dict[str, Tensor]:
+    """Hugging Face names -> ours (the layouts already agree; stacked expert tensors come sliced to
+    `experts` already)."""
     hf_to_ours = {hf: ours for ours, hf in _EXPERT_NAMES.items()}
     out = {}
     for k, v in sd.items():

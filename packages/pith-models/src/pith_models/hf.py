@@ -16,19 +16,28 @@ on it and on nothing else of theirs):
   w_down [E, F, D]; stage3 uses whatever experts the module holds. Routers compute logits in fp32 and
   hold a persistent buffer `expert_bias` [E] (zeros; fp32; checkpoints carry it) added to the
   scores for top-k selection only (not to the combine weights); the trainer updates it;
-- `init_weights(model, seed)`, the one initialiser (on a materialised model);
-- `from_hf_state_dict(sd, cfg)` / `to_hf_state_dict(sd, cfg)`: HF names and layouts <-> ours. Both
-  work on meta tensors: loading checks the file's names and shapes against
-  `to_hf_state_dict(meta_model.state_dict())`, so from_hf_state_dict may assume a complete input;
+- `Model(cfg, layer_ids=None)` builds the layers of those global indices only (pith_engine.layers.
+  DecoderModel); `init_weights(model, seed, mesh=SINGLE)`, the one initialiser (on a materialised
+  model, sharded over `mesh` or whole; the same global weights either way);
+- `from_hf_state_dict(sd, cfg, experts=None)` / `to_hf_state_dict(sd, cfg)`: HF names and layouts
+  <-> ours. Both work on meta tensors: loading checks the file's names and shapes against
+  `to_hf_state_dict(meta_model.state_dict())`, so from_hf_state_dict may assume a complete input,
+  except for the routed experts: `experts` (a range of global expert indices, default all) are the
+  ones `sd` holds, the only ones a sharded load reads (a stacked HF expert tensor [E, ...] comes
+  sliced to them, a per-expert one `...experts.<e>...` only for e in the range); their stacked
+  weights come out [len(experts), ...];
 - presets: TINY (tests) and the full-size configs.
 """
 
 import json
+import re
 from pathlib import Path
 from types import ModuleType
 
 import torch
-from safetensors.torch import load_file, save_file
+from pith_engine.parallel import SINGLE, Mesh, expert_param_names, local_rows, parallelize
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from pith_models import deepseek_v2, gpt_oss, qwen3_moe
@@ -52,18 +61,35 @@ def config_from_hf(d: dict):
     return MODULES[model_type].Config.from_hf(d)
 
 
-def read_safetensors(path: Path) -> dict[str, Tensor]:
-    """All tensors of model.safetensors, or of the shards model.safetensors.index.json names."""
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _files(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"{path}: expected model.safetensors or model.safetensors.index.json, found neither")
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (path / "model.safetensors").exists():
+        return ["model.safetensors"]
+    raise ValueError(f"{path}: expected model.safetensors or model.safetensors.index.json, found neither")
+
+
+def read_safetensors(path: Path, experts: range | None = None, meta: bool = False) -> dict[str, Tensor]:
+    """The tensors of model.safetensors, or of the shards model.safetensors.index.json names; with
+    `experts`, of the routed experts only those global indices (slices of stacked ones [E, ...]: the
+    rest is never read); meta: only their shapes, as meta tensors, reading no data."""
     sd = {}
-    for f in files:
-        sd.update(load_file(path / f))
+    for f in _files(path):
+        with safe_open(path / f, framework="pt") as file:
+            for k in file.keys():  # noqa: SIM118 (a safe_open handle has no __iter__)
+                e = _PER_EXPERT.search(k)
+                if meta:
+                    sd[k] = torch.empty(file.get_slice(k).get_shape(), device="meta")
+                elif experts is None or (e is None and ".experts." not in k):
+                    sd[k] = file.get_tensor(k)
+                elif e is None:
+                    sd[k] = file.get_slice(k)[experts.start : experts.stop]
+                elif int(e[1]) in experts:
+                    sd[k] = file.get_tensor(k)
     return sd
 
 
@@ -82,37 +108,57 @@ def check_tensors(got: dict[str, Tensor], expected: dict[str, Tensor], where: st
         raise ValueError(f"{where}: " + "; ".join(problems))
 
 
-def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
-    """Load a Hugging Face directory (config.json + safetensors), strictly: every tensor must match."""
+def build_empty(cfg, device="meta", mesh: Mesh | None = None, param_dtype=None, layer_ids=None) -> nn.Module:
+    """The model of `cfg` built on the meta device, cut to this rank's part under `mesh` (its experts
+    and FSDP shards, pith_engine.parallel.parallelize), then materialised on `device` uninitialised."""
+    with torch.device("meta"):
+        model = module_of(cfg).Model(cfg, layer_ids)
+    if mesh is not None:
+        parallelize(model, mesh, param_dtype)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        if cfg.tie_word_embeddings and hasattr(
+            model, "lm_head"
+        ):  # to_empty off meta gives each module a Parameter of its own
+            model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def _held_experts(model: nn.Module, mesh: Mesh) -> range:
+    """The global indices of the routed experts this rank holds (the same in every MoE layer)."""
+    for name, p in model.named_parameters():
+        if name in expert_param_names(model):
+            rows, first = local_rows(p)[1], mesh.ep_rank * p.shape[0]
+            return range(first + rows.start, first + rows.stop)
+    return range(0)
+
+
+@torch.no_grad()
+def from_pretrained(
+    path: str | Path, device: str | torch.device = "cpu", mesh: Mesh | None = None, param_dtype=None
+) -> nn.Module:
+    """Load a Hugging Face directory (config.json + safetensors), strictly: every tensor must match.
+
+    Weights come out fp32 (the master weights). mesh: this rank's part only (as pith_models.build),
+    reading only its experts from the files (the dense tensors are read whole, then cut to the FSDP
+    shard); the same global weights as a single-process load."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: expected a Hugging Face model directory with a config.json, found none")
     cfg = config_from_hf(json.loads((path / "config.json").read_text()))
     module = module_of(cfg)
-    with torch.device("meta"):
-        model = module.Model(cfg)
-    hf_sd = read_safetensors(path)
-    check_tensors(hf_sd, module.to_hf_state_dict(model.state_dict(), cfg), str(path))
-    hf_sd = {k: v.to(device, dtype) for k, v in hf_sd.items()}
-    sd = {k: v.to(device) for k, v in module.from_hf_state_dict(hf_sd, cfg).items()}
-    load_assign(model, sd)
+    expected = module.to_hf_state_dict(build_empty(cfg).state_dict(), cfg)
+    check_tensors(read_safetensors(path, meta=True), expected, str(path))
+    model = build_empty(cfg, device, mesh, param_dtype)
+    held = _held_experts(model, mesh or SINGLE)
+    sd = module.from_hf_state_dict(read_safetensors(path, held), cfg, held)
+    experts = expert_param_names(model)
+    for name, p in model.named_parameters():
+        local, rows = local_rows(p)
+        local.copy_(sd[name] if name in experts else sd[name][rows.start : rows.stop])
+    for name, b in model.named_buffers():
+        b.copy_(sd[name])
     return model
-
-
-def load_assign(model: nn.Module, sd: dict[str, Tensor]) -> None:
-    """Strict load_state_dict(assign=True) onto a meta model, keeping tied parameters tied (assign
-    alone gives each module its own Parameter, silently untying lm_head from the embedding)."""
-    first: dict[int, str] = {}
-    ties = []  # (name, name of the parameter it shares)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            ties.append((name, first[id(p)]))
-        else:
-            first[id(p)] = name
-    model.load_state_dict(sd, strict=True, assign=True)
-    for name, source in ties:
-        owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner).register_parameter(leaf, model.get_parameter(source))
 
 
 def save_pretrained(model: nn.Module, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:

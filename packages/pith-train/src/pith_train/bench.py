@@ -185,10 +185,16 @@ def run(
     data: str | None = None,
     device: str = "auto",
     seed: int = 0,
+    dp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
 ) -> dict:
     """Build the workload (or the tiny one), run `warmup` then `steps` timed training steps (then
     `profile_steps` under torch.profiler), and return the measurements.
 
+    dp, cp, ep: the [parallel] layout under torchrun (world = dp*cp*ep; under torchrun even one rank
+    takes the distributed path: FSDP over it). The batch is the global one: each data rank (dp x ep)
+    takes batch / (dp*ep) sequences of its own; tokens/s count the whole batch.
     data: None for random tokens, or a dataset made by `pith-train prepare-data`, read in the trainer's
     order (seeded windows), so that two runs see the same batches at every step."""
     if steps < 1 or warmup < 0 or profile_steps < 0:
@@ -204,12 +210,15 @@ def run(
         model_cfg = dataclasses.replace(model_cfg, num_hidden_layers=layers)
     S = seq_len or (TINY_SEQ_LEN if tiny else WORKLOAD_SEQ_LEN)
     B = batch or (TINY_BATCH if tiny else WORKLOAD_BATCH)
+    if dp < 1 or cp < 1 or ep < 1 or B % (dp * ep):
+        raise ValueError(f"expected dp, cp, ep >= 1 and batch {B} divisible by dp*ep = {dp * ep}")
+    Bl = B // (dp * ep)  # sequences of one data rank
     # The trainer's config carries what train_step and the optimizer read (validated there).
     cfg = load_config(
         None,
-        [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={B}", f"train.device={device}",
+        [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={Bl}", f"train.device={device}",
          f"train.compile={str(compile).lower()}", f"train.ac={ac}", f"train.seed={seed}",
-         f"train.fp8={str(fp8).lower()}"],
+         f"train.fp8={str(fp8).lower()}", f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}"],
     )  # fmt: skip
     # Expandable segments, as TorchTitan runs: freed blocks coalesce, so the reserved peak stays near
     # the allocated one. Read when CUDA first allocates in this process; an explicit setting wins.
@@ -218,15 +227,17 @@ def run(
     if device == "cuda" and dev.type != "cuda":
         raise ValueError("device is cuda, but torch sees no CUDA device")
     cuda = dev.type == "cuda"
+    if cuda:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     _set_grouped_gemm_backend(grouped_gemm)
     torch.manual_seed(seed)
-    model = pith_models.build(model_cfg, dev, seed).float()
+    mesh = parallel_layout(cfg, dev)  # one process without torchrun: no groups, local experts
+    model = pith_models.build(model_cfg, dev, seed, mesh, torch.bfloat16 if cuda else None)
     use_fp8(model, fp8)
     optimizer = build_optimizer(model, cfg)
-    mesh = parallel_layout(cfg, dev)  # one process: no groups, local experts
     stages = trainer_stages(cfg, model, mesh)
     settings = step_settings(cfg, model)
-    generator = torch.Generator(dev).manual_seed(seed)
+    generator = torch.Generator(dev).manual_seed(seed + mesh.data_rank)
     loader = None
     if data is not None:
         ds = PackedDataset(data)
@@ -237,10 +248,11 @@ def run(
     def step() -> torch.Tensor:
         nonlocal cursor
         if loader is None:
-            ids_BS = torch.randint(model_cfg.vocab_size, (B, S + 1), device=dev, generator=generator)
+            ids_BS = torch.randint(model_cfg.vocab_size, (Bl, S + 1), device=dev, generator=generator)
             micro = [(ids_BS[:, :-1], ids_BS[:, 1:])]
         else:
-            micro, cursor = loader.step_batch(cursor, B, B, 0, 1), cursor + B
+            micro = loader.step_batch(cursor, B, Bl, mesh.data_rank, mesh.layout.data_ranks)
+            cursor += B
         return train_step(stages, optimizer, micro, LR, *settings).loss
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -257,16 +269,24 @@ def run(
         seconds.append(time.perf_counter() - start)
     step_s = statistics.median(seconds)
     tokens_per_s = B * S / step_s
-    f_full, f_none = flops_per_token(model, S), flops_per_token(model, 0)
+    whole = pith_models.build(model_cfg)  # on meta: every expert (this rank holds some)
+    f_full, f_none = flops_per_token(whole, S), flops_per_token(whole, 0)
     f_causal = f_none + (f_full - f_none) / 2
     datasheet, datasheet_source = peak_flops(dev)
     measured = _measured_matmul_flops(dev)
     gib = 2**30
     out = {
         "card": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        "layout": {
+            "world": mesh.layout.world,
+            "dp": dp,
+            "cp": cp,
+            "ep": ep,
+            "fsdp": mesh.dense_mesh is not None,
+        },
         "workload": {
             "model": dataclasses.asdict(model_cfg),
-            "params": pith_models.param_count(model),
+            "params": pith_models.param_count(pith_models.build(model_cfg)),
             "active_params_nonembed": f_none / 6,
             "seq_len": S,
             "batch": B,
@@ -289,10 +309,10 @@ def run(
         "flops_per_token_full": f_full,
         "model_tflops_causal": f_causal * tokens_per_s / 1e12,
         "measured_matmul_tflops": measured / 1e12,
-        "mfu_measured": f_causal * tokens_per_s / measured,
+        "mfu_measured": f_causal * tokens_per_s / (measured * mesh.layout.world),
         "datasheet_tflops": datasheet / 1e12,
         "datasheet_source": datasheet_source,
-        "mfu_989": f_full * tokens_per_s / datasheet,
+        "mfu_989": f_full * tokens_per_s / (datasheet * mesh.layout.world),
         "peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / gib if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / gib if cuda else None,
         "losses": [float(loss) for loss in losses],
@@ -318,7 +338,7 @@ def summary(r: dict) -> str:
     s = r["settings"]
     lines = [
         f"{r['card']}: {r['workload']['tokens_per_step']:,} tokens/step, compile={s['compile']} ac={s['ac']}"
-        f" grouped_gemm={s['grouped_gemm']} fp8={s['fp8']}",
+        f" grouped_gemm={s['grouped_gemm']} fp8={s['fp8']}, layout {r['layout']}",
         f"  {r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms (median of {s['steps']})",
         f"  MFU {r['mfu_measured']:.1%}: causal FLOPs over the measured"
         f" {r['measured_matmul_tflops']:.3g} TFLOP/s matmul (bf16 on CUDA)"

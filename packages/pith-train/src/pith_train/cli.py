@@ -203,8 +203,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     result = run(
         tiny=args.tiny, layers=args.layers, seq_len=args.seq_len, batch=args.batch, steps=args.steps,
         warmup=args.warmup, compile=args.compile == "on", ac=args.ac, grouped_gemm=args.grouped_gemm,
-        fp8=args.fp8, profile_steps=args.profile, data=args.data, device=args.device,
+        fp8=args.fp8, profile_steps=args.profile, data=args.data, device=args.device, dp=args.dp, cp=args.cp,
+        ep=args.ep,
     )  # fmt: skip
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun rank 0 reports
+        return
     print(summary(result))
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")
@@ -311,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, help="sequences per optimizer step (default 4)")
     p.add_argument("--data", help="a prepare-data dataset (default: random tokens)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    for axis in ("dp", "cp", "ep"):  # under torchrun: world = dp*cp*ep
+        p.add_argument(f"--{axis}", type=int, default=1, help=f"parallel.{axis} (torchrun)")
     p.add_argument("--json", default="bench.json", help="where the measurements go")
     p.set_defaults(run=cmd_bench)
 

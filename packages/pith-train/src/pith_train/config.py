@@ -8,6 +8,8 @@ raise ValueError before anything is built or computed.
 import dataclasses
 import json
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +19,9 @@ class ModelConfig:
     # A name in pith_models.MODELS, a Hugging Face model directory, or a Pith checkpoint directory
     # (e.g. from `pith-train convert`): the weights come from the directory.
     name: str = "tiny-moe"
+    # Every other key of [model] sets that field of a preset's model config (`num_hidden_layers = 2`,
+    # `vocab_size = 4096`, `--model.num_experts=16`), checked against its fields and their types.
+    overrides: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -148,6 +153,9 @@ def _set(cfg: Config, section: str, key: str, value, where: str, text: bool = Fa
         raise ValueError(f"{where}: unknown section [{section}]; sections are {sorted(sections)}")
     target = getattr(cfg, section)
     keys = _field_types(target)
+    if section == "model" and key != "name":  # a preset field: checked once the preset is known
+        target.overrides[key] = value
+        return
     if key not in keys:
         raise ValueError(f"{where}: unknown key {section}.{key}; [{section}] has {sorted(keys)}")
     kind = keys[key]
@@ -182,8 +190,65 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     return cfg
 
 
+def _model_value(where: str, value, kind):
+    """A [model] override as its field's type: int, float, bool, str, `X | None` (text "none" for
+    None) or a tuple (a TOML array, or its JSON text on the command line)."""
+    if typing.get_origin(kind) in (types.UnionType, typing.Union):
+        if value is None or (isinstance(value, str) and value.lower() == "none"):
+            return None
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    if typing.get_origin(kind) is tuple:
+        items = json.loads(value) if isinstance(value, str) and value.startswith("[") else value
+        if not isinstance(items, list | tuple):
+            raise ValueError(f"{where}: expected an array, got {value!r}")
+        return tuple(_model_value(where, v, typing.get_args(kind)[0]) for v in items)
+    if kind not in (int, float, bool, str):
+        raise ValueError(f"{where}: a field of type {kind} cannot be set from the config")
+    value = _parse_text(where, value, kind) if isinstance(value, str) and kind is not str else value
+    return _typed(where, value, kind)
+
+
+def model_config(model: "ModelConfig | str"):
+    """The model config of [model]: a preset of pith_models.MODELS with its overrides applied, or a
+    directory's config.json (no overrides: its weights fix the shapes). ValueError naming the problem."""
+    import pith_models
+    from pith_models.hf import config_from_hf
+
+    model = ModelConfig(model) if isinstance(model, str) else model
+    name = model.name
+    if name not in pith_models.MODELS:
+        path = Path(name)
+        if not path.is_dir():
+            raise ValueError(
+                f"model.name {name!r}: not a known model ({sorted(pith_models.MODELS)}) nor a directory"
+            )
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model.name {name!r}: a model directory needs a config.json, and it has none")
+        if model.overrides:
+            raise ValueError(
+                f"model overrides {sorted(model.overrides)}: they apply to a preset name, not to the"
+                f" directory {name!r}, whose weights fix the shapes"
+            )
+        return config_from_hf(json.loads((path / "config.json").read_text()))
+    base = pith_models.MODELS[name]
+    hints = typing.get_type_hints(type(base))
+    names = [f.name for f in dataclasses.fields(base)]
+    typed = {}
+    for key, value in model.overrides.items():
+        if key not in names:
+            raise ValueError(f"model.{key}: not a field of {name}'s config; its fields are {names}")
+        typed[key] = _model_value(f"model.{key}", value, hints[key])
+    try:
+        return dataclasses.replace(base, **typed)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model overrides of {name}: {e}") from None
+
+
 def validate(cfg: Config) -> None:
     """Numbers that must agree with each other; ValueError naming them."""
+    if cfg.model.overrides:  # the preset's fields and the overrides' types; the values as typed
+        model = model_config(cfg.model)
+        cfg.model.overrides = {k: getattr(model, k) for k in cfg.model.overrides}
     t, o, p = cfg.train, cfg.optim, cfg.parallel
     positive = {
         "train.steps": t.steps,
@@ -241,8 +306,10 @@ def to_toml(cfg: Config) -> str:
     lines = []
     for section in dataclasses.fields(cfg):
         lines.append(f"[{section.name}]")
-        for key, value in dataclasses.asdict(getattr(cfg, section.name)).items():
-            # JSON strings, numbers and lowercase booleans are valid TOML values.
-            lines.append(f"{key} = {json.dumps(value)}")
+        values = dataclasses.asdict(getattr(cfg, section.name))
+        values.update(values.pop("overrides", {}))  # [model]: the preset's fields it sets, as keys
+        for key, value in values.items():
+            # JSON strings, numbers, arrays and lowercase booleans are valid TOML values.
+            lines.append(f"{key} = {json.dumps('none' if value is None else value)}")
         lines.append("")
     return "\n".join(lines)

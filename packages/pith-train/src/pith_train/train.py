@@ -18,14 +18,13 @@ from pith_engine.layers import use_fp8
 from pith_engine.parallel import held_layers
 from pith_engine.step import Aux, Stages, evaluate, step_values, train_step
 from pith_models import deepseek_v2
-from pith_models.hf import config_from_hf
 from pith_ops.fp8_grouped_gemm import GROUP_ALIGN
 from torch import nn
 from tqdm import tqdm
 
 from pith_train import config as config_mod
 from pith_train import rundir
-from pith_train.config import Config
+from pith_train.config import Config, ModelConfig, model_config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.metrics import MetricsLog, log_line, peak_flops, peak_memory_gib
 from pith_train.optim import build_optimizer, lr_at
@@ -36,7 +35,7 @@ from pith_train.stopping import Interrupted, StopOnSignal
 def parallel_layout(cfg: Config, device: torch.device) -> parallel.Mesh:
     """This process's place in cfg.parallel (the world from torchrun's env), checked before any compute."""
     shape = parallel.Layout(**dataclasses.asdict(cfg.parallel))
-    model_cfg = model_config(cfg.model.name)
+    model_cfg = model_config(cfg.model)
     parallel.check_layout(
         shape,
         world_size=int(os.environ.get("WORLD_SIZE", 1)),
@@ -58,11 +57,11 @@ def step_settings(cfg: Config, model: nn.Module) -> tuple[Aux, float, float]:
 
 
 def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages:
-    """The model as the trainer runs it: compiled on CUDA (not under FSDP: its unshard/reshard hooks in
-    the stage methods break fullgraph), cfg's recompute, a bf16 residual stream on CUDA, and under
+    """The model as the trainer runs it: compiled on CUDA (under FSDP too, its hooks outside the
+    compiled bodies: pith_engine.step.Stages), cfg's recompute, a bf16 residual stream on CUDA, and under
     FP8 expert groups padded to the 16 rows its GEMMs need."""
     cuda = mesh.device.type == "cuda"
-    compile = cfg.train.compile and cuda and mesh.dense_mesh is None
+    compile = cfg.train.compile and cuda
     dtype, align = torch.bfloat16 if cuda else None, GROUP_ALIGN if cfg.train.fp8 else 1
     return Stages(model, mesh, compile, cfg.train.ac, dtype, align)
 
@@ -90,30 +89,25 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     return 6 * active + 6 * c.num_hidden_layers * seq_len * c.num_attention_heads * (qk + v)
 
 
-def model_config(name: str):
-    """The model config for model.name: a name in pith_models.MODELS, or a directory's config.json."""
-    if name in pith_models.MODELS:
-        return pith_models.MODELS[name]
-    path = Path(name)
-    if not path.is_dir():
-        raise ValueError(
-            f"model.name {name!r}: not a known model ({sorted(pith_models.MODELS)}) nor a directory"
-        )
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model.name {name!r}: a model directory needs a config.json, and it has none")
-    return config_from_hf(json.loads((path / "config.json").read_text()))
-
-
-def build_model(name: str, device: torch.device, seed: int) -> nn.Module:
-    """A zoo model (initialised from seed), a Hugging Face directory, or a Pith checkpoint's weights."""
-    cfg = model_config(name)
-    if name in pith_models.MODELS:
-        return pith_models.build(cfg, device, seed)
-    if not (Path(name) / ".metadata").is_file():
-        return pith_models.from_pretrained(name, device=str(device))
-    model = pith_models.build(cfg, device, seed)
-    checkpoint.load(Path(name), model)
-    return model
+def build_model(
+    model: ModelConfig | str,
+    device: torch.device,
+    seed: int,
+    mesh: parallel.Mesh = parallel.SINGLE,
+    param_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """This rank's part (its experts, its FSDP shards over `mesh`) of a zoo model initialised from
+    seed, a Hugging Face directory or a Pith checkpoint's weights; only that part is materialised, and
+    only that part is read from a directory."""
+    model = ModelConfig(model) if isinstance(model, str) else model
+    cfg = model_config(model)
+    if model.name in pith_models.MODELS or not (Path(model.name) / ".metadata").is_file():
+        if model.name in pith_models.MODELS:
+            return pith_models.build(cfg, device, seed, mesh, param_dtype)
+        return pith_models.from_pretrained(model.name, device, mesh, param_dtype)
+    built = pith_models.build(cfg, device, seed, mesh, param_dtype)
+    checkpoint.load(Path(model.name), built, mesh=mesh)  # DCP reads this rank's pieces
+    return built
 
 
 def open_data(cfg: Config, run_dir: Path, main: bool) -> PackedDataset:
@@ -155,7 +149,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     main = not dist.is_initialized() or dist.get_rank() == 0
     ckpt_root = run_dir / "checkpoints"
     # -- the run directory and the inputs, checked before any training compute
-    model_cfg = model_config(cfg.model.name)
+    model_cfg = model_config(cfg.model)
     warn = tqdm.write if main else lambda text: None
     resume_from = rundir.preflight(cfg, run_dir, model_cfg, mesh, warn)
     if main:
@@ -166,11 +160,10 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     if main:
         rundir.write_config(run_dir, cfg)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model.name, device, cfg.train.seed).float()
-    use_fp8(model, cfg.train.fp8)
     cuda = device.type == "cuda"
-    # Each rank keeps its layers, experts and FSDP shards; bf16 all-gathers, fp32 gradient reduction.
-    parallel.parallelize(model, mesh, torch.bfloat16 if cuda else None)
+    # Each rank builds only its layers, experts and FSDP shards (fp32); bf16 all-gathers, fp32 reduction.
+    model = build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
+    use_fp8(model, cfg.train.fp8)
     optimizer = build_optimizer(model, cfg)
     step, cursor = 0, 0
     if resume_from is not None:
