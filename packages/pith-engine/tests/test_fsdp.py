@@ -5,7 +5,8 @@
   MoE layer's at the router's fp32 unit), never inside the model's code;
 - the router computes its logits in fp32 under bf16 autocast with bf16 FSDP all-gathers of the rest
   (on CUDA, one GPU: under CUDA's autocast, with no FSDP over the one rank);
-- gradient_sync: over two micro-batches each FSDP unit reduces its gradient once, and the gradient is
+- one reduction per step (FSDP2's set_requires_gradient_sync): over two micro-batches each FSDP unit
+  reduces its gradient once, and the gradient is
   the one of reducing after every micro-batch.
 """
 
@@ -58,7 +59,9 @@ def _reductions(model: torch.nn.Module, mesh: parallel.Mesh, sync_each: bool):
     g = torch.Generator().manual_seed(1)
     with profile() as prof:
         for j in range(2):
-            parallel.gradient_sync(model, last=sync_each or j == 1)
+            last = sync_each or j == 1  # FSDP2's own switches, as the step executor sets them per unit
+            model.set_requires_gradient_sync(last)
+            model.set_is_last_backward(last)
             h_BSD, _ = executor.forward(model, torch.randint(0, 100, (2, 8), generator=g), comm)
             (h_BSD.float() ** 2).mean().backward()
     counts = collections.Counter(e.name for e in prof.events() if e.name.startswith(REDUCE))

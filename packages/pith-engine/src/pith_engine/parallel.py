@@ -235,18 +235,6 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     return model
 
 
-def gradient_sync(model: nn.Module, last: bool) -> None:
-    """Before each micro-batch's backward: reduce-scatter the gradients only after the step's last one.
-
-    The earlier backwards accumulate each FSDP unit's unsharded gradient in fp32 (the reduce dtype) on
-    this rank: one reduction per optimizer step instead of one per micro-batch, for memory of the
-    unsharded gradients of every unit (dense weights whole, this EP rank's experts whole over dp x cp)
-    instead of their shards, from the first micro-batch's backward to the step's reduction."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(last)
-        model.set_is_last_backward(last)
-
-
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
