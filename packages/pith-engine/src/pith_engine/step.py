@@ -281,7 +281,7 @@ class _Run:
 
 def _to_device(t: Tensor | None, device: torch.device) -> Tensor | None:
     # From pinned memory without blocking: a copy from pageable memory waits for the whole stream.
-    if t is None or t.device == device or device.type != "cuda":
+    if t is None or t.device.type != "cpu" or device.type != "cuda":
         return None if t is None else t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
