@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from pith_engine.contract import Routing
+from pith_engine.executor import drain
 from pith_engine.expert_parallel import ExpertParallel
 
 D = 8
@@ -57,8 +58,8 @@ def _check_case(group, E: int, K: int, tokens, align: int, kind: str) -> None:
     leaves = [t.float().requires_grad_() for t in (x64, wt64, w_EDD[held])]
     comm = ExpertParallel(group, align)
     probs = torch.zeros(ids.shape[0], E)  # only its width (E) matters to dispatch
-    x_ND, ends, handle = comm.dispatch(Routing(leaves[0], ids, leaves[1], probs, probs))
-    rows, slots, weights = comm.combine(pith_ops.grouped_gemm(x_ND, leaves[2], ends), handle)
+    x_ND, ends, handle = drain(comm.dispatch(Routing(leaves[0], ids, leaves[1], probs, probs)))
+    rows, slots, weights = drain(comm.combine(pith_ops.grouped_gemm(x_ND, leaves[2], ends), handle))
     out = pith_ops.moe_unpermute(rows, slots, weights)
     grads = torch.autograd.grad(out, leaves, dout64.float())
 
@@ -85,7 +86,7 @@ def _worker(world: int, rank: int, tmp: Path) -> None:
     try:
         probs = torch.zeros(1, 5)
         routing = Routing(torch.zeros(1, D), torch.zeros(1, 1, dtype=torch.long), probs, probs, probs)
-        ExpertParallel(dist.group.WORLD).dispatch(routing)
+        drain(ExpertParallel(dist.group.WORLD).dispatch(routing))
         raise AssertionError("5 experts over ep=2 was accepted")
     except ValueError as e:
         assert "5 experts" in str(e) and "ep=2" in str(e), e
@@ -102,9 +103,10 @@ if __name__ == "__main__":
 
 
 @pytest.mark.gpu
-def test_expert_parallel_on_cuda_matches_local_experts_with_one_host_sync_per_layer(tmp_path):
+def test_expert_parallel_on_cuda_matches_local_experts_with_one_host_sync_per_layer(tmp_path, monkeypatch):
     """One nccl rank (every expert local to it), bf16 rows: the same output and gradients as
-    LocalExperts, and exactly one synchronising call more (dispatch's split sizes) per layer."""
+    LocalExperts; per layer the host waits exactly once (dispatch's split sizes), on an event of the
+    exchange's side stream (executor.Pending.host), and never for a stream or the device."""
     import warnings
 
     from pith_engine.executor import LocalExperts
@@ -122,13 +124,16 @@ def test_expert_parallel_on_cuda_matches_local_experts_with_one_host_sync_per_la
 
         def run(comm):
             leaves = [t.clone().requires_grad_() for t in (x, wt, w_EDD)]
-            x_ND, ends, handle = comm.dispatch(Routing(leaves[0], ids, leaves[1], probs, probs))
-            rows, slots, weights = comm.combine(pith_ops.grouped_gemm(x_ND, leaves[2], ends), handle)
+            x_ND, ends, handle = drain(comm.dispatch(Routing(leaves[0], ids, leaves[1], probs, probs)))
+            rows, slots, weights = drain(comm.combine(pith_ops.grouped_gemm(x_ND, leaves[2], ends), handle))
             out = pith_ops.moe_unpermute(rows, slots, weights)
             return [out, *torch.autograd.grad(out, leaves, dout)]
 
         def run_counting_syncs(comm):
             torch.cuda.synchronize()
+            waits = []
+            event_sync = torch.cuda.Event.synchronize
+            monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda e: waits.append(1) or event_sync(e))
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 with warnings.catch_warnings(record=True) as caught:
@@ -136,13 +141,21 @@ def test_expert_parallel_on_cuda_matches_local_experts_with_one_host_sync_per_la
                     out = run(comm)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            return out, [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+                monkeypatch.undo()
+            return (
+                out,
+                [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)],
+                len(waits),
+            )
 
         comms = LocalExperts(align=8), ExpertParallel(dist.group.WORLD, align=8)
         for comm in comms:  # warm-up: the first nccl call creates the communicator (a sync of its own)
             run(comm)
-        (expected, local_syncs), (got, ep_syncs) = (run_counting_syncs(comm) for comm in comms)
-        assert len(ep_syncs) == len(local_syncs) + 1, (ep_syncs, local_syncs)  # the split sizes only
+        (expected, local_syncs, local_waits), (got, ep_syncs, ep_waits) = (
+            run_counting_syncs(c) for c in comms
+        )
+        assert ep_syncs == local_syncs, (ep_syncs, local_syncs)  # nothing waits for the compute stream
+        assert (local_waits, ep_waits) == (0, 1)  # the split sizes, on the exchange's event
         for a, b in zip(got, expected):
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
     finally:

@@ -1,176 +1,124 @@
-"""The overlapped pair: the interleave of one MoE layer's forward with another's backward is the
-documented one; every exchange of one side is in flight while the other side computes (any step
-sequences without back-to-back exchanges); and under ep=2 on gloo, micro-batch 1's forward
-overlapped with micro-batch 0's backward (weight gradients deferred to a queue and run after, each
-MoE layer's auxiliary loss injected in its stage 1) gives the losses and every gradient of the plain
-whole-graph run, bit for bit; so do two pipeline chunks run one after the other.
+"""The overlapped forward+backward pairs and the weight-gradient delay change nothing but the order of
+work: through the engine's train_step (tiny DeepSeek-V2 in fp32: a dense first layer, shared experts,
+8 routed experts; aux losses, clipping and the bias update on), overlap on/off x weight-gradient delay
+on/off give the same per-step losses over 5 AdamW steps, equal to one process's (relative 1e-5), and
+every parameter's gradient after the first step, under pp1 x ep2 (the pp=1 schedule of overlapped
+pairs), pp2 x ep2 and pp2 x dp2 (DualPipeV; FSDP reduced once per step, after the last weight work).
+Under pp=1, where every pair's order of gradient accumulation is the plain one, bit for bit.
 
-Run as a script, this file is one rank of the distributed test.
+And the interleave of one overlapped pair under ep2 is the documented one (pith-engine README): each
+all-to-all of one micro-batch is in flight while the other runs a compute stage.
+
+Each world size is spawned once (this file run as a script, one process per rank).
 """
 
-import dataclasses
 import sys
 from datetime import timedelta
 from pathlib import Path
 
-import pith_models
-import pith_ops
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
-from hypothesis import strategies as st
-from pith_engine import executor
-from pith_engine.contract import default_position_ids
-from pith_engine.expert_parallel import ExpertParallel
-from pith_engine.layers import WeightGradQueue, set_wgrad_queue
-from pith_engine.overlap import Phase, interleave
-from pith_engine.parallel import Layout, Mesh, parallelize
-from pith_models import deepseek_v2
+from pith_engine.parallel import Layout, Mesh, build_mesh, held_layers, parallelize
+from pith_engine.step import Stages, train_step
 
-FORWARD = [False, True, False, True, False]  # F1, F2 (dispatch), F3, F4 (combine), F5
-BACKWARD = [False, True, False, True, False]  # B5, B4 (combine's backward), B3, B2 (dispatch's), B1
-# overlap.py's docstring; a "." ends the issue of an exchange, ">" its wait.
-DOCUMENTED = "F1 F2. B5 B4. F2> F3 F4. B4> B3 B2. F4> F5 B2> B1"
+VARIANTS = [(True, True), (False, False), (True, False), (False, True)]  # (overlap, wgrad delay)
+LAYOUTS = {2: [Layout(ep=2)], 4: [Layout(pp=2, ep=2), Layout(pp=2, dp=2)]}
 
-
-def _names(order) -> str:
-    names = (["F1", "F2", "F3", "F4", "F5"], ["B5", "B4", "B3", "B2", "B1"])
-    mark = {Phase.RUN: "", Phase.ISSUE: ".", Phase.WAIT: ">"}
-    return " ".join(names[side][i] + mark[phase] for side, i, phase in order)
-
-
-def test_one_moe_layer_pair_interleaves_as_documented():
-    assert _names(interleave(FORWARD, BACKWARD)) == DOCUMENTED
-
-
-def _alternating(flags: list[bool]) -> list[bool]:
-    """A compute step first and no two exchanges back to back, as a micro-batch's steps are."""
-    flags = [False, *flags]
-    return [c and not flags[i - 1] for i, c in enumerate(flags)]
-
-
-@given(
-    first=st.lists(st.booleans(), max_size=12).map(_alternating),
-    second=st.lists(st.booleans(), max_size=12).map(_alternating),
+# One overlapped pair under pp1 x ep2 (F: micro-batch 1's forward, B: micro-batch 0's backward), from
+# the pair's start to the end of the backward of the last MoE layer: "|" marks an all-to-all issued
+# (the side yields), ">" its wait. Pieces: Stages functions (stage1, send_layout, receive, ...), the
+# backward of a piece named as its forward.
+DOCUMENTED = (
+    "F: prologue stage1 stage1 |"  # layer 0 (dense) whole, layer 1's router; its counts' exchange
+    " B: loss layer_aux stage5 |"  # the loss, the last layer's aux and stage 5; combine's reverse
+    " F: > send_layout |"  # the host sync (counts), dispatch's exchange
+    " B: > moe_unpermute stage3 receive |"  # dispatch's reverse
+    " F: > receive stage3 moe_unpermute |"  # combine's exchange
+    " B: > send_layout stage1"  # the last MoE layer's backward done
 )
-def test_every_exchange_is_in_flight_while_the_other_side_computes(first, second):
-    order = interleave(first, second)
-    seqs = (first, second)
-    for side in (0, 1):  # each step once, in order: compute RUN; exchange ISSUE then WAIT
-        phases = lambda comm: (Phase.ISSUE, Phase.WAIT) if comm else (Phase.RUN,)
-        want = [(i, p) for i, c in enumerate(seqs[side]) for p in phases(c)]
-        assert [(i, p) for s, i, p in order if s == side] == want
-    for k, (side, i, phase) in enumerate(order):
-        if phase is not Phase.ISSUE:
+
+
+def _documented_trace(trace) -> str:
+    """The pair's trace as DOCUMENTED writes it, up to the backward's first stage1."""
+    out, side = [], None
+    for tag, piece in trace:
+        s = tag[0]
+        if s != side:
+            out.append(f"{s}:")
+            side = s
+        out.append({"issue": "|", "wait": ">"}.get(piece, piece))
+        if s == "B" and piece == "stage1":
+            break
+    return " ".join(out)
+
+
+def _in_flight_overlaps(trace) -> None:
+    """Every issue of one side is followed by a compute piece of the other before its wait (as long
+    as the other side has compute left)."""
+    for k, (tag, piece) in enumerate(trace):
+        if piece != "issue":
             continue
-        other_computes_left = any(s == 1 - side and p is Phase.RUN for s, _, p in order[k:])
-        end = order.index((side, i, Phase.WAIT))
-        overlapped = any(s == 1 - side and p is Phase.RUN for s, _, p in order[k:end])
-        assert overlapped or not other_computes_left, (order, k)
+        end = next((j for j in range(k + 1, len(trace)) if trace[j] == (tag, "wait")), len(trace))
+        other = [p for t, p in trace[k:end] if t != tag and p not in ("issue", "wait")]
+        left = [p for t, p in trace[k:] if t != tag and p not in ("issue", "wait")]
+        assert other or not left, (k, trace[k:end])
 
 
 def _worker(world: int, rank: int, tmp: Path) -> None:
+    from test_pipeline import AUX, BIAS_RATE, MAX_NORM, MODELS, assert_same_losses, compare, train
+
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
-    group = dist.group.WORLD
-    # Layer 0 dense, layers 1 and 2 MoE (8 experts, 4 per rank): a dense step, then two MoE layers.
-    cfg = dataclasses.replace(deepseek_v2.TINY, num_hidden_layers=3)
-    g = torch.Generator().manual_seed(5 + rank)  # each EP rank its own sequences
-    micro = [torch.randint(0, cfg.vocab_size, (2, 8), generator=g) for _ in range(2)]
-    labels = [torch.randint(0, cfg.vocab_size, (2, 8), generator=g) for _ in range(2)]
-    mesh = Mesh(Layout(ep=2), torch.device("cpu"), ep_rank=rank, ep_group=group)
+    store = f"file://{tmp}/store{world}"
+    timeout = timedelta(minutes=8)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=timeout)
+    cpu = torch.device("cpu")
+    module, config = MODELS["deepseek_v2"]
+    refs = {}
+    for layout in LAYOUTS[world]:
+        cfg, dr = config(2 * layout.pp), layout.data_ranks
+        if rank == 0 and (cfg.num_hidden_layers, dr) not in refs:
+            refs[(cfg.num_hidden_layers, dr)] = train(module, cfg, Mesh(Layout(), cpu), dr)
+        mesh = build_mesh(layout, cpu)
+        runs = []
+        for overlap, wgrad in VARIANTS:
+            losses, grads = train(module, cfg, mesh, dr, overlap=overlap, wgrad=wgrad)
+            where = f"{layout} overlap={overlap} wgrad={wgrad}"
+            if mesh.dp_rank == mesh.cp_rank == mesh.ep_rank == 0:
+                torch.save(grads, tmp / f"grads_{world}_{mesh.pp_rank}.pt")
+            dist.barrier()
+            if rank == 0:
+                compare(losses, refs[(cfg.num_hidden_layers, dr)], tmp, world, layout.pp, where)
+                assert_same_losses(losses, runs[0] if runs else losses, f"{where} against both on")
+                if layout.pp == 1:
+                    assert not runs or losses == runs[0], (where, losses, runs[0])
+            runs.append(losses)
+            dist.barrier()
 
-    def fresh():
-        model = pith_models.build(cfg, "cpu", seed=1)
-        return parallelize(model, mesh)  # this rank's experts; no FSDP (no dense mesh)
-
-    def loss_of(model, labels_BS):
-        w = model.lm_head.weight
-        return lambda h: pith_ops.linear_cross_entropy(h.flatten(0, 1), w, labels_BS.flatten(), -100, "sum")
-
-    def aux_of(r):  # a router z-loss and a probability penalty, per layer
-        z = (torch.logsumexp(r.logits_TE.float(), dim=-1) ** 2).mean()
-        return 1e-2 * z + 1e-1 * (r.probs_TE**2).sum() / r.probs_TE.shape[0]
-
-    # Plain: each micro-batch's forward and backward through one autograd graph.
-    plain, comm = fresh(), ExpertParallel(group)
-    plain_losses = []
-    for ids, lab in zip(micro, labels):
-        h, routings = executor.forward(plain, ids, comm)
-        aux = sum(aux_of(r) for r in routings)
-        (loss_of(plain, lab)(h) + aux).backward()
-        plain_losses.append((loss_of(plain, lab)(h).detach(), aux.detach()))
-
-    # Overlapped: F(0) alone, then F(1) with B(0) as one overlapped pair, then B(1); every backward's
-    # weight gradients deferred and run afterwards (the W slots).
-    from pith_engine.overlap import MicroBatch, run_overlapped, run_pair
-
-    model = fresh()
-    queue = WeightGradQueue()
-    set_wgrad_queue(model, queue)
-    mbs = [
-        MicroBatch(model, comm, ids, model.positions(default_position_ids(ids)), loss_of(model, lab), aux_of)
-        for ids, lab in zip(micro, labels)
-    ]
-    trace = []
-    run_pair(mbs[0].forward_steps(), [])
-    with queue.deferring():
-        run_pair(mbs[1].forward_steps(), mbs[0].backward_steps(), trace)
-    assert all(p.grad is None for n, p in model.named_parameters() if "experts" in n)  # deferred
-    with queue.deferring():
-        run_pair(mbs[1].backward_steps(), [])
-    queue.run_all()
-    # run_overlapped: the same schedule for any number of micro-batches.
-    again = fresh()
-    again_queue = WeightGradQueue()
-    set_wgrad_queue(again, again_queue)
-    mbs_again = [
-        MicroBatch(again, comm, ids, again.positions(default_position_ids(ids)), loss_of(again, lab), aux_of)
-        for ids, lab in zip(micro, labels)
-    ]
-    run_overlapped(mbs_again, again_queue)
-    for p, q in zip(model.parameters(), again.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad)
-
-    # Two pipeline chunks (layers 0-1, layer 2) in a row, the activation and its gradient handed over.
-    chunked = fresh()
-    chunked_losses = []
-    for ids, lab in zip(micro, labels):
-        pos = chunked.positions(default_position_ids(ids))
-        a = MicroBatch(chunked, comm, ids, pos, None, aux_of, chunk=range(2))
-        b = MicroBatch(chunked, comm, ids, pos, loss_of(chunked, lab), aux_of, chunk=range(2, 3))
-        run_pair(a.forward_steps(), [])
-        b.h = a.h.detach()
-        run_pair(b.forward_steps(), [])
-        run_pair(b.backward_steps(), [])
-        a.dh = b.dh
-        run_pair(a.backward_steps(), [])
-        chunked_losses.append((b.loss, a.aux + b.aux))
-    for (name, p), q in zip(plain.named_parameters(), chunked.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad), ("chunked", name, (p.grad - q.grad).abs().max())
-    assert all(torch.equal(x, y) for x, y in zip(sum(plain_losses, ()), sum(chunked_losses, ())))
-
-    for (ce, aux), mb in zip(plain_losses, mbs):
-        assert torch.equal(ce, mb.loss) and torch.equal(aux, mb.aux), (ce, aux, mb)
-    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
-        assert q.grad is not None and torch.equal(p.grad, q.grad), (name, (p.grad - q.grad).abs().max())
-    # The pair's trace: every exchange of one micro-batch waited only after a compute of the other.
-    runs = [i for i, t in enumerate(trace) if t.endswith(" run")]
-    for i, t in enumerate(trace):
-        if t.endswith(" issue"):
-            side = t[0]
-            end = trace.index(t.replace(" issue", " wait"), i)
-            assert any(trace[k][0] != side for k in runs if i < k < end), (t, trace)
-    assert "F2 L1 issue" in trace and "B4 L2 issue" in trace, trace
+    if world == 2:  # the interleave of one overlapped pair, recorded in a step of two micro-batches
+        cfg = config(2)
+        model = module.Model(cfg)
+        module.init_weights(model, seed=0)
+        mesh = build_mesh(Layout(ep=2), cpu)
+        parallelize(model, mesh)
+        stages = Stages(model, mesh)
+        stages.trace = []
+        g = torch.Generator().manual_seed(rank)
+        micro = [(torch.randint(0, cfg.vocab_size, (1, 16), generator=g),) * 2 for _ in range(2)]
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        opt.step = lambda grad_scale=None: None
+        moe_layers = sum(layer.experts is not None for layer in held_layers(model).values())
+        train_step(stages, opt, micro, 0.0, AUX._replace(moe_layers=moe_layers), MAX_NORM, BIAS_RATE)
+        pair = [(t, p) for t, p in stages.trace if t in ("F0.1", "B0.0")]
+        assert _documented_trace(pair) == DOCUMENTED, _documented_trace(pair)
+        _in_flight_overlaps(pair)
     dist.destroy_process_group()
 
 
 @pytest.mark.distributed
-def test_overlapped_pair_under_ep2_gives_the_plain_losses_and_gradients_bit_for_bit(run_ranks, tmp_path):
-    run_ranks(__file__, 2, tmp_path)
+def test_overlap_and_wgrad_delay_reproduce_one_process_and_the_documented_interleave(run_ranks, tmp_path):
+    run_ranks(__file__, 2, tmp_path, timeout=900)  # pp1 x ep2, the pair's interleave
+    run_ranks(__file__, 4, tmp_path, timeout=1500)  # pp2 x ep2, pp2 x dp2
 
 
 if __name__ == "__main__":

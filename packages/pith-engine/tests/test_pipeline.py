@@ -58,9 +58,10 @@ def batches(vocab: int, data_ranks: int):
     return ids, labels
 
 
-def train(module, cfg, mesh: Mesh, data_ranks: int, steps=range(STEPS), load=None, save=None):
+def train(module, cfg, mesh: Mesh, data_ranks: int, steps=range(STEPS), load=None, save=None, **stage_flags):
     """-> (global loss of each step, every parameter's full gradient after the first step it runs, on this
-    rank's pipeline stage only); resumes from `load` and checkpoints to `save` at the end when given."""
+    rank's pipeline stage only); resumes from `load` and checkpoints to `save` at the end when given.
+    stage_flags: Stages' overlap and wgrad (on by default, as in the trainer)."""
     from conftest import ScaledAdamW  # the worker runs as a script beside conftest.py
 
     model = module.Model(cfg)
@@ -69,7 +70,7 @@ def train(module, cfg, mesh: Mesh, data_ranks: int, steps=range(STEPS), load=Non
     opt = ScaledAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=ADAM_EPS, foreach=False)
     if load:
         checkpoint.load(load, model, opt, mesh)
-    stages = Stages(model, mesh)
+    stages = Stages(model, mesh, **stage_flags)
     moe_layers = sum(layer.experts is not None for layer in held_layers(module.Model(cfg)).values())
     aux = AUX._replace(moe_layers=moe_layers)
     ids, labels = batches(cfg.vocab_size, data_ranks)

@@ -1,18 +1,24 @@
-"""Run a model through the five stages, optionally as separate autograd segments.
+"""Run a model through the five stages, optionally as separate autograd segments, optionally two at once.
 
 Stages 2 and 4 go through an `ExpertComm`: `LocalExperts` keeps every expert on this process
 (permute, identity); the expert-parallel engine supplies one that exchanges rows by all-to-all.
 The same stage functions run in both cases; there is no second code path.
 
-`run_layer(..., tape)` runs each stage as its own autograd segment on a `Tape` (the training step,
-pith_engine.step: a pipeline schedule drives one chunk's backward segment by segment while it runs
-another's forward); without a tape the stages form one autograd graph (`forward`, evaluation, tests).
-"""
+A layer's stages are a generator of steps (`run_layer`): it yields right after it issues an
+all-to-all and, resumed, waits for it. `drain` runs one to its end; `interleave` runs two
+alternately (the overlapped forward+backward pair of pith_engine.step), so each exchange of one is
+in flight while the other computes. Pieces run through `Segments`: `DIRECT` makes them one autograd
+graph (`forward`, evaluation, tests); a `Tape` records each as its own autograd segment, whose
+backward is again a generator of steps (the training step: a pipeline schedule drives one chunk's
+backward segment by segment while it runs another's forward)"""
 
+import functools
+from collections.abc import Generator
 from typing import Any, Protocol
 
 import pith_ops
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
@@ -20,52 +26,185 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from pith_engine.contract import DecoderLayer, MoEModel, Positions, Routing, default_position_ids
 
+Steps = Generator[None, None, Any]  # stage pieces; each yield: an exchange was issued and is in flight
+
+
+class Segments(Protocol):
+    """How stage pieces run: `seg(fn, *args, owner=...)` a compute piece, `seg.exchange(...)` an
+    all-to-all. `Direct` runs them as one autograd graph; a `Tape` records each as its own segment."""
+
+    def __call__(self, fn, *args, owner: nn.Module | None = None): ...
+
+    def exchange(self, tensors: list[Tensor], out_splits: list[int], in_splits: list[int], group) -> Steps:
+        """Issue the all-to-all of `tensors` (row blocks of in_splits out, of out_splits in), yield,
+        -> the received tensors."""
+        ...
+
 
 class ExpertComm(Protocol):
-    def dispatch(self, r: Routing) -> tuple[Tensor, Tensor, Any]:
+    """Stages 2 and 4 as generators (`Steps`): each yields right after it issues an exchange, and
+    resumes by waiting for it, so a caller can run other work while the exchange is in flight."""
+
+    def dispatch(self, r: Routing, seg: Segments) -> Steps:
         """Stage 2: -> (x_ND rows grouped by local expert, group_ends_E int32, handle for combine)."""
         ...
 
-    def combine(self, y_ND: Tensor, handle: Any) -> tuple[Tensor, Tensor, Tensor]:
+    def combine(self, y_ND: Tensor, handle: Any, seg: Segments) -> Steps:
         """Stage 4: -> (rows, slots_TK, weights_TK) for stage 5's weighted sum."""
         ...
 
 
+def drain(steps: Steps):
+    """Run a generator of steps to its end, each exchange waited for as soon as it is issued."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def interleave(first: Steps, second: Steps, trace: list | None = None, tags=("first", "second")) -> None:
+    """Run two generators of steps alternately, switching sides at each yield (an exchange of the side
+    in flight): every exchange of one overlaps the other's compute up to its next exchange. trace
+    collects (tag, "issue") at each yield and (tag, "wait") when that side resumes."""
+    sides, i = [(first, tags[0]), (second, tags[1])], 0
+    issued = set()
+    while sides:
+        steps, tag = sides[i]
+        if trace is not None and tag in issued:
+            trace.append((tag, "wait"))
+        try:
+            next(steps)
+        except StopIteration:
+            sides.pop(i)
+            i = 0
+            continue
+        if trace is not None:
+            trace.append((tag, "issue"))
+            issued.add(tag)
+        i = (i + 1) % len(sides)
+
+
+class Direct:
+    """Stage pieces as they come, in one autograd graph; exchanges differentiable and synchronous."""
+
+    def __call__(self, fn, *args, owner: nn.Module | None = None):
+        return fn(*args)
+
+    def exchange(self, tensors, out_splits, in_splits, group) -> Steps:
+        yield from ()  # nothing left in flight
+        return [all_to_all(t, out_splits, in_splits, group) for t in tensors]
+
+
+DIRECT = Direct()
+
+
 class LocalExperts:
-    """Stages 2 and 4 when this process holds every expert."""
+    """Stages 2 and 4 when this process holds every expert: no exchange."""
 
     def __init__(self, align: int = 1):
         self.align = align  # per-expert row padding the grouped GEMM prefers
 
-    def dispatch(self, r: Routing) -> tuple[Tensor, Tensor, Any]:
+    def dispatch(self, r: Routing, seg: Segments = DIRECT) -> Steps:
+        yield from ()
         num_experts = r.probs_TE.shape[-1]
-        x_ND, slots_TK, group_ends_E = pith_ops.moe_permute(r.x_TD, r.expert_ids_TK, num_experts, self.align)
+        permute = lambda x, ids: pith_ops.moe_permute(x, ids, num_experts, self.align)
+        x_ND, slots_TK, group_ends_E = seg(permute, r.x_TD, r.expert_ids_TK)
         return x_ND, group_ends_E, (slots_TK, r.weights_TK)
 
-    def combine(self, y_ND: Tensor, handle: Any) -> tuple[Tensor, Tensor, Tensor]:
+    def combine(self, y_ND: Tensor, handle: Any, seg: Segments = DIRECT) -> Steps:
+        yield from ()
         slots_TK, weights_TK = handle
         return y_ND, slots_TK, weights_TK
+
+
+class Pending:
+    """An all-to-all in flight (issued with async_op=True); wait() -> its output.
+
+    On CUDA, NCCL runs it on the process group's own stream (the communication stream), which waits
+    by a CUDA event for the work issued so far on the current stream; wait() makes the current stream
+    wait for it in turn, without blocking the host. On CPU, gloo runs it on its own thread and wait()
+    blocks until done. One code path for both: compute issued between start and wait overlaps it."""
+
+    def __init__(self, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup):
+        self.out = x.new_empty(sum(out_splits), *x.shape[1:])
+        self.x = x.contiguous()  # kept alive until the exchange is done
+        self.work = dist.all_to_all_single(self.out, self.x, out_splits, in_splits, group, async_op=True)
+
+    def wait(self) -> Tensor:
+        self.work.wait()
+        return self.out
+
+    def host(self, *more: Tensor) -> list[int]:
+        """The output (and `more`, issued before it) as host integers, waiting only for the exchange:
+        on CUDA a side stream waits for it and copies to pinned memory, so the host does not also wait
+        for the compute queued since (the other micro-batch's stages keep the GPU busy meanwhile)."""
+        if not self.out.is_cuda:
+            self.work.wait()
+            return torch.cat([*more, self.out.flatten()]).tolist()
+        side = _side_stream(self.out.device)
+        with torch.cuda.stream(side):
+            self.work.wait()
+            values = torch.cat([*more, self.out.flatten()])
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        done.synchronize()
+        return host.tolist()
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return Pending(x, out_splits, in_splits, group).wait()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out_splits, in_splits = ctx.splits
+        return Pending(grad, in_splits, out_splits, ctx.group).wait(), None, None, None
+
+
+def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> Tensor:
+    """Differentiable all_to_all_single: row blocks of in_splits sent, of out_splits received."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
 class Tape:
     """The autograd segments of one forward (a pipeline chunk on one micro-batch), oldest first.
 
     `tape(fn, *args)` runs fn with every tensor in args that requires grad replaced by a detached leaf
-    that requires grad, and keeps fn's outputs. `seed(t, grad)` gives an output its gradient (ones for
-    a loss term). `backward()` then runs the segments newest first, each one
-    torch.autograd.backward(its seeded outputs, their grads): parameters accumulate their .grad as
-    usual, and each input leaf's grad becomes the grad of the tensor it was detached from, for the
-    segment that produced it. What is left is keyed by id() of the tensors the tape did not produce
-    (the chunk's input).
+    that requires grad, and keeps fn's outputs. `tape.exchange(tensors, ...)` issues their all-to-all,
+    yields, and on resuming waits for it and records it: the received tensors are leaves whose grads
+    go back by the reverse exchange. `seed(t, grad)` gives an output its gradient (ones for a loss
+    term). `backward()` (a generator of steps, as run_layer) then runs the segments newest first, each
+    one torch.autograd.backward(its seeded outputs, their grads), an exchange's reverse issued and
+    yielded on: parameters accumulate their .grad as usual, and each input leaf's grad becomes the grad
+    of the tensor it was detached from. What is left is keyed by id() of the tensors the tape did not
+    produce (the chunk's input).
 
     final: this is the step's last backward of the modules its segments name as `owner`: each such
     FSDP module reduces its gradients in that segment's backward and in no other (they accumulate
-    unreduced until then, pith_engine.step)."""
+    unreduced until then, pith_engine.step). trace: a list that collects (tag, piece) in the order
+    the pieces run, forward and backward, a piece named by its function (the overlap's tests)."""
 
-    def __init__(self, final: bool = False):
-        self.final = final
-        self.segments = []  # (input leaves, the tensors they were detached from, outputs, owner)
+    def __init__(self, final: bool = False, trace: list | None = None, tag: str = ""):
+        self.final, self.trace, self.tag = final, trace, tag
+        # (input leaves, the tensors they were detached from, outputs, owner or an exchange's splits, name)
+        self.segments = []
         self.grads: dict[int, Tensor] = {}
+
+    def _log(self, piece: str) -> None:
+        if self.trace is not None:
+            self.trace.append((self.tag, piece))
 
     def __call__(self, fn, *args, owner: nn.Module | None = None):
         flat, spec = tree_flatten(args)
@@ -73,17 +212,43 @@ class Tape:
         sources = [flat[i] for i in cut]
         for i in cut:
             flat[i] = flat[i].detach().requires_grad_()
+        name = getattr(fn, "__name__", "stage")
+        self._log(name)
         out = fn(*tree_unflatten(flat, spec))
         outputs = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
-        self.segments.append(([flat[i] for i in cut], sources, outputs, owner))
+        self.segments.append(([flat[i] for i in cut], sources, outputs, owner, name))
         return out
+
+    def exchange(self, tensors, out_splits, in_splits, group) -> Steps:
+        pending = [Pending(t.detach(), out_splits, in_splits, group) for t in tensors]
+        yield
+        received = [p.wait().requires_grad_(t.requires_grad) for p, t in zip(pending, tensors)]
+        sent = [t for t in tensors if t.requires_grad]
+        got = [r for r, t in zip(received, tensors) if t.requires_grad]
+        self.segments.append((sent, sent, got, (out_splits, in_splits, group), "exchange"))
+        return received
 
     def seed(self, t: Tensor, grad: Tensor | None = None) -> None:
         self.grads[id(t)] = torch.ones_like(t) if grad is None else grad
 
-    def backward(self) -> dict[int, Tensor]:
+    def _add(self, src: Tensor, grad: Tensor | None) -> None:
+        if grad is not None:
+            key = id(src)
+            self.grads[key] = grad if key not in self.grads else self.grads[key] + grad
+
+    def backward(self) -> Steps:
         while self.segments:
-            leaves, sources, outputs, owner = self.segments.pop()
+            leaves, sources, outputs, owner, name = self.segments.pop()
+            if isinstance(owner, tuple):  # an exchange: its gradients travel back the other way
+                # Every rank issues the reverse exchange (a collective), with zeros where none came.
+                out_splits, in_splits, group = owner
+                grads = [self.grads.pop(id(r), None) for r in outputs]
+                grads = [torch.zeros_like(r) if g is None else g for g, r in zip(grads, outputs)]
+                pending = [Pending(g, in_splits, out_splits, group) for g in grads]
+                yield
+                for src, p in zip(sources, pending):
+                    self._add(src, p.wait())
+                continue
             roots = [(t, self.grads.pop(id(t))) for t in outputs if id(t) in self.grads]
             if not roots:
                 continue
@@ -92,13 +257,12 @@ class Tape:
             # router unit) reduce with it; units with segments of their own (experts) are done by then.
             if sync:
                 owner.set_requires_gradient_sync(True)
+            self._log(name)
             torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
             if sync:
                 owner.set_requires_gradient_sync(False)
             for leaf, src in zip(leaves, sources):
-                if leaf.grad is not None:
-                    key = id(src)
-                    self.grads[key] = leaf.grad if key not in self.grads else self.grads[key] + leaf.grad
+                self._add(src, leaf.grad)
         return self.grads
 
 
@@ -107,19 +271,19 @@ def run_layer(
     h_BSD: Tensor,
     pos: Positions,
     comm: ExpertComm,
-    tape: Tape | None = None,
+    seg: Segments = DIRECT,
     module: nn.Module | None = None,
-) -> tuple[Tensor, Routing | None]:
-    """The five stages of one layer; with a tape, each its own segment. module: the layer's nn.Module
-    (its FSDP unit) when `layer` wraps its stage functions (pith_engine.step.Stages)."""
-    seg = tape or (lambda fn, *args, owner=None: fn(*args))
+) -> Steps:
+    """The five stages of one layer (a generator of steps: drain() it, or interleave it with another);
+    with a Tape as `seg`, each its own segment. module: the layer's nn.Module (its FSDP unit) when
+    `layer` wraps its stage functions (pith_engine.step.Stages). -> (h_BSD, routing or None)."""
     s1 = seg(layer.stage1, h_BSD, pos, owner=module or layer)
     r = s1.routing
     if r is None:
         return s1.h_BSD, None
-    x_ND, group_ends_E, handle = seg(comm.dispatch, r)
-    y_ND = seg(layer.stage3, x_ND, group_ends_E, owner=layer.experts if tape else None)
-    y_ND, slots_TK, weights_TK = seg(comm.combine, y_ND, handle)
+    x_ND, group_ends_E, handle = yield from comm.dispatch(r, seg)
+    y_ND = seg(layer.stage3, x_ND, group_ends_E, owner=layer.experts if isinstance(seg, Tape) else None)
+    y_ND, slots_TK, weights_TK = yield from comm.combine(y_ND, handle, seg)
     return seg(layer.stage5, s1.h_BSD, y_ND, slots_TK, weights_TK), r
 
 
@@ -137,7 +301,7 @@ def forward(
     h = model.prologue(input_ids_BS)
     routings = []
     for layer in model.layers.values():
-        h, r = run_layer(layer, h, pos, comm)
+        h, r = drain(run_layer(layer, h, pos, comm))
         if r is not None:
             routings.append(r)
     return model.epilogue(h), routings

@@ -29,38 +29,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from pith_engine.contract import Routing
-
-
-class Pending:
-    """An all-to-all in flight (issued with async_op=True); wait() -> its output.
-
-    On CUDA, NCCL runs it on the process group's own stream, which waits (by a CUDA event) for the
-    work issued so far on the current stream; wait() makes the current stream wait for it in turn,
-    without blocking the host. On CPU, gloo runs it on its own thread and wait() blocks until done.
-    One code path for both: compute issued between start and wait overlaps the exchange."""
-
-    def __init__(self, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup):
-        self.out = x.new_empty(sum(out_splits), *x.shape[1:])
-        self.x = x.contiguous()  # kept alive until the exchange is done
-        self.work = dist.all_to_all_single(self.out, self.x, out_splits, in_splits, group, async_op=True)
-
-    def wait(self) -> Tensor:
-        self.work.wait()
-        return self.out
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; its backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return Pending(x, out_splits, in_splits, group).wait()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        out_splits, in_splits = ctx.splits
-        return Pending(grad, in_splits, out_splits, ctx.group).wait(), None, None, None
+from pith_engine.executor import DIRECT, Pending, Segments, Steps
 
 
 class Plan(NamedTuple):
@@ -90,10 +59,10 @@ class _Handle(NamedTuple):
 class ExpertParallel:
     """Stages 2 and 4 across an EP group; this rank holds experts [rank*El, (rank+1)*El).
 
-    dispatch and combine are the whole stages. A schedule that overlaps them with another
-    micro-batch's compute runs their pieces instead, the exchanges in between issued and waited
-    apart (`Pending`): counts -> plan (the host sync) -> send_layout -> exchange rows and
-    metadata -> receive; combine: partial_rows -> exchange back."""
+    dispatch and combine are generators of their pieces (executor.Steps), yielding at each exchange
+    in flight so that an overlapped pair runs the other side's compute meanwhile: counts (issued) ->
+    plan (the host sync) -> send_layout -> rows and metadata (issued) -> receive; combine: partial
+    rows -> back (issued). executor.drain runs one straight through."""
 
     def __init__(self, group: ProcessGroup, align: int = 1):
         self.group, self.ranks, self.align = group, dist.get_world_size(group), align
@@ -113,9 +82,10 @@ class ExpertParallel:
 
     def plan(self, c: Counts) -> Plan:
         """Wait for the counts: the layer's one host sync (all_to_all_single needs its split sizes on
-        the host, and the receiver's row count gives moe_permute a static shape)."""
+        the host, and the receiver's row count gives moe_permute a static shape). It waits for the
+        exchange alone (Pending.host), not for compute issued after it."""
         R = self.ranks
-        counts = torch.cat([c.send_counts_R2[:, 0], c.recv.wait().flatten()]).tolist()
+        counts = c.recv.host(c.send_counts_R2[:, 0])
         return Plan(counts[:R], counts[R::2], sum(counts[R + 1 :: 2]))
 
     def send_layout(self, r: Routing, need_RT: Tensor, p: Plan) -> tuple[Tensor, Tensor, Tensor]:
@@ -148,17 +118,21 @@ class ExpertParallel:
         )
         return x_ND, group_ends_E, slots_MK, weights_MK
 
-    def dispatch(self, r: Routing) -> tuple[Tensor, Tensor, Any]:
+    def dispatch(self, r: Routing, seg: Segments = DIRECT) -> Steps:
+        """Stage 2 as steps: the counts' exchange issued (yield: the other side of an overlapped pair
+        computes before this layer's host sync), then the rows' and metadata's (yield)."""
         c = self.counts(r)
+        yield
         p = self.plan(c)
-        x_SD, meta_S2K, slots_TR = self.send_layout(r, c.need_RT, p)
-        x_MD = _AllToAll.apply(x_SD, p.recv_rows, p.send_rows, self.group)
-        meta_M2K = _AllToAll.apply(meta_S2K, p.recv_rows, p.send_rows, self.group)
-        x_ND, group_ends_E, slots_MK, weights_MK = self.receive(x_MD, meta_M2K, r.probs_TE.shape[-1], p)
+        x_SD, meta_S2K, slots_TR = seg(self.send_layout, r, c.need_RT, p)
+        x_MD, meta_M2K = yield from seg.exchange([x_SD, meta_S2K], p.recv_rows, p.send_rows, self.group)
+        E = r.probs_TE.shape[-1]
+        x_ND, group_ends_E, slots_MK, weights_MK = seg(self.receive, x_MD, meta_M2K, E, p)
         return x_ND, group_ends_E, _Handle(slots_MK, weights_MK, slots_TR, p.send_rows, p.recv_rows)
 
-    def combine(self, y_ND: Tensor, handle: Any) -> tuple[Tensor, Tensor, Tensor]:
+    def combine(self, y_ND: Tensor, handle: Any, seg: Segments = DIRECT) -> Steps:
+        """Stage 4 as steps: each received row's weighted sum over its experts, sent back (yield)."""
         h: _Handle = handle
-        partial_MD = pith_ops.moe_unpermute(y_ND, h.slots_MK, h.weights_MK)
-        rows_SD = _AllToAll.apply(partial_MD, h.send_rows, h.recv_rows, self.group)
+        partial_MD = seg(pith_ops.moe_unpermute, y_ND, h.slots_MK, h.weights_MK)
+        (rows_SD,) = yield from seg.exchange([partial_MD], h.send_rows, h.recv_rows, self.group)
         return rows_SD, h.slots_TR, torch.ones(h.slots_TR.shape, dtype=torch.float32, device=y_ND.device)

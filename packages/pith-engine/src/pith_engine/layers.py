@@ -47,13 +47,15 @@ class WeightGradQueue:
         self._open: list | None = None
 
     @contextmanager
-    def deferring(self):
+    def deferring(self, enabled: bool = True):
+        """One group (one W's work); enabled=False: nothing deferred, an empty group for its W."""
         assert self._open is None, "WeightGradQueue.deferring() does not nest"
-        self._open = []
+        group = []
+        self._open = group if enabled else None
         try:
             yield
         finally:
-            self._groups.append(self._open)
+            self._groups.append(group)
             self._open = None
 
     def defer(self, weights: tuple[Tensor, ...], wgrad: Callable[[], tuple[Tensor, ...]]) -> bool:
@@ -73,8 +75,11 @@ class WeightGradQueue:
             torch.autograd.backward(tensors, grads)
 
     def run_all(self) -> None:
-        while self._groups:
+        """Run every group's work now; the groups stay, empty, for the W actions still to come."""
+        n = len(self._groups)
+        for _ in range(n):
             self.run_next()
+            self._groups.append([])
 
     def __len__(self) -> int:
         return len(self._groups)

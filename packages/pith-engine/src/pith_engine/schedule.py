@@ -18,8 +18,8 @@ micro-batches, in eight phases:
   7. (n-r-1)  x W B(a)                    the queued weight work fills the bubbles
   8. (r+1)    x W
 F: forward; B: full backward (input, then weight gradients); I: input-gradient backward whose weight
-work is queued; W: the oldest queued weight work; [F+B]: one overlapped action. Under pp=1 the list is
-F(m) B(m) for every micro-batch m in order (no pipeline, one chunk).
+work is queued; W: the oldest queued weight work; [F+B]: one overlapped action. Under pp=1 there is
+one chunk and no pipeline (`schedule`: F(m) B(m) per micro-batch, or overlapped pairs).
 
 Point-to-point transfers are explicit entries: before a compute action, a receive for each input it
 needs from a neighbour (the activations a forward consumes, the output gradient a backward consumes);
@@ -229,10 +229,23 @@ def _with_p2p(pp: int, lists: list[list[Action | Overlap]], rank: int) -> list[A
     return out
 
 
-def schedule(pp: int, rank: int, micro_batches: int) -> list[Action | Overlap | P2P]:
-    """What pipeline rank `rank` runs in one training step, transfers included."""
+def schedule(
+    pp: int, rank: int, micro_batches: int, overlap: bool = False, wgrad: bool = False
+) -> list[Action | Overlap | P2P]:
+    """What pipeline rank `rank` runs in one training step, transfers included. Under pp=1: F(m) B(m)
+    for each micro-batch; overlap: F(0), [F(m+1)+B(m)] for each m, B(last) (Megatron-LM's EP
+    all-to-all overlap); wgrad: each B an I with its W right after (the same gradients, the same
+    path as the pipeline's split backward; pp=1 has no bubble to move W into)."""
     if pp == 1:
-        return [Action(op, 0, m) for m in range(micro_batches) for op in (Op.F, Op.B)]
+        M = micro_batches
+        back = lambda m: [Action(Op.I, 0, m), Action(Op.W, 0, m)] if wgrad else [Action(Op.B, 0, m)]
+        if not overlap:
+            return [x for m in range(M) for x in (Action(Op.F, 0, m), *back(m))]
+        out = [Action(Op.F, 0, 0)]
+        for m in range(M - 1):
+            b, *w = back(m)
+            out += [Overlap(Action(Op.F, 0, m + 1), b), *w]
+        return out + back(M - 1)
     check(pp, micro_batches)
     return _with_p2p(pp, [dualpipev(pp, r, micro_batches) for r in range(pp)], rank)
 

@@ -19,11 +19,19 @@ Pipeline. Rank r holds chunks (r, 2pp-1-r) of schedule.split_layers; between nei
 output activations and their gradients travel, [B, S_local, D] in the residual stream's dtype (shapes
 known before the step), each run of consecutive transfers of the schedule one batch_isend_irecv.
 
+Overlap and weight-gradient delay (Stages' overlap and wgrad). A forward and a backward are
+generators of steps that yield at each expert all-to-all (executor.run_layer, Tape.backward); an
+Overlap action of the schedule runs its two interleaved (executor.interleave), so each exchange of
+one is in flight while the other computes. I actions leave their weight gradients to a
+WeightGradQueue that W actions run. Neither changes a result (tests: test_overlap.py).
+
 FSDP. Gradients are reduced once per step: every FSDP unit accumulates unreduced gradients until the
 backward segment of its last micro-batch (Tape(final=True)), which reduce-scatters them. Cost: each
 rank holds its units' unsharded fp32 gradients through the step (4 bytes per parameter of its chunks).
 Under pp > 1 the units also stay gathered between the schedule's interleaved forwards and backwards
 (2 bytes per parameter of its chunks in bf16) and are resharded when the step's backward work is done.
+With the weight-gradient delay, a unit's gradients must be complete by its last backward segment:
+under FSDP the I of a chunk's last micro-batch runs every queued weight work first and defers none.
 
 Shape legend: B sequences, S sequence length, T = B*S tokens, D hidden, E experts, K top-k, L layers.
 """
@@ -42,7 +50,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from pith_engine import parallel
 from pith_engine.contract import Routing, default_position_ids
-from pith_engine.executor import Tape, run_layer
+from pith_engine.executor import DIRECT, Steps, Tape, drain, interleave, run_layer
+from pith_engine.layers import WeightGradQueue, set_wgrad_queue
 from pith_engine.parallel import held_layers
 from pith_engine.ring_attention import zigzag_positions, zigzag_split
 from pith_engine.schedule import (
@@ -73,6 +82,13 @@ class Stages:
     dtype: the residual stream's dtype after the embedding (bf16 under autocast on CUDA, so that the
     routed rows, the expert GEMMs and the fused loss run in bf16 too); None keeps the embedding's.
     align: the row padding of each expert's group in stage 2 (what the expert GEMM needs: FP8's 16).
+    overlap: run each overlapped pair of the schedule (DualPipeV's [F+B]; with pp=1 and several
+    micro-batches, F(m+1) with B(m)) interleaved at its exchanges (executor.interleave); off, its two
+    halves one after the other. Results are the same bit for bit.
+    wgrad: weight-gradient delay: the projections and expert GEMMs leave their weight gradients to a
+    WeightGradQueue in the schedule's input-gradient backwards (I) and its W actions run them
+    (under compile, the compiled stages' projections cannot defer: only the eager expert GEMMs do).
+    Off, I is a full backward and W nothing.
     """
 
     class Layer:
@@ -93,6 +109,8 @@ class Stages:
         ac: str = "none",
         dtype=None,
         align: int = 1,
+        overlap: bool = True,
+        wgrad: bool = True,
     ):
         # Under FSDP a stage method is FSDP's wrapper, whose unshard/reshard hooks dynamo runs eagerly:
         # the graph breaks exactly there and the body between is one graph (TorchTitan's per-block
@@ -118,7 +136,14 @@ class Stages:
             dist.all_reduce(E, dist.ReduceOp.MAX, group=mesh.pp_group)
             self.num_experts = int(E)
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        self.prologue = compiled(lambda ids: model.prologue(ids).to(dtype))
+        self.overlap, self.queue = overlap, WeightGradQueue() if wgrad else None
+        self.trace: list | None = None  # a list: (tag, stage piece) in the order run (tests, debugging)
+        set_wgrad_queue(model, self.queue)
+
+        def prologue(ids_BS: Tensor) -> Tensor:
+            return model.prologue(ids_BS).to(dtype)
+
+        self.prologue = compiled(prologue)
         self.epilogue = compiled(model.epilogue)
         if pp > 1:  # gathered through the step (module docstring)
             for unit in self.units:
@@ -208,42 +233,70 @@ class _Run:
                 i = j
                 continue
             item = actions[i]
-            for a in item if isinstance(item, Overlap) else (item,):  # issue 16 interleaves a pair
-                if a.op is Op.F:
-                    self.forward(a)
-                elif a.op in (Op.B, Op.I):  # I: the whole backward until weight work can be queued
-                    self.backward(a)
+            if isinstance(item, Overlap) and self.stages.overlap:
+                f, b = item
+                tags = (f"F{f.chunk}.{f.micro}", f"B{b.chunk}.{b.micro}")
+                interleave(self.steps(f), self.steps(b), self.stages.trace, tags)
+            else:
+                for a in item if isinstance(item, Overlap) else (item,):
+                    drain(self.steps(a))
             i += 1
 
-    def forward(self, a: Action) -> None:
+    def steps(self, a: Action) -> Steps:
+        queue = self.stages.queue
+        if a.op is Op.F:
+            # autocast around each run of compute, not across the yields (the other side may be a backward)
+            cuda = self.stages.mesh.device.type == "cuda"
+            autocast = lambda: torch.autocast("cuda", torch.bfloat16, enabled=cuda)
+            forward = self.forward(a)
+            while True:
+                with autocast():
+                    try:
+                        next(forward)
+                    except StopIteration:
+                        return
+                yield
+        elif a.op is Op.W:
+            if queue is not None:
+                queue.run_next()
+        elif a.op is Op.B or queue is None:
+            yield from self.backward(a)
+        else:  # I: weight gradients queued for a later W. Under FSDP a unit's last backward of the
+            # step reduces its gradients, so they must all be there: the queue runs first, none deferred.
+            final = self.tapes[(a.chunk, a.micro)][0].final and bool(self.stages.units)
+            if final:
+                queue.run_all()
+            with queue.deferring(enabled=not final):
+                yield from self.backward(a)
+
+    def forward(self, a: Action) -> Steps:
         s, (ids_BS, labels_BS, pos_BS) = self.stages, self.micro[a.micro]
         mesh = s.mesh
-        tape = Tape(final=a.micro == len(self.micro) - 1) if self.grad else None
-        seg = tape or (lambda fn, *args, owner=None: fn(*args))
+        tape = Tape(a.micro == len(self.micro) - 1, s.trace, f"F{a.chunk}.{a.micro}") if self.grad else None
+        seg = tape or DIRECT
         pos = s.model.positions(default_position_ids(ids_BS) if pos_BS is None else pos_BS, mesh.cp_group)
-        with torch.autocast("cuda", torch.bfloat16, enabled=mesh.device.type == "cuda"):
-            h_in = None
-            if a.chunk == 0:
-                h = seg(s.prologue, ids_BS, owner=s.model)
-            else:
-                h = h_in = self.data.pop((Op.F, a.chunk - 1, a.micro)).requires_grad_(self.grad)
-            for i, layer in s.chunks[a.chunk].items():
-                h, r = run_layer(layer, h, pos, s.comm, tape, layer.module)
-                if r is not None and tape:
-                    share, counts_E = seg(layer_aux, r, self.aux, self.tokens, mesh)
-                    self.sums[1] += share.detach()
-                    self.counts[i] = self.counts.get(i, 0) + counts_E
-                    tape.seed(share)
-            if a.chunk == s.last:
-                with record_function("lm_head+loss"):
-                    share, ce = seg(self.loss, h, labels_BS)
-                self.sums[0] += ce
-                self.sums[2] += (labels_BS != IGNORE_INDEX).sum()
-                if tape:
-                    tape.seed(share)
-                h = None
-            else:
-                self.data[(Op.F, a.chunk, a.micro)] = h.detach()
+        h_in = None
+        if a.chunk == 0:
+            h = seg(s.prologue, ids_BS, owner=s.model)
+        else:
+            h = h_in = self.data.pop((Op.F, a.chunk - 1, a.micro)).requires_grad_(self.grad)
+        for i, layer in s.chunks[a.chunk].items():
+            h, r = yield from run_layer(layer, h, pos, s.comm, seg, layer.module)
+            if r is not None and tape:
+                share, counts_E = seg(layer_aux, r, self.aux, self.tokens, mesh)
+                self.sums[1] += share.detach()
+                self.counts[i] = self.counts.get(i, 0) + counts_E
+                tape.seed(share)
+        if a.chunk == s.last:
+            with record_function("lm_head+loss"):
+                share, ce = seg(self.loss, h, labels_BS)
+            self.sums[0] += ce
+            self.sums[2] += (labels_BS != IGNORE_INDEX).sum()
+            if tape:
+                tape.seed(share)
+            h = None
+        else:
+            self.data[(Op.F, a.chunk, a.micro)] = h.detach()
         if tape:
             self.tapes[(a.chunk, a.micro)] = (tape, h_in, h)
 
@@ -251,11 +304,12 @@ class _Run:
         ce = loss_sum(self.stages.epilogue(h_BSD), self.stages.model.lm_head, labels_BS.flatten())
         return ce.float() / self.label_tokens, ce.detach().float()
 
-    def backward(self, a: Action) -> None:
+    def backward(self, a: Action) -> Steps:
         tape, h_in, h_out = self.tapes.pop((a.chunk, a.micro))
+        tape.tag = f"B{a.chunk}.{a.micro}"
         if h_out is not None:
             tape.seed(h_out, self.data.pop((Op.B, a.chunk + 1, a.micro)))
-        grads = tape.backward()
+        grads = yield from tape.backward()
         if h_in is not None:
             self.data[(Op.B, a.chunk, a.micro)] = grads[id(h_in)]
 
@@ -316,7 +370,8 @@ def train_step(
     for unit in stages.units:  # reduced in each unit's last backward segment (module docstring)
         unit.set_requires_gradient_sync(False, recurse=False)
     run = _Run(stages, micro, label_tokens, aux._replace(micro_batches=len(micro)), True)
-    run.run(schedule(mesh.layout.pp, mesh.pp_rank, len(micro)))
+    run.run(schedule(mesh.layout.pp, mesh.pp_rank, len(micro), stages.overlap, stages.queue is not None))
+    assert stages.queue is None or not len(stages.queue), "a W for every I of the schedule"
     if mesh.layout.pp > 1:
         for unit in stages.units:
             unit.reshard()

@@ -188,13 +188,18 @@ def run(
     dp: int = 1,
     cp: int = 1,
     ep: int = 1,
+    micro_batch: int | None = None,
+    overlap: bool = True,
+    wgrad_delay: bool = True,
 ) -> dict:
     """Build the workload (or the tiny one), run `warmup` then `steps` timed training steps (then
     `profile_steps` under torch.profiler), and return the measurements.
 
     dp, cp, ep: the [parallel] layout under torchrun (world = dp*cp*ep; under torchrun even one rank
     takes the distributed path: FSDP over it). The batch is the global one: each data rank (dp x ep)
-    takes batch / (dp*ep) sequences of its own; tokens/s count the whole batch.
+    takes batch / (dp*ep) sequences of its own; tokens/s count the whole batch. micro_batch: sequences
+    per micro-batch (default: all of a data rank's); overlap, wgrad_delay: parallel.overlap and
+    parallel.wgrad_delay (pith_engine.step.Stages).
     data: None for random tokens, or a dataset made by `pith-train prepare-data`, read in the trainer's
     order (seeded windows), so that two runs see the same batches at every step."""
     if steps < 1 or warmup < 0 or profile_steps < 0:
@@ -213,12 +218,16 @@ def run(
     if dp < 1 or cp < 1 or ep < 1 or B % (dp * ep):
         raise ValueError(f"expected dp, cp, ep >= 1 and batch {B} divisible by dp*ep = {dp * ep}")
     Bl = B // (dp * ep)  # sequences of one data rank
+    mb = micro_batch or Bl
+    if Bl % mb:
+        raise ValueError(f"micro_batch: expected a divisor of the {Bl} sequences per data rank, got {mb}")
     # The trainer's config carries what train_step and the optimizer read (validated there).
     cfg = load_config(
         None,
-        [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={Bl}", f"train.device={device}",
+        [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={mb}", f"train.device={device}",
          f"train.compile={str(compile).lower()}", f"train.ac={ac}", f"train.seed={seed}",
-         f"train.fp8={str(fp8).lower()}", f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}"],
+         f"train.fp8={str(fp8).lower()}", f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
+         f"parallel.overlap={str(overlap).lower()}", f"parallel.wgrad_delay={str(wgrad_delay).lower()}"],
     )  # fmt: skip
     # Expandable segments, as TorchTitan runs: freed blocks coalesce, so the reserved peak stays near
     # the allocated one. Read when CUDA first allocates in this process; an explicit setting wins.
@@ -249,9 +258,9 @@ def run(
         nonlocal cursor
         if loader is None:
             ids_BS = torch.randint(model_cfg.vocab_size, (Bl, S + 1), device=dev, generator=generator)
-            micro = [(ids_BS[:, :-1], ids_BS[:, 1:])]
+            micro = [(ids[:, :-1], ids[:, 1:]) for ids in ids_BS.split(mb)]
         else:
-            micro = loader.step_batch(cursor, B, Bl, mesh.data_rank, mesh.layout.data_ranks)
+            micro = loader.step_batch(cursor, B, mb, mesh.data_rank, mesh.layout.data_ranks)
             cursor += B
         return train_step(stages, optimizer, micro, LR, *settings).loss
 
@@ -298,6 +307,9 @@ def run(
             "ac": ac,
             "grouped_gemm": grouped_gemm,
             "fp8": fp8,
+            "micro_batches": Bl // mb,
+            "overlap": overlap,
+            "wgrad_delay": wgrad_delay,
             "steps": steps,
             "warmup": warmup,
             "torch": torch.__version__,
@@ -338,7 +350,8 @@ def summary(r: dict) -> str:
     s = r["settings"]
     lines = [
         f"{r['card']}: {r['workload']['tokens_per_step']:,} tokens/step, compile={s['compile']} ac={s['ac']}"
-        f" grouped_gemm={s['grouped_gemm']} fp8={s['fp8']}, layout {r['layout']}",
+        f" grouped_gemm={s['grouped_gemm']} fp8={s['fp8']} micro-batches={s['micro_batches']}"
+        f" overlap={s['overlap']} wgrad_delay={s['wgrad_delay']}, layout {r['layout']}",
         f"  {r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms (median of {s['steps']})",
         f"  MFU {r['mfu_measured']:.1%}: causal FLOPs over the measured"
         f" {r['measured_matmul_tflops']:.3g} TFLOP/s matmul (bf16 on CUDA)"

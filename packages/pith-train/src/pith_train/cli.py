@@ -204,7 +204,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         tiny=args.tiny, layers=args.layers, seq_len=args.seq_len, batch=args.batch, steps=args.steps,
         warmup=args.warmup, compile=args.compile == "on", ac=args.ac, grouped_gemm=args.grouped_gemm,
         fp8=args.fp8, profile_steps=args.profile, data=args.data, device=args.device, dp=args.dp, cp=args.cp,
-        ep=args.ep,
+        ep=args.ep, micro_batch=args.micro_batch, overlap=args.overlap == "on",
+        wgrad_delay=args.wgrad_delay == "on",
     )  # fmt: skip
     import torch.distributed as dist
 
@@ -318,6 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     for axis in ("dp", "cp", "ep"):  # under torchrun: world = dp*cp*ep
         p.add_argument(f"--{axis}", type=int, default=1, help=f"parallel.{axis} (torchrun)")
+    p.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: the whole batch)")
+    for flag in ("overlap", "wgrad-delay"):
+        key = flag.replace("-", "_")
+        p.add_argument(f"--{flag}", choices=["on", "off"], default="on", help=f"parallel.{key}")
     p.add_argument("--json", default="bench.json", help="where the measurements go")
     p.set_defaults(run=cmd_bench)
 

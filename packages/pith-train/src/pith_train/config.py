@@ -78,6 +78,12 @@ class ParallelConfig:
     dp: int = 1  # data-parallel (FSDP) ranks
     cp: int = 1  # context-parallel ranks (share sequences, split them along time)
     ep: int = 1  # expert-parallel ranks (take different data, like dp)
+    # Overlapped forward+backward pairs (DualPipeV's; with pp=1 and >= 2 micro-batches, F(m+1) with
+    # B(m)) interleave at their expert all-to-alls, each in flight while the other side computes.
+    overlap: bool = True
+    # Weight gradients of the projections and expert GEMMs wait for the schedule's W slots (the
+    # pipeline's bubbles; under pp=1 each W follows its backward). Same results either way.
+    wgrad_delay: bool = True
 
 
 @dataclass

@@ -34,7 +34,8 @@ from pith_train.stopping import Interrupted, StopOnSignal
 
 def parallel_layout(cfg: Config, device: torch.device) -> parallel.Mesh:
     """This process's place in cfg.parallel (the world from torchrun's env), checked before any compute."""
-    shape = parallel.Layout(**dataclasses.asdict(cfg.parallel))
+    p = cfg.parallel
+    shape = parallel.Layout(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
     model_cfg = model_config(cfg.model)
     parallel.check_layout(
         shape,
@@ -63,7 +64,8 @@ def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages
     cuda = mesh.device.type == "cuda"
     compile = cfg.train.compile and cuda
     dtype, align = torch.bfloat16 if cuda else None, GROUP_ALIGN if cfg.train.fp8 else 1
-    return Stages(model, mesh, compile, cfg.train.ac, dtype, align)
+    overlap, wgrad = cfg.parallel.overlap, cfg.parallel.wgrad_delay
+    return Stages(model, mesh, compile, cfg.train.ac, dtype, align, overlap, wgrad)
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
