@@ -160,3 +160,16 @@ def test_export_refuses_a_nonzero_expert_bias(hf_dir, tmp_path):
     model.layers["1"].mlp.expert_bias[0] = 0.5
     with pytest.raises(ValueError, match="expert_bias is nonzero"):
         pith_models.save_pretrained(model, tmp_path)
+
+
+def test_a_from_hf_state_dict_that_mixes_rows_is_a_value_error_naming_the_tensor(hf_dir, monkeypatch):
+    """A sharded load needs every non-expert row to be one HF row; a transposed weight is not."""
+    convert = qwen3_moe.from_hf_state_dict
+
+    def transposing(sd, cfg, experts=None):
+        out = convert(sd, cfg, experts)
+        return {**out, "layers.0.self_attn.o_proj.weight": out["layers.0.self_attn.o_proj.weight"].T}
+
+    monkeypatch.setattr(qwen3_moe, "from_hf_state_dict", transposing)
+    with pytest.raises(ValueError, match=r"into layers\.0\.self_attn\.o_proj\.weight .* one HF row per row"):
+        pith_models.from_pretrained(hf_dir)

@@ -8,11 +8,15 @@ update on) to a relative 1e-5, and every parameter's (clipped) gradient of the f
 Each model is the trainer's sharded build (pith_models.build with the layout's mesh: this rank's
 experts and FSDP shards only, drawn from the seed); the layout is the trainer's own
 (train.parallel_layout from a Config's [parallel]). A checkpoint written under dp2 x ep2 after 3 steps
-resumes on one process and under dp2 to the uninterrupted losses. A Hugging Face directory loaded
-sharded under dp2 x ep2 and ep4 (each rank reading its experts only: per-expert tensors for Qwen3-MoE,
-slices of stacked ones for GPT-OSS) holds exactly the single-process load's tensors.
+resumes on one process and under dp2 to the uninterrupted losses. A bf16 Hugging Face directory of
+each family loaded sharded under dp2, ep2, pp2, dp2 x ep2 and pp2 x ep2 holds exactly the
+single-process load's tensors, and each rank reads (through safetensors slices) exactly its shard's
+bytes: its pipeline rank's layers, its experts (per-expert tensors for Qwen3-MoE and DeepSeek-V2,
+slices of stacked ones for GPT-OSS), its FSDP rows of every other tensor.
 """
 
+import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -25,9 +29,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from pith_engine import checkpoint
-from pith_engine.parallel import SINGLE, Layout, full_state
+from pith_engine.parallel import SINGLE, Layout, build_mesh, full_state, local_rows
 from pith_engine.step import Stages, step_values, train_step
-from pith_models import deepseek_v2, gpt_oss, qwen3_moe
+from pith_models import deepseek_v2, gpt_oss, hf, qwen3_moe
 from pith_train import train
 from pith_train.config import load_config
 from pith_train.optim import build_optimizer
@@ -42,6 +46,16 @@ LAYOUTS = {
     2: [Layout(dp=2), Layout(ep=2), Layout(cp=2)],
     4: [Layout(dp=2, ep=2), Layout(cp=2, ep=2), Layout(ep=4)],
 }
+# Hugging Face loading: 4 layers (pp2's 4 chunks), a dense first layer whose fused gate_up [2*97, D]
+# FSDP cuts over 4 ranks in pieces of 49 (one straddles the gate/up boundary), tied embeddings.
+HF_MODELS = {
+    "qwen3_moe": dataclasses.replace(
+        qwen3_moe.TINY, num_hidden_layers=4, intermediate_size=97, tie_word_embeddings=True
+    ),
+    "deepseek_v2": dataclasses.replace(deepseek_v2.TINY, num_hidden_layers=4, intermediate_size=97),
+    "gpt_oss": dataclasses.replace(gpt_oss.TINY, num_hidden_layers=4, layer_types=()),
+}
+HF_LAYOUTS = {2: [Layout(dp=2), Layout(ep=2), Layout(pp=2)], 4: [Layout(dp=2, ep=2), Layout(pp=2, ep=2)]}
 STEPS, GLOBAL_BATCH, MICRO_BATCHES, SEQ, LR = 5, 8, 2, 16, 1e-2
 RESUME_AT = 3  # the checkpointed run stops after 3 steps; the resumed ones run steps 3 and 4
 RTOL = 1e-5
@@ -105,6 +119,73 @@ def assert_same_losses(losses, expected, where: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def counting_reads():
+    """-> a Counter of the bytes pith_models.hf reads of each HF tensor (through safetensors slices,
+    its only way of reading data) inside the block."""
+    read, safe_open = collections.Counter(), hf.safe_open
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self.file = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def __getattr__(self, name):  # keys
+            return getattr(self.file, name)
+
+        def get_slice(self, k):
+            return Slice(self.file.get_slice(k), k)
+
+    class Slice:
+        def __init__(self, piece, k):
+            self.piece, self.k, self.get_shape = piece, k, piece.get_shape
+
+        def __getitem__(self, index):
+            t = self.piece[index]
+            read[self.k] += t.nbytes
+            return t
+
+    hf.safe_open = Counting
+    try:
+        yield read
+    finally:
+        hf.safe_open = safe_open
+
+
+def check_sharded_hf_loads(tmp: Path, world: int) -> None:
+    """Every rank's sharded load of a bf16 Hugging Face directory holds exactly the single-process
+    load's tensors, and reads exactly its shard's bytes: of its pipeline rank's layers only (no
+    embedding or lm_head off pp rank 0), its experts, and of each dense tensor its FSDP rows."""
+    rank = dist.get_rank()
+    for name, model_cfg in HF_MODELS.items():
+        hf_dir = tmp / f"hf_{name}_{world}"
+        if rank == 0:
+            pith_models.save_pretrained(pith_models.build(model_cfg, "cpu", 1), hf_dir)
+        dist.barrier()
+        whole = pith_models.from_pretrained(hf_dir).state_dict()
+        for shape in HF_LAYOUTS[world]:
+            mesh = build_mesh(shape, torch.device("cpu"))
+            with counting_reads() as read:
+                model = pith_models.from_pretrained(hf_dir, "cpu", mesh)
+            where = f"{name} {shape} rank {rank}"
+            got = full_state(model, mesh)
+            assert got and got.keys() <= whole.keys(), where
+            bad = [k for k, t in got.items() if not torch.equal(t, whole[k])]
+            assert not bad, f"{where}: the sharded load differs for {bad}"
+            shard = sum(local_rows(p)[0].numel() * torch.bfloat16.itemsize for p in model.parameters())
+            assert sum(read.values()) == shard, f"{where}: read {sum(read.values())} bytes, holds {shard}"
+            if mesh.pp_rank != 0:
+                assert not [k for k, n in read.items() if n and ("embed_tokens" in k or "lm_head" in k)], (
+                    where
+                )
+
+
 def _worker(tmp: Path) -> None:
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
@@ -122,28 +203,7 @@ def _worker(tmp: Path) -> None:
             bad = [n for n, g in grads.items() if not torch.allclose(g, ref[1][n], GRAD_RTOL, GRAD_ATOL)]
             assert not bad, f"{where}: gradients differ from the single process for {bad}"
 
-    if world == 4:
-        for name in ("qwen3_moe", "gpt_oss"):
-            hf_dir = tmp / f"hf_{name}"
-            if rank == 0:
-                pith_models.save_pretrained(pith_models.build(MODELS[name], "cpu", 1), hf_dir, torch.float32)
-                whole = pith_models.from_pretrained(hf_dir).state_dict()
-            dist.barrier()
-            for shape in (Layout(dp=2, ep=2), Layout(ep=4)):
-                cfg = load_config(
-                    None,
-                    [
-                        *OVERRIDES,
-                        "train.micro_batch=1",
-                        *[f"parallel.{k}={v}" for k, v in dataclasses.asdict(shape).items()],
-                    ],
-                )
-                mesh = train.parallel_layout(cfg, torch.device("cpu"))
-                got = full_state(pith_models.from_pretrained(hf_dir, "cpu", mesh), mesh)
-                if rank == 0:
-                    assert got.keys() <= whole.keys(), (name, shape)
-                    bad = [k for k, t in got.items() if not torch.equal(t, whole[k])]
-                    assert not bad, f"{name} {shape}: the sharded load differs for {bad}"
+    check_sharded_hf_loads(tmp, world)
 
     # Resuming across layouts; 6 experts over ep2 x dp2 are 3 per EP rank in FSDP pieces of 2 and 1.
     cfg6 = dataclasses.replace(MODELS["qwen3_moe"], num_experts=6)

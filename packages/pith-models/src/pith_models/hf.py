@@ -20,15 +20,18 @@ on it and on nothing else of theirs):
   DecoderModel); `init_weights(model, seed, mesh=SINGLE)`, the one initialiser (on a materialised
   model, sharded over `mesh` or whole; the same global weights either way);
 - `from_hf_state_dict(sd, cfg, experts=None)` / `to_hf_state_dict(sd, cfg)`: HF names and layouts
-  <-> ours. Both work on meta tensors: loading checks the file's names and shapes against
-  `to_hf_state_dict(meta_model.state_dict())`, so from_hf_state_dict may assume a complete input,
-  except for the routed experts: `experts` (a range of global expert indices, default all) are the
-  ones `sd` holds, the only ones a sharded load reads (a stacked HF expert tensor [E, ...] comes
-  sliced to them, a per-expert one `...experts.<e>...` only for e in the range); their stacked
-  weights come out [len(experts), ...];
+  <-> ours. to_hf_state_dict works on meta tensors: loading checks the file's names and shapes
+  against `to_hf_state_dict(meta_model.state_dict())`, so from_hf_state_dict may assume every name
+  present. `experts` (a range of global expert indices, default all) are the routed experts `sd`
+  holds (a stacked HF expert tensor [E, ...] comes sliced to them, a per-expert one
+  `...experts.<e>...` only for e in the range); their stacked weights come out [len(experts), ...].
+  Every other tensor must come out made of HF rows along dim 0 (renamed, concatenated or permuted
+  along dim 0, tied), and any HF tensor may come cut to some of its rows of dim 0, or none: a
+  sharded load (from_pretrained) runs it on int64 row ids to learn which HF rows make its rows;
 - presets: TINY (tests) and the full-size configs.
 """
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -73,23 +76,18 @@ def _files(path: Path) -> list[str]:
     raise ValueError(f"{path}: expected model.safetensors or model.safetensors.index.json, found neither")
 
 
-def read_safetensors(path: Path, experts: range | None = None, meta: bool = False) -> dict[str, Tensor]:
-    """The tensors of model.safetensors, or of the shards model.safetensors.index.json names; with
-    `experts`, of the routed experts only those global indices (slices of stacked ones [E, ...]: the
-    rest is never read); meta: only their shapes, as meta tensors, reading no data."""
+def read_safetensors(path: Path, rows: dict[str, range] | None = None) -> dict[str, Tensor]:
+    """The tensors of model.safetensors, or of the shards model.safetensors.index.json names: those
+    that `rows` names, only those rows of dim 0 (the rest of the files is never read); rows None:
+    every tensor's shape, as a meta tensor, reading no data."""
     sd = {}
     for f in _files(path):
         with safe_open(path / f, framework="pt") as file:
             for k in file.keys():  # noqa: SIM118 (a safe_open handle has no __iter__)
-                e = _PER_EXPERT.search(k)
-                if meta:
+                if rows is None:
                     sd[k] = torch.empty(file.get_slice(k).get_shape(), device="meta")
-                elif experts is None or (e is None and ".experts." not in k):
-                    sd[k] = file.get_tensor(k)
-                elif e is None:
-                    sd[k] = file.get_slice(k)[experts.start : experts.stop]
-                elif int(e[1]) in experts:
-                    sd[k] = file.get_tensor(k)
+                elif k in rows:
+                    sd[k] = file.get_slice(k)[rows[k].start : rows[k].stop]
     return sd
 
 
@@ -133,6 +131,26 @@ def _held_experts(model: nn.Module, mesh: Mesh) -> range:
     return range(0)
 
 
+def _seen(k: str, rows: int, held: range) -> range | None:
+    """The rows of file tensor k (of `rows` rows) that from_hf_state_dict takes on a rank holding
+    experts `held`: a stacked expert tensor [E, ...] cut to them, a per-expert one only for e in held
+    (None: not passed at all), any other whole."""
+    e = _PER_EXPERT.search(k)
+    if e is not None:
+        return range(rows) if int(e[1]) in held else None
+    return held if ".experts." in k else range(rows)
+
+
+def _origins(ids: Tensor, p: Tensor, name: str, module: ModuleType) -> Tensor:
+    """The ids of the HF rows that the rows of dim 0 of our non-expert tensor `name` are made of."""
+    if ids.dtype != torch.int64 or ids.numel() != ids.shape[0] or ids.shape[0] != p.shape[0]:
+        raise ValueError(
+            f"{module.__name__}.from_hf_state_dict turns int64 HF row ids into {name} "
+            f"{tuple(ids.shape)} {ids.dtype}: expected {p.shape[0]} int64 ids, one HF row per row of dim 0"
+        )
+    return ids.flatten()
+
+
 @torch.no_grad()
 def from_pretrained(
     path: str | Path, device: str | torch.device = "cpu", mesh: Mesh | None = None, param_dtype=None
@@ -140,22 +158,58 @@ def from_pretrained(
     """Load a Hugging Face directory (config.json + safetensors), strictly: every tensor must match.
 
     Weights come out fp32 (the master weights). mesh: this rank's part only (as pith_models.build),
-    reading only its experts from the files (the dense tensors are read whole, then cut to the FSDP
-    shard); the same global weights as a single-process load."""
+    and only that part is read from the files (safetensors slices): its pipeline rank's layers (the
+    embedding, final norm and lm_head on pp rank 0 only), its experts, and of every other tensor the
+    rows of dim 0 its FSDP shard holds; the same global weights as a single-process load.
+
+    The rows are found through the model's own from_hf_state_dict, run first on row ids (each HF
+    tensor as int64 ids [rows, 1, ...], distinct over all of them; nothing read): each row of a
+    non-expert output says which HF row it came from, e.g. the up_proj rows in the second half of a
+    fused gate_up_proj. This rank reads, of each HF tensor, the span of the rows its shard needs (of
+    the others none), runs from_hf_state_dict on those slices and on the same slices of the ids, and
+    picks its rows by id."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: expected a Hugging Face model directory with a config.json, found none")
     cfg = config_from_hf(json.loads((path / "config.json").read_text()))
     module = module_of(cfg)
-    expected = module.to_hf_state_dict(build_empty(cfg).state_dict(), cfg)
-    check_tensors(read_safetensors(path, meta=True), expected, str(path))
+    shapes = read_safetensors(path)
+    check_tensors(shapes, module.to_hf_state_dict(build_empty(cfg).state_dict(), cfg), str(path))
     model = build_empty(cfg, device, mesh, param_dtype)
     held = _held_experts(model, mesh or SINGLE)
-    sd = module.from_hf_state_dict(read_safetensors(path, held), cfg, held)
+    seen = {k: r for k, t in shapes.items() if (r := _seen(k, t.shape[0], held)) is not None}
+    first = dict(zip(seen, [0, *itertools.accumulate(len(r) for r in seen.values())]))
+    ids = {
+        k: torch.arange(first[k], first[k] + len(r)).view(-1, *[1] * (shapes[k].ndim - 1))
+        for k, r in seen.items()
+    }
+    origin = module.from_hf_state_dict(ids, cfg, held)
     experts = expert_param_names(model)
+    wanted = {
+        name: origin[name].flatten()
+        if name in experts
+        else _origins(origin[name], p, name, module)[local_rows(p)[1]]
+        for name, p in model.named_parameters()
+    }
+    need = torch.cat(list(wanted.values())).unique()
+    cut = {}
+    for k, r in seen.items():
+        lo, hi = torch.searchsorted(need, torch.tensor([first[k], first[k] + len(r)])).tolist()
+        cut[k] = range(int(need[lo]) - first[k], int(need[hi - 1]) - first[k] + 1) if hi > lo else range(0)
+    sd = module.from_hf_state_dict(
+        read_safetensors(path, {k: seen[k][c.start : c.stop] for k, c in cut.items()}), cfg, held
+    )
+    got = module.from_hf_state_dict({k: ids[k][c.start : c.stop] for k, c in cut.items()}, cfg, held)
     for name, p in model.named_parameters():
-        local, rows = local_rows(p)
-        local.copy_(sd[name] if name in experts else sd[name][rows.start : rows.stop])
+        local = local_rows(p)[0]
+        if name in experts:
+            local.copy_(sd[name])
+            continue
+        have = got[name].flatten()
+        order = have.argsort()
+        at = order[torch.searchsorted(have[order], wanted[name])]
+        assert torch.equal(have[at], wanted[name]), name
+        local.copy_(sd[name][at])
     for name, b in model.named_buffers():
         b.copy_(sd[name])
     return model
