@@ -29,7 +29,8 @@ FSDP. Gradients are reduced once per step: every FSDP unit accumulates unreduced
 backward segment of its last micro-batch (Tape(final=True)), which reduce-scatters them. Cost: each
 rank holds its units' unsharded fp32 gradients through the step (4 bytes per parameter of its chunks).
 Under pp > 1 the units also stay gathered between the schedule's interleaved forwards and backwards
-(2 bytes per parameter of its chunks in bf16) and are resharded when the step's backward work is done.
+(2 bytes per parameter of its chunks in bf16) and are resharded when the step's backward work is done;
+under pp = 1 only the root unit (embedding, final norm, lm_head) does.
 With the weight-gradient delay, a unit's gradients must be complete by its last backward segment:
 under FSDP the I of a chunk's last micro-batch runs every queued weight work first and defers none.
 
@@ -149,6 +150,11 @@ class Stages:
             for unit in self.units:
                 unit.set_reshard_after_forward(False, recurse=False)
                 unit.set_reshard_after_backward(False, recurse=False)
+        elif isinstance(model, FSDPModule):
+            # The root (embedding, final norm, lm_head) stays gathered through the step: the loss reads
+            # lm_head outside an FSDP call, and in an overlapped pair the end of each backward segment
+            # (FSDP's final callback) would otherwise reshard it under the other micro-batch's forward.
+            model.set_reshard_after_backward(False, recurse=False)
 
 
 def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh):
@@ -372,9 +378,8 @@ def train_step(
     run = _Run(stages, micro, label_tokens, aux._replace(micro_batches=len(micro)), True)
     run.run(schedule(mesh.layout.pp, mesh.pp_rank, len(micro), stages.overlap, stages.queue is not None))
     assert stages.queue is None or not len(stages.queue), "a W for every I of the schedule"
-    if mesh.layout.pp > 1:
-        for unit in stages.units:
-            unit.reshard()
+    for unit in stages.units:  # what stayed gathered through the step (Stages)
+        unit.reshard()
     sums = parallel.all_reduce_sum(run.sums[:2].clone(), mesh, pp=True)
     loss, aux_loss = sums[0] / label_tokens, sums[1]
     with record_function("optimizer"):

@@ -64,7 +64,9 @@ def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages
     cuda = mesh.device.type == "cuda"
     compile = cfg.train.compile and cuda
     dtype, align = torch.bfloat16 if cuda else None, GROUP_ALIGN if cfg.train.fp8 else 1
-    overlap, wgrad = cfg.parallel.overlap, cfg.parallel.wgrad_delay
+    # Weight-gradient delay only where the schedule has bubbles to fill (pp > 1): under pp = 1 each W
+    # would follow its backward and only hold the GEMM inputs longer (config.py has the numbers).
+    overlap, wgrad = cfg.parallel.overlap, cfg.parallel.wgrad_delay and mesh.layout.pp > 1
     return Stages(model, mesh, compile, cfg.train.ac, dtype, align, overlap, wgrad)
 
 
