@@ -6,9 +6,10 @@ checked bit-exact against the reference, in GB/s against the copy ceiling, and t
 Bytes: one read of x and one e4m3 write (scales not counted). Per layer each FP8 GEMM operand is
 quantised along both axes: fp8_linear (q, k, v, o projections) quantises x and w in the forward and
 dy in the backward, fp8_grouped_gemm (gate_up, down) the same with the expert weights batched.
---baseline FILE: also time the quantize_rows / quantize_cols of another fp8_quant.py (e.g. main's,
-`git show main:packages/pith-ops/src/pith_ops/fp8_quant.py > build/fp8_quant_main.py`) in the same
-process. --sweep: also time other tiles of the new kernels at the expert activation shape.
+--baseline FILE: also time the quantize_rows / quantize_cols of another fp8_quant.py in the same
+process (the kernels before this rewrite: `git show c185f33:packages/pith-ops/src/pith_ops/fp8_quant.py
+> build/fp8_quant_main.py`). --sweep: also time other tiles of the new kernels at the expert
+activation shape.
 Run on a CUDA machine: python3 packages/pith-ops/benchmarks/bench_fp8_quant.py [--baseline FILE] [--sweep]
 """
 
@@ -79,9 +80,10 @@ def sweep(x: torch.Tensor, ends: torch.Tensor) -> None:
             report(f"  rows tile {tile[0]}x{bk}, {warps} warps", ms, bytes_moved=moved)
     x3, qc = x[None], fp8_quant.empty_cols(1, K, M, device="cuda")
     sc = torch.full((1, ends.shape[0], K), 2.0**-126, device="cuda")  # reruns max the same values in
-    for tile in ((2048, 16, 16), (2048, 16, 8), (2048, 32, 16), (1024, 32, 16), (1024, 16, 8)):
+    cols_tiles = (2048, 16, 16, 1), (2048, 16, 32, 1), (1024, 32, 16, 1), (1024, 16, 16, 1), (1024, 16, 16, 2)
+    for tile in cols_tiles:  # rows, columns, warps, programs per SM
         ms = median_ms(lambda tile=tile: fp8_quant._launch_cols(x3, ends, qc, sc, *tile))
-        report(f"  cols tile {tile[0]}x{tile[1]}, {tile[2]} warps", ms, bytes_moved=moved)
+        report(f"  cols tile {tile[0]}x{tile[1]}, {tile[2]} warps, {tile[3]} per SM", ms, bytes_moved=moved)
 
 
 def main() -> None:

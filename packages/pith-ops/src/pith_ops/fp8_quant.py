@@ -15,6 +15,8 @@ for bit; an all-zero row gets scale 2^-126. The power of two costs at most one b
 amax / 448 (DeepSeek-V3 and torchao round scales the same way).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -28,7 +30,8 @@ FP8_MAX = 448.0
 # Tiles: both kernels hold a whole tile in registers, so every element of x is read once from memory.
 # Rows: BLOCK_M x next_pow2(K) with ROWS_ELEMS elements, while K <= ROWS_MAX_K; longer rows loop twice
 # over BLOCK_K chunks (the second read mostly from cache). Cols: a strip of up to COLS_MAX_M rows x
-# BLOCK_K columns, COLS_ELEMS elements (at least 16 columns: 32-byte row pieces of bf16 x). The
+# BLOCK_K columns, COLS_ELEMS elements (at least 16 columns: 32-byte row pieces of bf16 x; at 16 warps
+# 128 registers a thread, 80 bytes spilled, compiled for sm_90 by Triton 3.9). The
 # interpreter (CPU tests) gets small tiles so that both paths of each kernel run.
 ROWS_ELEMS, ROWS_MAX_K, ROWS_WARPS = (256, 128, 1) if INTERPRET else (8192, 8192, 8)
 COLS_ELEMS, COLS_MAX_M, COLS_WARPS = (512, 16, 1) if INTERPRET else (32768, 2048, 16)
@@ -85,27 +88,21 @@ def _quant_rows_kernel(
 
 
 @triton.jit
-def _quant_cols_kernel(
-    x_ptr, q_ptr, s_ptr, ends_ptr, G, M, K, s_qb, s_qk,
+def _quant_cols_tile(
+    x_ptr, q_ptr, s_ptr, queue_ptr, ends_ptr, G, M, K, s_qb, s_qk, strip, tile, b, slot,
     G_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FINISH: tl.constexpr,
 ):  # fmt: skip
-    """Columns program_id(0) * BLOCK_K.. of row tile program_id(1) (each group cut into BLOCK_M-row tiles)
-    of batch entry program_id(2). A group of at most BLOCK_M rows is one tile: its program reads it once,
-    writes the column scales and q[b, cols, rows] = x / scale. The tiles of a longer group atomically max
-    their scales into s (the max of the tiles' scales is the group's: pow2_scale is monotonic; s starts
-    at 2^-126, the scale of 0) and a second launch (FINISH) reads them again and writes q. Strips are the
-    fastest-varying program id, so neighbouring programs read neighbouring pieces of the same rows."""
-    g, row0, row_end = _group_of_tile(ends_ptr, tl.program_id(1), G, BLOCK_M, G_P2)
-    start = tl.load(ends_ptr + tl.maximum(g - 1, 0), mask=(g > 0) & (g < G), other=0)
+    """Columns strip * BLOCK_K.. of row tile `tile` (each group cut into BLOCK_M-row tiles) of batch entry
+    b. A group of at most BLOCK_M rows is one tile, read once: the column scales, then q[b, cols, rows] =
+    x / scale. The tiles of a longer group max their scales into s atomically (the max of the tiles'
+    scales is the group's: pow2_scale is monotonic; s starts at 2^-126, the scale of 0) and queue their
+    slot; the FINISH launch reads them again and writes q."""
+    g, row0, row_end = _group_of_tile(ends_ptr, tile, G, BLOCK_M, G_P2)
+    start = tl.load(ends_ptr + tl.maximum(g - 1, 0), mask=g > 0, other=0)
     whole = row_end - start <= BLOCK_M
-    done = g >= G  # the grid has room for the worst case; the spare programs leave at once
-    if FINISH:
-        done = done | whole
-    if done:
-        return
-    b = tl.program_id(2).to(tl.int64)
+    b = b.to(tl.int64)
     rows = row0 + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = strip * BLOCK_K + tl.arange(0, BLOCK_K)
     m = (rows[:, None] < row_end) & (cols[None, :] < K)
     x = tl.load(x_ptr + b * M * K + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=m, other=0.0)
     x = x.to(tl.float32)
@@ -119,6 +116,7 @@ def _quant_cols_kernel(
             tl.store(s_p, scale, mask=cols < K)
         else:
             tl.atomic_max(s_p, scale, mask=cols < K)
+            tl.store(queue_ptr + 1 + tl.atomic_add(queue_ptr, 1), slot)
         q_end = tl.where(whole, row_end, row0)  # a longer group's quotients wait for its scale (FINISH)
     q = tl.trans(_cast(x, inv[None, :]).to(q_ptr.dtype.element_ty))
     q_p = q_ptr + b * s_qb + cols.to(tl.int64)[:, None] * s_qk
@@ -127,6 +125,32 @@ def _quant_cols_kernel(
         tl.store(q_p + r16[None, :], q, mask=(r16[None, :] < q_end // 16 * 16) & (cols[:, None] < K))
     else:
         tl.store(q_p + rows[None, :], q, mask=(rows[None, :] < q_end) & (cols[:, None] < K))
+
+
+@triton.jit
+def _quant_cols_kernel(
+    x_ptr, q_ptr, s_ptr, queue_ptr, ends_ptr, G, B, M, K, s_qb, s_qk,
+    G_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FINISH: tl.constexpr,
+):  # fmt: skip
+    """Persistent programs over the slots (strip fastest, then batch entry, then row tile: neighbouring
+    programs read neighbouring pieces of the same rows): all the tiles of the groups, or (FINISH) the
+    queued ones. The default tile's program takes 128 registers a thread (sm_90), one program per SM:
+    a grid with a program per possible tile of the worst-case grouping (a third of them idle at the
+    bench's) would spend more on starting idle programs than a tile's work."""
+    strips = tl.cdiv(K, BLOCK_K)
+    if FINISH:
+        n = tl.load(queue_ptr)
+    else:  # the row tiles of all groups
+        e = tl.arange(0, G_P2)
+        end = tl.load(ends_ptr + e, mask=e < G, other=0)
+        begin = tl.load(ends_ptr + e - 1, mask=(e > 0) & (e < G), other=0)
+        n = tl.sum(tl.where(e < G, (end - begin + BLOCK_M - 1) // BLOCK_M, 0), 0) * strips * B
+    for i in range(tl.program_id(0), n, tl.num_programs(0)):
+        slot = tl.load(queue_ptr + 1 + i) if FINISH else i
+        _quant_cols_tile(
+            x_ptr, q_ptr, s_ptr, queue_ptr, ends_ptr, G, M, K, s_qb, s_qk,
+            slot % strips, slot // strips // B, slot // strips % B, slot, G_P2, BLOCK_M, BLOCK_K, FINISH,
+        )  # fmt: skip
 
 
 def pow2_scale(amax: Tensor) -> Tensor:
@@ -221,16 +245,28 @@ def _cols_tile(M: int, K: int) -> tuple[int, int, int]:
     return bm, bk, max(1, min(COLS_WARPS, bm * bk // 2048))
 
 
-def _launch_cols(x_BMK, ends_G, q_BKM, scale_BGK, bm: int, bk: int, warps: int) -> None:
-    """scale_BGK must hold 2^-126 (the scale of an empty group, and where the atomic maxima start)."""
+def _launch_cols(x_BMK, ends_G, q_BKM, scale_BGK, bm: int, bk: int, warps: int, per_sm: int = 1) -> None:
+    """scale_BGK must hold 2^-126 (the scale of an empty group, and where the atomic maxima start).
+    per_sm: programs per SM (persistent: as many as fit at once, or the last ones run alone)."""
     B, M, K = x_BMK.shape
     G = ends_G.shape[0]
-    grid = (triton.cdiv(K, bk), triton.cdiv(M, bm) + min(G, M), B)
-    for finish in (False, True)[: 1 + (bm < M)]:  # only a group longer than a tile needs FINISH
+    slots = (triton.cdiv(M, bm) + min(G, M)) * triton.cdiv(K, bk) * B  # the most tiles G groups cut into
+    long = bm < M  # only then can a group be longer than a tile
+    queue = torch.empty(1 + slots if long else 1, dtype=torch.int32, device=x_BMK.device)
+    if long:
+        queue[:1].zero_()
+    grid = (min(slots, _programs(x_BMK.device) * per_sm),)
+    for finish in (False, True)[: 1 + long]:
         _quant_cols_kernel[grid](
-            x_BMK, q_BKM, scale_BGK, ends_G, G, M, K, q_BKM.stride(0), q_BKM.stride(1),
+            x_BMK, q_BKM, scale_BGK, queue, ends_G, G, B, M, K, q_BKM.stride(0), q_BKM.stride(1),
             G_P2=triton.next_power_of_2(G), BLOCK_M=bm, BLOCK_K=bk, FINISH=finish, num_warps=warps,
         )  # fmt: skip
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """Streaming multiprocessors (a few programs under the interpreter)."""
+    return 3 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def quantize_rows_reference(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, Tensor]:
