@@ -6,9 +6,11 @@
 #    init and data order; their gap is the tolerance) and FP8 with seed 0.
 # 2. Then alone on the GPU, for clean timing: `pith-train bench` on the reference workload, BF16 then
 #    FP8 (one process each, the same settings), each with a profile breakdown.
-# Results go to $OUT/fp8 when OUT is set, else ./bench_out/fp8; everything is printed to stdout too.
+# 3. The fusion / weight-quantisation micro-benchmark (pith-ops benchmarks/bench_fp8_fusion.py).
+# Results go to $OUT/fp8 when OUT is set, else ./bench_out/fp8; the summaries go to stdout.
 # STEPS (300) and BENCH_ARGS (default "--steps 5 --warmup 3 --profile 2") override; each phase is
-# killed at its time box (tests and loss runs 150 s, each bench 95 s) so the whole stays < 6 min.
+# killed at its time box (tests and loss runs 145 s, each bench 90 s, the micro-benchmark 25 s)
+# so the whole stays < 6 min.
 set -u -o pipefail
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH="packages/pith-ops/src:packages/pith-engine/src:packages/pith-models/src:packages/pith-train/src:packages/ate-bench/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -18,14 +20,12 @@ steps="${STEPS:-300}"
 bench_args="${BENCH_ARGS:---steps 5 --warmup 3 --profile 2}"
 start=$SECONDS
 loss_run() {
-    timeout 150 python3 -m pith_train pretrain --train.steps="$steps" --train.seed="$2" --train.fp8="$3" \
+    timeout 145 python3 -m pith_train pretrain --train.steps="$steps" --train.seed="$2" --train.fp8="$3" \
         --log.progress=false --run-dir "$out/$1" > "$out/$1.log" 2>&1 || echo "loss run $1 failed or timed out (rc $?)"
 }
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    packages/pith-ops/tests/test_fp8_quant.py packages/pith-ops/tests/test_fp8_gemms.py \
-    packages/pith-engine/tests/test_wgrad_delay.py packages/pith-ops/tests/test_swiglu.py \
+timeout 145 python3 -m pytest -q -m gpu -p no:cacheprovider packages/pith-ops/tests/test_fp8_quant.py \
+    packages/pith-ops/tests/test_fp8_gemms.py packages/pith-ops/tests/test_swiglu.py \
     > "$out/gpu_tests.log" 2>&1 &
-tests=$!
 loss_run bf16_seed0 0 false & loss_run bf16_seed1 1 false & loss_run fp8_seed0 0 true &
 wait
 echo "== gpu-marked tests (rc of pytest in the log's last line)"; tail -n 25 "$out/gpu_tests.log"
@@ -47,7 +47,7 @@ PY
 echo "== loss phase done at $((SECONDS - start)) s"
 for mode in bf16 fp8; do
     flag=""; [ "$mode" = fp8 ] && flag="--fp8"
-    timeout 95 python3 -m pith_train bench $bench_args $flag --json "$out/bench_$mode.json" > "$out/bench_$mode.txt" 2>&1 \
+    timeout 90 python3 -m pith_train bench $bench_args $flag --json "$out/bench_$mode.json" > "$out/bench_$mode.txt" 2>&1 \
         || echo "bench $mode failed or timed out (rc $?)"
     tail -n 40 "$out/bench_$mode.txt"
 done
@@ -59,4 +59,6 @@ print(f"{f['card']}: FP8 {f['tokens_per_s']:,.0f} tokens/s vs BF16 {b['tokens_pe
 for c in b.get("breakdown_ms_per_step", {}):
     print(f"  {c:<40} bf16 {b['breakdown_ms_per_step'][c]:8.2f} ms   fp8 {f['breakdown_ms_per_step'].get(c, 0):8.2f} ms")
 PY
+echo "== FP8 fusion and weight-quantisation kernels (pith-ops benchmarks/bench_fp8_fusion.py)"
+timeout 25 python3 packages/pith-ops/benchmarks/bench_fp8_fusion.py || echo "bench_fp8_fusion failed or timed out"
 echo "== done at $((SECONDS - start)) s"
