@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from pith_engine import checkpoint
-from pith_engine.layers import FP8Switch, use_fp8
+from pith_engine.layers import FP8Switch
 from pith_engine.parallel import SINGLE, Layout, full_state
 from pith_engine.step import Stages, step_values, train_step
 from pith_models import deepseek_v2, gpt_oss, qwen3_moe
@@ -78,7 +78,7 @@ def run(model_cfg, shape: Layout | None, steps=range(STEPS), load=None, save=Non
     cpu = torch.device("cpu")
     mesh = SINGLE if shape.world == 1 else train.parallel_layout(cfg, cpu)
     model = pith_models.build(model_cfg, cpu, cfg.train.seed, mesh)
-    use_fp8(model, cfg.train.fp8)
+    train.apply_fp8(cfg, model)
     optimizer = build_optimizer(model, cfg)
     stages = train.trainer_stages(cfg, model, mesh) if train_overrides else Stages(model, mesh)
     settings = train.step_settings(cfg, model)

@@ -183,17 +183,20 @@ class FP8Switch:
         return hit[1]
 
 
-def use_fp8(model: nn.Module, enabled: bool = True) -> None:
+def use_fp8(model: nn.Module, enabled: bool = True, cache: bool = True) -> None:
     """Run every projection (Linear) and expert GEMM of `model` in FP8 (train.fp8): e4m3 operands with
     row-wise power-of-two scales, from the fp32 master weights (pith_ops.fp8_linear, fp8_grouped_gemm).
     Embeddings, norms, routers, attention and lm_head + loss stay in higher precision. Call it after
     sharding (pith_engine.parallel.parallelize): it decides per module whether the FP8 weight copies
-    can be cached (FP8Switch.fp8_weight)."""
+    can be cached (FP8Switch.fp8_weight). cache: whether to cache them at all. The cache holds both
+    e4m3 layouts of every cached weight (2 bytes per parameter) from its first forward until the
+    next update, past its last backward (where uncached copies are freed): worth it only when a
+    weight is quantised more than once per step (several micro-batches, recompute)."""
     for m in model.modules():
         if isinstance(m, FP8Switch):
             m.fp8 = enabled
             plain = not any(isinstance(p, DTensor) for p in m.parameters(recurse=False))
-            m.__dict__["_fp8_cache"] = {} if enabled and plain else None
+            m.__dict__["_fp8_cache"] = {} if enabled and cache and plain else None
 
 
 class Linear(FP8Switch, nn.Linear):
