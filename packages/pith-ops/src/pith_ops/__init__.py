@@ -14,7 +14,7 @@ from pith_ops.grouped_gemm import grouped_gemm, grouped_gemm_backward, grouped_g
 from pith_ops.moe_permute import moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference
 from pith_ops.rmsnorm import rms_norm, rms_norm_reference
 from pith_ops.rope import apply_rope, apply_rope_reference
-from pith_ops.swiglu import swiglu, swiglu_oss, swiglu_oss_reference, swiglu_reference
+from pith_ops.swiglu import swiglu, swiglu_fp8, swiglu_oss, swiglu_oss_reference, swiglu_reference
 
 __all__ = [
     "adamw_",
@@ -43,6 +43,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_reference",
     "swiglu",
+    "swiglu_fp8",
     "swiglu_oss",
     "swiglu_oss_reference",
     "swiglu_reference",

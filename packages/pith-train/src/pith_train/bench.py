@@ -37,7 +37,6 @@ import time
 import pith_models
 import pith_ops._common
 import torch
-from pith_engine.layers import use_fp8
 from pith_engine.step import train_step
 from pith_models import qwen3_moe
 from torch.profiler import ProfilerActivity, profile
@@ -46,7 +45,7 @@ from pith_train.config import load_config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.metrics import peak_flops
 from pith_train.optim import build_optimizer
-from pith_train.train import flops_per_token, parallel_layout, step_settings, trainer_stages
+from pith_train.train import apply_fp8, flops_per_token, parallel_layout, step_settings, trainer_stages
 
 WORKLOAD = dataclasses.replace(qwen3_moe.QWEN3_30B_A3B, num_hidden_layers=4)
 WORKLOAD_SEQ_LEN, WORKLOAD_BATCH = 4096, 4
@@ -292,7 +291,7 @@ def run(
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(torch.empty_like(p).uniform_(1 - 2**-9, 1 + 2**-9, generator=gen))
-    use_fp8(model, fp8)
+    apply_fp8(cfg, model)
     optimizer = build_optimizer(model, cfg)
     stages = trainer_stages(cfg, model, mesh)
     settings = step_settings(cfg, model)
