@@ -1,7 +1,9 @@
 """Weight-gradient delay: Linear and Experts with a WeightGradQueue give bit-for-bit the gradients of
 the plain modules, whether the weight-gradient work runs inside the backward or later from the queue,
 over two accumulated micro-batches; deferred work leaves .grad untouched until it runs; under
-torch.compile the queue is bypassed and the result is unchanged.
+torch.compile the queue is bypassed and the result is unchanged. The same holds in FP8 (use_fp8), whose
+weights' FP8 copies are quantised once per optimizer step however many micro-batches run, bit-identical
+to quantising on every call.
 
 Shape legend: B batch, S sequence, D in features, O out features, N grouped rows, E experts, F expert
 hidden width.
@@ -13,7 +15,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pith_engine.layers import Experts, Linear, WeightGradQueue, set_wgrad_queue
+from pith_engine import layers
+from pith_engine.layers import Experts, Linear, WeightGradQueue, set_wgrad_queue, use_fp8
 from pith_ops import _common
 
 
@@ -80,7 +83,7 @@ def test_experts_deferred_weight_grads_equal_the_plain_backward_bit_for_bit(size
     N = sum(sizes) + tail
     batches = [((torch.randn(N, D), ends_E), torch.randn(N, D)) for _ in range(2)]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_common, "INTERPRET", kernel)
+        patch.setattr(_common, "INTERPRET", False)
         _check_all_ways_equal(module, batches)
 
 
@@ -109,3 +112,89 @@ def test_linear_with_a_queue_compiles_to_one_graph_and_computes_weight_grads_at_
     queue.run_all()
     for a, b in zip(plain.parameters(), queued.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+
+
+def _fp8_modules(seed: int) -> tuple[Linear, Experts]:
+    torch.manual_seed(seed)
+    lin, experts = Linear(24, 40, bias=True), Experts(3, 16, 8)
+    torch.nn.init.normal_(experts.w_gate_up, std=0.3)
+    torch.nn.init.normal_(experts.w_down, std=0.3)
+    use_fp8(lin)
+    use_fp8(experts)
+    return lin, experts
+
+
+def test_fp8_deferred_weight_grads_equal_the_plain_backward_bit_for_bit():
+    """The quantisation's references (the interpreted kernels take 4x longer; pith-ops tests them)."""
+    lin, experts = _fp8_modules(0)
+    ends_E = torch.tensor([4, 4, 11], dtype=torch.int32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_common, "INTERPRET", False)
+        _check_all_ways_equal(lin, [((torch.randn(2, 5, 24),), torch.randn(2, 5, 40)) for _ in range(2)])
+        batches = [((torch.randn(13, 16), ends_E), torch.randn(13, 16)) for _ in range(2)]
+        _check_all_ways_equal(experts, batches)
+
+
+def _train(modules, cached: bool, steps=2, micro=3):
+    """`steps` SGD steps of `micro` micro-batches each -> (every micro-batch's outputs, final weights)."""
+    modules = copy.deepcopy(modules)
+    if not cached:
+        for m in modules:
+            m._fp8_cache = None
+    lin, experts = modules
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    ends_E = torch.tensor([5, 5, 12], dtype=torch.int32)
+    outs = []
+    for _ in range(steps):
+        for _ in range(micro):
+            y = lin(torch.randn(4, 24, generator=g))
+            z = experts(torch.randn(12, 16, generator=g), ends_E)
+            (y.square().sum() + z.square().sum()).backward()
+            outs += [y.detach(), z.detach()]
+        opt.step()
+        opt.zero_grad()
+    return outs, [p.detach().clone() for p in params]
+
+
+def test_fp8_weights_quantised_once_per_optimizer_step_and_equal_uncached():
+    modules = _fp8_modules(1)
+    calls = {}
+
+    def counting(quantize):
+        def run(w):
+            calls[id(w)] = calls.get(id(w), 0) + 1
+            return quantize(w)
+
+        return run
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            _common, "INTERPRET", False
+        )  # the quantisation's references: the kernels are tested in pith-ops
+        for name in ("fp8_linear_weight", "fp8_grouped_gemm_weight"):
+            patch.setattr(layers, name, counting(getattr(layers, name)))
+        want = _train(modules, cached=False)
+        assert sorted(calls.values()) == [6, 6, 6]  # 2 steps x 3 micro-batches, each weight
+        calls.clear()
+        got = _train(modules, cached=True)
+        assert sorted(calls.values()) == [2, 2, 2]  # once per step: the update invalidates
+    for a, b in zip(want[0] + want[1], got[0] + got[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp8_linear_with_a_queue_compiles_to_one_graph_and_equals_eager():
+    """Under torch.compile the weight quantisation is a graph node (no cache) and the queue is bypassed:
+    the same values as eager."""
+    lin, _ = _fp8_modules(2)
+    queue = WeightGradQueue()
+    compiled = copy.deepcopy(lin)
+    set_wgrad_queue(compiled, queue)
+    x, dy = torch.randn(2, 3, 24), torch.randn(2, 3, 40)
+    lin(x).backward(dy)
+    with queue.deferring():
+        torch.compile(compiled, backend="aot_eager", fullgraph=True)(x).backward(dy)
+    queue.run_all()
+    for a, b in zip(lin.parameters(), compiled.parameters()):
+        assert torch.equal(a.grad, b.grad)

@@ -1,6 +1,6 @@
 """The FP8 recipe, decided by measurement: torch's row-wise scaled GEMMs (with and without fast
-accumulation) against bf16 at the bench's shapes, their error against a float64 dequantised
-reference, and the quantisation kernels' bandwidth against a copy.
+accumulation) against bf16 at the bench's shapes and their error against a float64 dequantised
+reference (the quantisation kernels: bench_fp8_quant.py).
 
 Shapes: experts, T=16384 tokens x top-8 = 131,072 rows over 128 groups (equal, 1024 each, and the
 uneven groups of a random top-8 routing, padded to 16 rows: the FP8 wgrad needs it): gate_up
@@ -12,7 +12,7 @@ Run on a CUDA machine: python3 packages/pith-ops/benchmarks/bench_fp8_recipe.py
 
 import torch
 from harness import header, median_ms, report
-from pith_ops.fp8_quant import quantize_cols, quantize_cols_reference, quantize_rows, quantize_rows_reference
+from pith_ops.fp8_quant import quantize_cols, quantize_rows
 
 T, TOPK, E = 16384, 8, 128
 N = T * TOPK + E * 15  # routed rows plus the most padding 16-row groups can add
@@ -74,26 +74,6 @@ def dense(name: str, M: int, K: int, Nout: int) -> None:
     report(f"{name} bf16", bf, flops=2 * M * K * Nout)
 
 
-def quant(name: str, x: torch.Tensor, ends: torch.Tensor | None) -> None:
-    rows_q, rows_s = quantize_rows(x.flatten(0, -2))
-    ref_q, ref_s = quantize_rows_reference(x.flatten(0, -2))
-    assert torch.equal(rows_s, ref_s) and torch.equal(rows_q.view(torch.uint8), ref_q.view(torch.uint8))
-    cols_q, cols_s = quantize_cols(x, ends)
-    x3 = x if x.ndim == 3 else x[None]
-    e = ends if ends is not None else torch.full((1,), x3.shape[1], device="cuda", dtype=torch.int32)
-    ref_q, ref_s = quantize_cols_reference(x3, e)
-    assert torch.equal(cols_s.reshape(ref_s.shape), ref_s)
-    used = int(e[-1])  # rows past the last end are left unwritten
-    assert torch.equal(
-        cols_q.reshape(ref_q.shape)[..., :used].view(torch.uint8), ref_q[..., :used].view(torch.uint8)
-    )
-    moved = x.numel() * (x.element_size() + 1)
-    report(f"quantize_rows {name}", median_ms(lambda: quantize_rows(x.flatten(0, -2))), bytes_moved=moved)
-    report(f"quantize_cols {name}", median_ms(lambda: quantize_cols(x, ends)), bytes_moved=moved)
-    cast = x.numel() * (x.element_size() + 2)
-    report(f"cast to bf16 {name}", median_ms(lambda: x.to(BF16)), bytes_moved=cast)
-
-
 if __name__ == "__main__":
     header("FP8 recipe: row-wise scaled GEMMs")
     equal = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * (T * TOPK // E)
@@ -107,8 +87,3 @@ if __name__ == "__main__":
     dense("o_proj", T, 4096, 2048)
     dense("wgrad q_proj", 4096, T, 2048)
     dense("lm_head chunk", 3533, 2048, 151936)
-    header("FP8 quantisation kernels (e4m3, power-of-two scales; checked bit-exact against the reference)")
-    rows = torch.randn(N, 2048, device="cuda", dtype=BF16)
-    quant("rows [131072, 2048] bf16, 128 groups", rows, uneven_ends())
-    quant("[16384, 2048] bf16", torch.randn(T, 2048, device="cuda", dtype=BF16), None)
-    quant("expert weight [128, 2048, 1536] fp32", torch.randn(E, 2048, 1536, device="cuda"), None)

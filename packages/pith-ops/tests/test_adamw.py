@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pith_ops import adamw_, adamw_reference_
+from pith_ops import adamw_, adamw_reference_, cast, kept_copy
 
 
 def torch_path(p0, grads, scale, lr, betas, wd, eps):
@@ -85,14 +85,43 @@ def test_a_non_finite_scale_writes_nothing(fn, bad):
         (dict(v=torch.zeros(8)[::2]), "v: expected a contiguous tensor"),
         (dict(scale=torch.ones(2)), "one-element scale"),
         (dict(step=0), "step >= 1"),
+        (dict(copy=torch.zeros(5, dtype=torch.bfloat16)), "copy: expected the parameter's shape"),
     ],
 )
 def test_bad_input_is_a_value_error_before_any_write(change, match):
     args = dict(
-        p=torch.ones(4), g=torch.ones(4), m=torch.zeros(4), v=torch.zeros(4), scale=torch.ones(1), step=1
+        p=torch.ones(4),
+        g=torch.ones(4),
+        m=torch.zeros(4),
+        v=torch.zeros(4),
+        scale=torch.ones(1),
+        step=1,
+        copy=None,
     )
     args.update(change)
     with pytest.raises(ValueError, match=match):
         adamw_(**{k: args[k] for k in "pgmv"}, scale=args["scale"], lr=0.1, beta1=0.9, beta2=0.95,
-               weight_decay=0.0, eps=1e-8, step=args["step"])  # fmt: skip
+               weight_decay=0.0, eps=1e-8, step=args["step"], copy=args["copy"])  # fmt: skip
     assert torch.equal(args["p"], torch.ones(4)) or "p" in change
+
+
+@pytest.mark.parametrize("fn", [adamw_, adamw_reference_])
+def test_the_copy_is_the_new_parameter_cast_bit_for_bit_and_kept(fn):
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    # Magnitudes over the exponent range, fp32 subnormals included: the kernel rounds on the bits.
+    p = torch.randn(9000, generator=gen) * 10 ** torch.empty(9000).uniform_(-40, 30, generator=gen)
+    p.requires_grad_()
+    m, v = torch.zeros(9000), torch.zeros(9000)
+    cast(p, dtype)  # keeps the copy the update will rewrite
+    for step in (1, 2):
+        copy, g = kept_copy(p), torch.randn(9000, generator=gen)
+        with torch.no_grad():
+            fn(p, g, m, v, torch.tensor([0.5]), lr=0.1, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
+               step=step, copy=copy)  # fmt: skip
+        assert kept_copy(p) is copy and torch.equal(copy, p.detach().to(dtype))
+    before = copy.clone()
+    with torch.no_grad():
+        fn(p, g, m, v, torch.tensor([math.nan]), lr=0.1, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
+           step=3, copy=copy)  # fmt: skip
+    assert torch.equal(copy, before) and torch.equal(copy, p.detach().to(dtype))

@@ -1,10 +1,11 @@
 """cast: torch's cast forward, the gradient cast back by the Triton kernel (interpreter on CPU)."""
 
+import pith_ops._common
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pith_ops import cast
+from pith_ops import cast, kept_copy
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -36,3 +37,31 @@ def test_non_contiguous_gradient_and_bad_dtype():
     assert torch.equal(dx, dy.float())
     with pytest.raises(ValueError, match="dtype: expected one of"):
         cast(x, torch.int32)
+
+
+def test_a_trainable_weight_keeps_its_cast_until_it_changes():
+    w = torch.nn.Parameter(torch.randn(64, 8))
+    first = cast(w, torch.bfloat16)
+    assert torch.equal(first, w.detach().bfloat16()) and kept_copy(w) is not None
+    again = cast(w, torch.bfloat16)  # the next micro-batch: no new cast
+    assert again.data_ptr() == first.data_ptr()
+    dy = torch.randn(64, 8).bfloat16()
+    (dw,) = torch.autograd.grad(again, w, dy)
+    assert torch.equal(dw, dy.float())  # the gradient still reaches the fp32 master
+    with torch.no_grad():
+        w.add_(1.0)  # any in-place write (a checkpoint load, another optimizer) bumps the version
+    assert kept_copy(w) is None
+    fresh = cast(w, torch.bfloat16)
+    assert fresh.data_ptr() != first.data_ptr() and torch.equal(fresh, w.detach().bfloat16())
+    with torch.no_grad():
+        w.add_(1.0)
+        assert torch.equal(cast(w, torch.bfloat16), w.bfloat16()) and kept_copy(w) is None  # eval makes none
+    x = torch.randn(64, 8, requires_grad=True) * 2  # not a leaf: an activation, never kept
+    cast(x, torch.bfloat16)
+    assert kept_copy(x) is None
+
+
+def test_no_copies_are_kept_when_switched_off(monkeypatch):
+    monkeypatch.setattr(pith_ops._common, "KEEP_COPIES", False)
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    assert torch.equal(cast(w, torch.bfloat16), w.detach().bfloat16()) and kept_copy(w) is None

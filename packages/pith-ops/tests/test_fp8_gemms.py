@@ -21,7 +21,11 @@ from pith_ops import (
     fp8_linear,
     fp8_linear_reference,
     grouped_gemm_reference,
+    swiglu,
+    swiglu_fp8,
 )
+from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm_weight
+from pith_ops.fp8_linear import fp8_linear_weight
 
 
 def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -84,11 +88,14 @@ def test_linear_module_switch_runs_fp8_with_bias():
 # opcheck's aot_dispatch test sums every output, and torch has no sum for fp8 (the saved operands);
 # the compile test below runs the op through AOT autograd instead.
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor")
+FP8_INPUTS_TESTS = OPCHECK_TESTS[1:]  # test_schema multiplies the inputs: no mul for fp8 on CPU
 
 
 def test_linear_opcheck():
     x, w = torch.randn(13, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
-    torch.library.opcheck(torch.ops.pith.fp8_linear, (x, w), test_utils=OPCHECK_TESTS)
+    torch.library.opcheck(torch.ops.pith.fp8_linear_weight, (w.detach(),), test_utils=OPCHECK_TESTS)
+    w8 = fp8_linear_weight(w)
+    torch.library.opcheck(torch.ops.pith.fp8_linear, (x, w, *w8), test_utils=FP8_INPUTS_TESTS)
 
 
 def test_linear_compiles_to_one_graph_with_gradients():
@@ -181,10 +188,27 @@ def test_experts_module_switch_runs_fp8():
     assert experts.fp8 and rel_error(y, plain.double()) < 0.1 and not torch.equal(y, plain)
 
 
+def test_grouped_with_precomputed_operands_equals_the_plain_call():
+    """w8 (a cached weight quantisation) and x8 (rows quantised by the pass writing x: swiglu_fp8)
+    change nothing but where the quantisation ran: output and gradients bit for bit."""
+    h = torch.randn(13, 32, requires_grad=True)
+    w = torch.randn(3, 16, 24, requires_grad=True)
+    ends_E = torch.tensor([4, 4, 11], dtype=torch.int32)
+    x, *x8 = swiglu_fp8(h)
+    got = fp8_grouped_gemm(x, w, ends_E, fp8_grouped_gemm_weight(w), x8)
+    want = fp8_grouped_gemm(swiglu(h), w, ends_E)
+    dy = torch.randn_like(want)
+    assert torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got, (h, w), dy), torch.autograd.grad(want, (h, w), dy)):
+        assert torch.equal(a, b)
+
+
 def test_grouped_opcheck():
     x, w = torch.randn(13, 16, requires_grad=True), torch.randn(3, 16, 32, requires_grad=True)
     ends_E = torch.tensor([4, 4, 11], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.pith.fp8_grouped_gemm, (x, w, ends_E), test_utils=OPCHECK_TESTS)
+    torch.library.opcheck(torch.ops.pith.fp8_grouped_gemm_weight, (w.detach(),), test_utils=OPCHECK_TESTS)
+    args = (x, w, *fp8_grouped_gemm_weight(w), ends_E)
+    torch.library.opcheck(torch.ops.pith.fp8_grouped_gemm, args, test_utils=FP8_INPUTS_TESTS)
 
 
 def test_grouped_compiles_to_one_graph_with_gradients():

@@ -83,6 +83,17 @@ def test_quantize_cols_kernel_matches_reference_per_group_and_round_trips(B, siz
     _check_round_trip(x_BMK[:, :used].mT, deq, scale_BKM)
 
 
+@pytest.mark.parametrize("ends", [[16, 48, 48, 80], [16, 40, 64]])
+def test_quantize_cols_16_row_groups_match_reference(ends):
+    """Groups on 16-row boundaries (the FP8 GEMMs'), whole tiles and longer, take the kernel's 16-byte
+    store path; a group ending off the boundary makes the tiles after it take the other one."""
+    ends_G = torch.tensor(ends, dtype=torch.int32)
+    x_BMK = _data((2, ends[-1] + 5, 24), 3)
+    q, scale = quantize_cols(x_BMK, ends_G, torch.float32)
+    ref_q, ref_scale = quantize_cols_reference(x_BMK, ends_G, torch.float32)
+    assert torch.equal(scale, ref_scale) and torch.equal(q[..., : ends[-1]], ref_q[..., : ends[-1]])
+
+
 def test_2d_input_is_one_batch_entry_of_one_group():
     x_MK = _data((33, 20), 0)
     q, scale = quantize_cols(x_MK)
@@ -122,15 +133,25 @@ def test_bad_inputs_raise_value_error():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fp8_bit_exact_on_gpu(dtype):
-    """The e4m3 casts of the compiled kernels (the interpreter's are wrong for some values)."""
-    x_MK = _data((3000, 2048 + 48), 1, dtype, "cuda")
-    q, scale = quantize_rows(x_MK)
-    ref_q, ref_scale = quantize_rows_reference(x_MK)
-    assert torch.equal(scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
-    ends_G = torch.tensor([0, 512, 512, 1040, 2992], dtype=torch.int32, device="cuda")
-    x_BMK = x_MK.view(1, 3000, -1)
-    q, scale = quantize_cols(x_BMK, ends_G)
+@pytest.mark.parametrize(
+    "shape, ends",
+    [
+        ((1, 3000, 2048 + 48), [0, 512, 512, 1040, 2992]),  # groups within one strip tile, padding rows
+        ((1, 5000, 528), [1000, 4900]),  # a group longer than a tile: atomic scales, then FINISH
+        ((3, 768, 2048), None),  # a batch of expert weights, one launch
+    ],
+)
+def test_fp8_bit_exact_on_gpu(dtype, shape, ends):
+    """The e4m3 casts of the compiled kernels (the interpreter's are wrong for some values), at tiles
+    of the real sizes: rows in one load (and looping past ROWS_MAX_K), column strips of 2048 rows."""
+    x_BMK = _data(shape, 1, dtype, "cuda")
+    for x_MK in (x_BMK.flatten(0, 1), x_BMK[0, :, :33].repeat(1, 300)):  # K = 9900 > ROWS_MAX_K
+        q, scale = quantize_rows(x_MK)
+        ref_q, ref_scale = quantize_rows_reference(x_MK)
+        assert torch.equal(scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    ends_G = torch.tensor(ends or [shape[1]], dtype=torch.int32, device="cuda")
+    q, scale = quantize_cols(x_BMK, ends_G if ends else None)
     ref_q, ref_scale = quantize_cols_reference(x_BMK, ends_G)
+    used = int(ends_G[-1])
     assert torch.equal(scale, ref_scale)
-    assert torch.equal(q[..., :2992].view(torch.uint8), ref_q[..., :2992].view(torch.uint8))
+    assert torch.equal(q[..., :used].view(torch.uint8), ref_q[..., :used].view(torch.uint8))

@@ -1,14 +1,19 @@
-"""swiglu / swiglu_oss: Triton kernels (interpreter on CPU) against the float64 reference."""
+"""swiglu / swiglu_oss: Triton kernels (interpreter on CPU) against the float64 reference; swiglu_fp8
+against swiglu then quantize_rows' reference."""
 
 import pith_ops._common
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from pith_ops.fp8_quant import FP8, quantize_rows_reference
 from pith_ops.swiglu import (
+    _forward_fp8,
     _swiglu_backward_op,
+    _swiglu_fp8_op,
     _swiglu_op,
     swiglu,
+    swiglu_fp8,
     swiglu_oss,
     swiglu_oss_reference,
     swiglu_reference,
@@ -122,3 +127,54 @@ def test_bf16_on_gpu_matches_float64_reference(name, shape):
     assert_matches_float64(name, x, scale=4.0)
     f = torch.compile(OPS[name][0], fullgraph=True)
     torch.testing.assert_close(f(x), OPS[name][0](x), rtol=0, atol=0)
+
+
+def check_swiglu_fp8(x_N2F: torch.Tensor) -> None:
+    """swiglu_fp8 against its definition: y is swiglu's (bit for bit, and its gradient), the e4m3 rows
+    and scales are quantize_rows_reference(y)'s bit for bit (the kernel's fp32 quotients too), and they
+    round-trip to y in float64 within half an e4m3 step (the scales are powers of two)."""
+    x = x_N2F.detach().requires_grad_()
+    y, y8, scale = swiglu_fp8(x)
+    want = swiglu(x)
+    assert torch.equal(y, want) and y8.dtype == FP8 and scale.dtype == torch.float32
+    ref_q, ref_scale = quantize_rows_reference(want.detach())
+    assert torch.equal(scale, ref_scale) and torch.equal(y8.view(torch.uint8), ref_q.view(torch.uint8))
+    if x.is_cuda:
+        q32 = _forward_fp8(x.detach(), torch.float32)[1]
+        assert torch.equal(q32, quantize_rows_reference(want.detach(), torch.float32)[0])
+    deq, y64 = y8.double() * scale.double()[:, None], y.detach().double()
+    assert ((deq - y64).abs() <= torch.maximum(y64.abs() * 2**-4, scale.double()[:, None] * 2**-10)).all()
+    dy = torch.randn_like(y)
+    assert torch.equal(torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(want, x, dy)[0])
+
+
+@given(
+    N=st.integers(0, 12),
+    F=st.integers(1, 300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_swiglu_fp8_is_swiglu_then_quantize_rows(N, F, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, 2 * F, generator=g) * torch.exp2(torch.randint(-12, 13, (N, 1), generator=g))
+    check_swiglu_fp8(x.to(dtype))
+    q32 = _forward_fp8(x.to(dtype), torch.float32)[1]  # the interpreted kernel's quotients
+    assert torch.equal(q32, quantize_rows_reference(swiglu(x.to(dtype)), torch.float32)[0])
+
+
+def test_swiglu_fp8_opcheck_compile_and_errors():
+    x = torch.randn(5, 2 * 24, requires_grad=True)
+    torch.library.opcheck(_swiglu_fp8_op, (x,), test_utils=("test_autograd_registration", "test_faketensor"))
+    y, y8, scale = torch.compile(swiglu_fp8, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(y, swiglu(x)) and torch.equal(y8.view(torch.uint8), swiglu_fp8(x)[1].view(torch.uint8))
+    with pytest.raises(ValueError, match="expected 2 dimensions"):
+        swiglu_fp8(torch.randn(2, 3, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_fp8_bit_exact_on_gpu(dtype):
+    """The compiled kernel's e4m3 casts (the interpreter's are wrong for some values)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4099, 2 * 768, generator=g) * torch.exp2(torch.randint(-12, 13, (4099, 1), generator=g))
+    check_swiglu_fp8(x.to("cuda", dtype))

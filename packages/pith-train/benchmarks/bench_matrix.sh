@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Single-GPU throughput of the reference workload (issue 7), from the repository root:
 #   bash packages/pith-train/benchmarks/bench_matrix.sh              # settings matrix + profile of the best (~5 min)
-#   bash packages/pith-train/benchmarks/bench_matrix.sh equivalence  # optimised vs plain loss, 200 steps (~3 min)
+#   bash packages/pith-train/benchmarks/bench_matrix.sh equivalence  # optimised vs plain family, 200 steps (~3.5 min)
 # Results (JSON per run, table.txt / summary.json) go to $OUT when set, else ./bench_out.
 set -u
 cd "$(dirname "$0")/../../.."

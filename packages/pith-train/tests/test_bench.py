@@ -123,3 +123,33 @@ def test_bench_on_cuda_names_every_component_of_a_reduced_workload():
         assert parts[component] > 0, (component, parts)
     # The fused loss and AdamW dominate at one layer; "other" must not swallow them.
     assert parts["lm_head + loss"] + parts["optimizer"] > parts["other"], parts
+
+
+def test_idle_counts_time_with_no_device_activity_on_any_stream():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    span = lambda name, start, end, device=cuda: SimpleNamespace(  # noqa: E731
+        name=name,
+        device_type=device,
+        time_range=SimpleNamespace(start=start, end=end),
+        is_user_annotation=False,
+    )
+    events = [
+        span("a", 0, 100), span("b", 50, 120),  # overlapping streams: no gap
+        span("c", 125, 200),  # 5 us launch gap
+        span("host op", 200, 900, cpu),  # CPU time is no device activity
+        span("d", 1200, 1300),  # 1000 us: the CPU fell behind
+    ]  # fmt: skip
+    i = bench.idle(SimpleNamespace(events=lambda: events), steps=2)
+    assert i["idle_ms_per_step"] == pytest.approx(1.005 / 2) and i["gaps_per_step"] == 1
+    assert i["by_length_ms_per_step"] == pytest.approx(
+        {"under 10 us": 0.0025, "10-100 us": 0, "over 100 us": 0.5}
+    )
+    assert i["longest"][0] == {"us": 1000, "after": "c", "before": "d"}
+    assert bench.idle(SimpleNamespace(events=lambda: events[3:4]), steps=1) is None
+
+
+def test_a_perturbed_start_moves_the_loss_by_a_bf16_rounding_not_more():
+    base, moved = (
+        bench.run(tiny=True, steps=1, warmup=0, device="cpu", perturb_seed=s)["losses"][0] for s in (None, 1)
+    )
+    assert base != moved and abs(base - moved) < 1e-3 * base

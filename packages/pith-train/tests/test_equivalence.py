@@ -12,7 +12,9 @@ resumes on one process and under dp2 to the uninterrupted losses. A bf16 Hugging
 each family loaded sharded under dp2, ep2, pp2, dp2 x ep2 and pp2 x ep2 holds exactly the
 single-process load's tensors, and each rank reads (through safetensors slices) exactly its shard's
 bytes: its pipeline rank's layers, its experts (per-expert tensors for Qwen3-MoE and DeepSeek-V2,
-slices of stacked ones for GPT-OSS), its FSDP rows of every other tensor.
+slices of stacked ones for GPT-OSS), its FSDP rows of every other tensor. train.fp8
+under dp2 (FSDP) with ac=selective, ep2 with ac=full and cp2 trains like one process in FP8 to the
+tolerances that FP8's per-layout rounding allows (check_fp8_layouts).
 """
 
 import collections
@@ -29,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from pith_engine import checkpoint
+from pith_engine.layers import FP8Switch
 from pith_engine.parallel import SINGLE, Layout, build_mesh, full_state, local_rows
 from pith_engine.step import Stages, step_values, train_step
 from pith_models import deepseek_v2, gpt_oss, hf, qwen3_moe
@@ -78,18 +81,21 @@ def batches(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def run(model_cfg, shape: Layout | None, steps=range(STEPS), load=None, save=None):
+def run(model_cfg, shape: Layout | None, steps=range(STEPS), load=None, save=None, train_overrides=()):
     """-> (per-step (loss, aux), every parameter's full gradient at step 0 if it ran); shape None: one
-    process without groups. Resumes from checkpoint `load`, checkpoints to `save` at the end."""
+    process without groups. Resumes from checkpoint `load`, checkpoints to `save` at the end.
+    train_overrides (train.fp8, train.ac): the model and stages as the trainer sets them up."""
     shape = shape or Layout()
     per_rank = GLOBAL_BATCH // MICRO_BATCHES // shape.data_ranks
     parallel = [f"parallel.{k}={v}" for k, v in dataclasses.asdict(shape).items()]
-    cfg = load_config(None, [*OVERRIDES, f"train.micro_batch={per_rank}", *parallel])
+    cfg = load_config(None, [*OVERRIDES, f"train.micro_batch={per_rank}", *parallel, *train_overrides])
     cpu = torch.device("cpu")
     mesh = SINGLE if shape.world == 1 else train.parallel_layout(cfg, cpu)
     model = pith_models.build(model_cfg, cpu, cfg.train.seed, mesh)
+    train.apply_fp8(cfg, model)
     optimizer = build_optimizer(model, cfg)
-    stages, settings = Stages(model, mesh), train.step_settings(cfg, model)
+    stages = train.trainer_stages(cfg, model, mesh) if train_overrides else Stages(model, mesh)
+    settings = train.step_settings(cfg, model)
     grads = {}
 
     def first_step_grads(*_) -> None:  # after clipping, before the update; every rank calls it
@@ -186,13 +192,76 @@ def check_sharded_hf_loads(tmp: Path, world: int) -> None:
                 )
 
 
+FP8_STEPS = 3
+# Each FP8 layout with one recompute mode: FSDP with the expert MLPs recomputed, EP with every stage.
+FP8_RUNS = [(Layout(dp=2), "selective"), (Layout(ep=2), "full"), (Layout(cp=2), "none")]
+FP8_GRAD_RTOL = 0.12  # relative Frobenius norm, an FP8 GEMM's weight gradient (check_fp8_layouts)
+
+
+def fp8_gemm_weights(model_cfg) -> set[str]:
+    """The parameters whose gradients an FP8 weight GEMM computes (use_fp8's modules)."""
+    model = pith_models.build(model_cfg)
+    return {
+        f"{m_name}.{p_name}".lstrip(".")
+        for m_name, m in model.named_modules()
+        if isinstance(m, FP8Switch)
+        for p_name, p in m.named_parameters(recurse=False)
+        if p.ndim > 1
+    }
+
+
+def check_fp8_layouts(rank: int, ref_fp32: list) -> None:
+    """train.fp8 under FSDP, EP and CP with activation checkpointing against one process in FP8.
+
+    What must agree and to what: an FP8 GEMM quantises each operand along its contracted axis. The
+    forward and dgrad contract over features, so every token's rows are quantised alike in any layout:
+    the step-0 losses and every gradient that only activations' gradients feed (norms, router,
+    embedding, lm_head, biases) agree to fp32 summation order (RTOL, GRAD_RTOL). The wgrad contracts
+    over tokens: its column scales are taken over a rank's tokens, so under a split of the tokens
+    its operands round differently. Both layouts' weight gradients are within 0.06 of the
+    unquantised product (pith-ops' bound for the FP8 GEMMs), so within 0.12 of each other
+    (FP8_GRAD_RTOL; measured: 0.0024, most columns' power-of-two scales being the same over half the
+    tokens; a lost or doubled shard of the gradient would be 0.5 or more). From step 1 on the weights
+    differ by that much of one update: each later loss must be as close to the one-process FP8 run
+    as that run is to the fp32 one (the layout perturbs
+    the gradients by less than FP8 itself does: a different rounding of some columns only; measured:
+    at most 2.8e-4 relative against FP8's 3.3e-4 and 5.3e-4 at steps 1 and 2)."""
+    model_cfg = MODELS["qwen3_moe"]
+    fp8 = ["train.fp8=true"]
+    ref_losses, ref_grads = run(model_cfg, None, steps=range(FP8_STEPS), train_overrides=fp8)
+    gemm_weights = fp8_gemm_weights(model_cfg)
+    for shape, ac in FP8_RUNS:
+        losses, grads = run(
+            model_cfg, shape, steps=range(FP8_STEPS), train_overrides=[*fp8, f"train.ac={ac}"]
+        )
+        if rank != 0:
+            continue
+        where = f"fp8 {shape} ac={ac}"
+        assert_same_losses(losses[:1], ref_losses[:1], where)
+        for (loss, _), (want, _), (fp32, _) in zip(losses[1:], ref_losses[1:], ref_fp32[1:], strict=True):
+            assert abs(loss - want) <= abs(want - fp32) + RTOL * abs(want), (
+                where,
+                losses,
+                ref_losses,
+                ref_fp32,
+            )
+        assert grads.keys() == ref_grads.keys() and gemm_weights < grads.keys(), where
+        for n, g in grads.items():
+            want = ref_grads[n]
+            if n in gemm_weights:
+                assert (g - want).norm() <= FP8_GRAD_RTOL * want.norm(), (where, n)
+            else:
+                assert torch.allclose(g, want, GRAD_RTOL, GRAD_ATOL), (where, n, (g - want).abs().max())
+
+
 def _worker(tmp: Path) -> None:
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    refs = {}
     for name, model_cfg in MODELS.items():
-        ref = run(model_cfg, None) if rank == 0 else None
+        ref = refs[name] = run(model_cfg, None) if rank == 0 else None
         for shape in LAYOUTS[world]:
             losses, grads = run(model_cfg, shape)
             if rank != 0:
@@ -204,6 +273,8 @@ def _worker(tmp: Path) -> None:
             assert not bad, f"{where}: gradients differ from the single process for {bad}"
 
     check_sharded_hf_loads(tmp, world)
+    if world == 2:
+        check_fp8_layouts(rank, ref_fp32=refs["qwen3_moe"][0][:FP8_STEPS] if rank == 0 else None)
 
     # Resuming across layouts; 6 experts over ep2 x dp2 are 3 per EP rank in FSDP pieces of 2 and 1.
     cfg6 = dataclasses.replace(MODELS["qwen3_moe"], num_experts=6)

@@ -1,18 +1,22 @@
 """The optimizer step of train_step against the path it replaced (fp32, CPU), its device-side skip of
-a non-finite step, and its host syncs (counted)."""
+a non-finite step, its host syncs (counted), and the kept bf16 weight casts against a cast per use."""
 
 import copy
 import inspect
 import re
 
 import pith_models
+import pith_ops._common
 import pytest
 import torch
 from pith_engine import parallel
-from pith_engine.step import Stages, step_values, train_step
+from pith_engine.layers import Experts
+from pith_engine.step import Stages, loss_sum, step_values, train_step
+from pith_ops import kept_copy
 from pith_train.data import PackedDataset, WindowLoader
-from pith_train.optim import build_optimizer
+from pith_train.optim import AdamW, build_optimizer
 from pith_train.train import parallel_layout, step_settings
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CPU = parallel.Mesh(parallel.Layout(), torch.device("cpu"))
@@ -126,3 +130,37 @@ def test_a_non_finite_step_leaves_weights_moments_and_biases_and_then_raises(
     assert all(torch.equal(b, torch.zeros_like(b)) for b in biases)
     with pytest.raises(FloatingPointError, match="loss is nan"):
         step_values(*out)
+
+
+def _bf16_steps(keep: bool, monkeypatch) -> tuple[list[Tensor], list[Tensor]]:
+    """3 AdamW steps of 2 micro-batches each through what casts master weights to bf16 (the expert
+    GEMMs, the fused loss's lm_head), bf16 rows as the trainer's stream has them on CUDA."""
+    monkeypatch.setattr(pith_ops._common, "KEEP_COPIES", keep)
+    torch.manual_seed(0)
+    experts, lm_head = Experts(4, 16, 8), torch.nn.Linear(16, 40, bias=False)
+    torch.nn.init.normal_(experts.w_gate_up, std=0.2)
+    torch.nn.init.normal_(experts.w_down, std=0.2)
+    params = [*experts.parameters(), *lm_head.parameters()]
+    opt = AdamW(params, lr=1e-2)
+    gen, losses = torch.Generator().manual_seed(1), []
+    ends = torch.tensor([3, 3, 9, 12], dtype=torch.int32)  # an empty group
+    for _ in range(3):
+        for _ in range(2):
+            x = torch.randn(12, 16, generator=gen).bfloat16().requires_grad_()
+            labels = torch.randint(40, (12,), generator=gen)
+            loss = loss_sum(experts(x, ends)[None], lm_head, labels)
+            loss.backward()
+            losses.append(loss.detach())
+        norm = parallel.grad_norm(params, CPU)
+        opt.step(grad_scale=parallel.clip_coef(norm, 1.0).reshape(1))
+        opt.zero_grad(set_to_none=True)
+        if keep:  # the update rewrote the kept copies: the next forward casts nothing
+            assert all(torch.equal(kept_copy(p), p.detach().bfloat16()) for p in params)
+    return losses, [p.detach() for p in params]
+
+
+def test_kept_bf16_casts_train_bit_for_bit_like_a_cast_per_use(monkeypatch):
+    losses, params = _bf16_steps(True, monkeypatch)
+    old_losses, old_params = _bf16_steps(False, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(losses + params, old_losses + old_params))
+    assert not torch.equal(losses[0], losses[-1])

@@ -24,8 +24,15 @@ from typing import Protocol
 
 import pith_ops
 import torch
+from pith_ops.fp8_grouped_gemm import backward as fp8_grouped_backward
+from pith_ops.fp8_grouped_gemm import forward as fp8_grouped_forward
+from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm_weight
+from pith_ops.fp8_linear import backward as fp8_linear_backward
+from pith_ops.fp8_linear import forward as fp8_linear_forward
+from pith_ops.fp8_linear import fp8_linear_weight
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 from pith_engine import executor
 from pith_engine.contract import Positions, default_position_ids
@@ -88,17 +95,19 @@ class WeightGradQueue:
 class _DeferWgrad(torch.autograd.Function):
     """y = forward(x, *weights) with a backward whose weight gradients a WeightGradQueue may defer.
 
-    split(x, weights, dy, need_dx) -> (dx or None, closure -> weights' grads) when the op has one
-    (pith_ops.grouped_gemm_backward, its FP8 siblings); split None: forward is differentiated by
-    autograd, its graph kept from the forward and asked for dx in the backward and for the
-    weights' grads by the closure (mm's backward computes only what is asked: no recompute)."""
+    split = (forward_saving(x, *weights) -> (y, saved tensors), backward(saved, dy, need_dx) -> (dx or
+    None, closure -> weights' grads)) when the op has its backward in two halves
+    (pith_ops.grouped_gemm_backward, pith_ops.fp8_linear.backward, ...); split None: forward is
+    differentiated by autograd, its graph kept from the forward and asked for dx in the backward and
+    for the weights' grads by the closure (mm's backward computes only what is asked: no recompute)."""
 
     @staticmethod
-    def forward(ctx, queue: WeightGradQueue, forward: Callable, split: Callable | None, x, *weights):
+    def forward(ctx, queue: WeightGradQueue, forward: Callable, split: tuple | None, x, *weights):
         ctx.queue, ctx.split, ctx.weights = queue, split, weights
         if split is not None:
-            ctx.save_for_backward(x, *weights)
-            return forward(x, *weights)
+            y, saved = split[0](x, *weights)
+            ctx.save_for_backward(*saved)
+            return y
         ctx.leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x, *weights)]
         with torch.enable_grad():
             ctx.y = forward(*ctx.leaves)
@@ -109,8 +118,7 @@ class _DeferWgrad(torch.autograd.Function):
         need_dx, need_w = ctx.needs_input_grad[3], ctx.needs_input_grad[4:]
         weights = [w for w, need in zip(ctx.weights, need_w) if need]
         if ctx.split is not None:
-            x, *saved = ctx.saved_tensors
-            dx, split_wgrad = ctx.split(x, saved, dy, need_dx)
+            dx, split_wgrad = ctx.split[1](ctx.saved_tensors, dy, need_dx)
             wgrad = lambda: [g for g, need in zip(split_wgrad(), need_w) if need]
         else:
             x_leaf, *w_leaves = ctx.leaves
@@ -125,10 +133,10 @@ class _DeferWgrad(torch.autograd.Function):
 
 
 def defer_wgrad(
-    queue: WeightGradQueue | None, forward: Callable, split: Callable | None, x: Tensor, *weights: Tensor
+    queue: WeightGradQueue | None, forward: Callable, split: tuple | None, x: Tensor, *weights: Tensor
 ) -> Tensor:
-    """forward(x, *weights), its weight gradients deferrable to `queue` (None, or under torch.compile,
-    whose traced backward cannot push to a Python queue: the plain call)."""
+    """forward(x, *weights) (differentiable), its weight gradients deferrable to `queue` (None, or under
+    torch.compile, whose traced backward cannot push to a Python queue: the plain call)."""
     if queue is None or torch.compiler.is_compiling():
         return forward(x, *weights)
     return _DeferWgrad.apply(queue, forward, split, x, *weights)
@@ -160,43 +168,103 @@ class FP8Switch:
     fp8: bool = False
     wgrad_queue: WeightGradQueue | None = None
 
+    def fp8_weight(self, w: Tensor, quantize: Callable[[Tensor], tuple]) -> tuple:
+        """quantize(w) (the FP8 copies of a weight, pith_ops.fp8_*_weight), computed once per value of w:
+        kept while w's version counter stands still, so the micro-batches of an optimizer step (and
+        activation checkpointing's recompute) share one quantisation; the optimizer's in-place update
+        bumps the counter and the next call quantises again. Quantised on every call where use_fp8
+        found the module's weights FSDP-sharded (FSDP2 all-gathers into its unsharded weight keeping
+        that tensor's version counter, so the counter cannot tell a new step's values: measured) and
+        under torch.compile (a compiled graph keeps no Python state)."""
+        if torch.compiler.is_compiling():  # first: the graph does not trace the cache
+            return quantize(w)
+        cache = self.__dict__.get("_fp8_cache")
+        if cache is None:
+            return quantize(w)
+        key = (w.data_ptr(), w._version, w.shape, w.dtype)
+        hit = cache.get(id(w), (None, None))
+        if hit[0] != key:
+            hit = cache[id(w)] = key, quantize(w)
+        return hit[1]
 
-def use_fp8(model: nn.Module, enabled: bool = True) -> None:
+
+def use_fp8(model: nn.Module, enabled: bool = True, cache: bool = True) -> None:
     """Run every projection (Linear) and expert GEMM of `model` in FP8 (train.fp8): e4m3 operands with
     row-wise power-of-two scales, from the fp32 master weights (pith_ops.fp8_linear, fp8_grouped_gemm).
-    Embeddings, norms, routers, attention and lm_head + loss stay in higher precision."""
+    Embeddings, norms, routers, attention and lm_head + loss stay in higher precision. Call it after
+    sharding (pith_engine.parallel.parallelize): it decides per module whether the FP8 weight copies
+    can be cached (FP8Switch.fp8_weight). cache: whether to cache them at all. The cache holds both
+    e4m3 layouts of every cached weight (2 bytes per parameter) from its first forward until the
+    next update, past its last backward (where uncached copies are freed): worth it only when a
+    weight is quantised more than once per step (several micro-batches, recompute)."""
     for m in model.modules():
         if isinstance(m, FP8Switch):
             m.fp8 = enabled
+            plain = not any(isinstance(p, DTensor) for p in m.parameters(recurse=False))
+            m.__dict__["_fp8_cache"] = {} if enabled and cache and plain else None
 
 
 class Linear(FP8Switch, nn.Linear):
-    """nn.Linear, through pith_ops.fp8_linear while fp8 is set. The model files' projections. Its weight
-    gradients can be deferred (not yet under FP8)."""
+    """nn.Linear, through pith_ops.fp8_linear while fp8 is set (the FP8 weight copies cached per
+    optimizer step: FP8Switch.fp8_weight). The model files' projections. Its weight gradients can be
+    deferred (set_wgrad_queue), in FP8 too."""
 
     def forward(self, x: Tensor) -> Tensor:
+        weights = (self.weight,) if self.bias is None else (self.weight, self.bias)
         if not self.fp8:
-            weights = (self.weight,) if self.bias is None else (self.weight, self.bias)
             return defer_wgrad(self.wgrad_queue, nn.functional.linear, None, x, *weights)
-        y = pith_ops.fp8_linear(x, self.weight)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        w8 = self.fp8_weight(self.weight, fp8_linear_weight)
+        dtypes = x.dtype, self.weight.dtype
+        add_bias = lambda y, *bias: y + bias[0].to(y.dtype) if bias else y
+
+        def split_forward(x_TD, w_OD, *bias):
+            y, saved = fp8_linear_forward(x_TD, w_OD, w8)
+            return add_bias(y, *bias), saved
+
+        def split_backward(saved, dy_TO, need_dx):
+            dx, dw = fp8_linear_backward(saved, dy_TO, need_dx, dtypes)
+            return dx, lambda: (dw(), *(dy_TO.sum(0).to(b.dtype) for b in weights[1:]))
+
+        plain = lambda x_TD, w_OD, *bias: add_bias(pith_ops.fp8_linear(x_TD, w_OD, w8), *bias)
+        split = (split_forward, split_backward)
+        y = defer_wgrad(self.wgrad_queue, plain, split, x.flatten(0, -2), *weights)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def expert_gemm(
-    x_ND: Tensor, w_EIO: Tensor, group_ends_E: Tensor, fp8: bool, queue: WeightGradQueue | None = None
+    x_ND: Tensor,
+    w_EIO: Tensor,
+    group_ends_E: Tensor,
+    fp8: bool,
+    queue: WeightGradQueue | None = None,
+    owner: FP8Switch | None = None,
+    x8: tuple = (None, None),
 ) -> Tensor:
-    """The experts' grouped GEMM: FP8 straight from the (fp32 master) weight, or in the rows' dtype
+    """The experts' grouped GEMM: FP8 straight from the (fp32 master) weight (its FP8 copies cached on
+    `owner` per optimizer step: FP8Switch.fp8_weight; None: quantised per call; x8: the rows' FP8 copy
+    when the pass writing them made it, pith_ops.swiglu_fp8), or in the rows' dtype
     (bf16 rows under autocast meet fp32 master weights; a no-op cast otherwise; pith_ops.cast for a
     vectorised cast of the gradient back, its docstring has the numbers), its weight gradient
-    deferrable to `queue` (not yet under FP8)."""
+    deferrable to `queue` either way."""
     if fp8:
-        return pith_ops.fp8_grouped_gemm(x_ND, w_EIO, group_ends_E)
+        quantize = fp8_grouped_gemm_weight
+        w8 = quantize(w_EIO) if owner is None else owner.fp8_weight(w_EIO, quantize)
+        dtypes = x_ND.dtype, w_EIO.dtype
 
-    def split(x_NI, weights, dy_NO, need_dx):
-        dx, wgrad = pith_ops.grouped_gemm_backward(x_NI, weights[0], group_ends_E, dy_NO, need_dx)
+        def split_backward(saved, dy_NO, need_dx):
+            dx, dw = fp8_grouped_backward(saved, dy_NO, need_dx, dtypes)
+            return dx, lambda: (dw(),)
+
+        split = (lambda x, w: fp8_grouped_forward(x, w, group_ends_E, w8, x8), split_backward)
+        forward = lambda x, w: pith_ops.fp8_grouped_gemm(x, w, group_ends_E, w8, x8)
+        return defer_wgrad(queue, forward, split, x_ND, w_EIO)
+
+    def split_backward(saved, dy_NO, need_dx):
+        dx, wgrad = pith_ops.grouped_gemm_backward(*saved, group_ends_E, dy_NO, need_dx)
         return dx, lambda: (wgrad(),)
 
     forward = lambda x, w: pith_ops.grouped_gemm(x, w, group_ends_E)
+    split = (lambda x, w: (forward(x, w), (x, w)), split_backward)
     return defer_wgrad(queue, forward, split, x_ND, pith_ops.cast(w_EIO, x_ND.dtype))
 
 
@@ -222,8 +290,12 @@ class Experts(FP8Switch, nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
 
     def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
-        h_N2F = expert_gemm(x_ND, self.w_gate_up, group_ends_E, self.fp8, self.wgrad_queue)
-        return expert_gemm(pith_ops.swiglu(h_N2F), self.w_down, group_ends_E, self.fp8, self.wgrad_queue)
+        gemm = lambda x, w, *x8: expert_gemm(x, w, group_ends_E, self.fp8, self.wgrad_queue, self, *x8)
+        h_N2F = gemm(x_ND, self.w_gate_up)
+        if self.fp8:  # SwiGLU writes the down projection's FP8 rows too (one pass less over them)
+            a_NF, *x8 = pith_ops.swiglu_fp8(h_N2F)
+            return gemm(a_NF, self.w_down, x8)
+        return gemm(pith_ops.swiglu(h_N2F), self.w_down)
 
     def reference(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
         w_gate_up, w_down = self.w_gate_up, self.w_down

@@ -5,7 +5,7 @@ and a plain-PyTorch `*_reference` that is its specification.
 """
 
 from pith_ops.adamw import adamw_, adamw_reference_
-from pith_ops.cast import cast
+from pith_ops.cast import cast, kept_copy
 from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_reference
 from pith_ops.fp8_linear import fp8_linear, fp8_linear_reference
@@ -14,7 +14,7 @@ from pith_ops.grouped_gemm import grouped_gemm, grouped_gemm_backward, grouped_g
 from pith_ops.moe_permute import moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference
 from pith_ops.rmsnorm import rms_norm, rms_norm_reference
 from pith_ops.rope import apply_rope, apply_rope_reference
-from pith_ops.swiglu import swiglu, swiglu_oss, swiglu_oss_reference, swiglu_reference
+from pith_ops.swiglu import swiglu, swiglu_fp8, swiglu_oss, swiglu_oss_reference, swiglu_reference
 
 __all__ = [
     "adamw_",
@@ -29,6 +29,7 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_backward",
     "grouped_gemm_reference",
+    "kept_copy",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "moe_permute",
@@ -42,6 +43,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_reference",
     "swiglu",
+    "swiglu_fp8",
     "swiglu_oss",
     "swiglu_oss_reference",
     "swiglu_reference",

@@ -1,6 +1,6 @@
 """Input checks, the kernel-or-reference decision and the eager/compiled switch shared by the
-operators, and the grouped-GEMM implementation switch (kept here because pith_ops re-exports the
-function grouped_gemm over the name of its module, so the module is awkward to reach)."""
+operators, and the grouped-GEMM and kept-cast switches (kept here because pith_ops re-exports the
+functions grouped_gemm and cast over the names of their modules, so the modules are awkward to reach)."""
 
 import os
 from collections.abc import Callable
@@ -71,3 +71,7 @@ def eager_or_custom(
 # down [131072, 768] x [128, 768, 2048] 2.36 ms (524) vs 3.26 ms (379). The Triton kernel serves
 # what torch's does not take (fp32/fp16, feature sizes not a multiple of 8) and the CPU interpreter.
 USE_TORCH_GROUPED_MM = True
+
+# pith_ops.cast keeps the cast of a trainable weight for reuse and adamw_ rewrites it (cast.py); False:
+# every cast is a fresh one (the previous path, for A/B measurements).
+KEEP_COPIES = True

@@ -7,6 +7,19 @@ bf16 -> fp32 copy, which (converting dtypes) runs torch's unrolled, unvectorised
 measured on an H200 in the pith-train bench (2026-12-03), 8.4 ms a step for the expert and lm_head
 weight gradients (2.7B elements, 16.4 GB), 47% of copy bandwidth. The Triton cast streams 16-byte
 accesses. The forward is torch's cast (fp32 -> bf16 copies take its vectorised kernel already).
+
+Kept copies. A trainable weight cast to bf16 (a leaf that requires grad, a plain tensor: not FSDP's
+DTensor, whose mixed-precision policy casts on its own) cast while grad mode is on keeps its cast as
+`x._pith_copy`, stamped with x's version counter and storage; later casts, micro-batches and steps
+reuse it while the stamp holds (any in-place torch op on x bumps the counter, so a checkpoint load or
+another optimizer invalidates it). pith_ops.adamw_ rewrites the copy in its update pass, 2 bytes more
+per element instead of a 6-byte cast per use: on the pith-train bench (2.73B expert and lm_head
+weights) ~1.3 ms at copy bandwidth for ~3.8 ms of casts (H200 profile, pith-train README). The copy
+holds x.to(bf16) bit for bit. A write to x that bypasses the counter (x.data, a raw kernel) must go
+through `keep`. FSDP2 with the trainer's bf16 param_dtype hands the forward bf16 weights: nothing is
+cast or kept (an fp32 param_dtype with a bf16 stream would keep copies of unsharded parameters that its
+all-gather refills: not a layout the trainer builds). pith_ops._common.KEEP_COPIES = False turns the
+copies off (the bench's A/B).
 """
 
 import torch
@@ -14,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pith_ops import _common
 from pith_ops._common import FLOAT_DTYPES, check, use_triton
 
 
@@ -43,20 +57,52 @@ def _cast_back(g: Tensor, dtype: torch.dtype) -> Tensor:
 
 class _Cast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dtype):
+    def forward(ctx, x, dtype, copy):
         ctx.dtype = x.dtype
         # No gradient stays none (a weight gradient deferred to a queue): no zeros cast and accumulated.
         ctx.set_materialize_grads(False)
-        return x.to(dtype)
+        return x.to(dtype) if copy is None else copy.view_as(copy)
 
     @staticmethod
     def backward(ctx, g):
-        return None if g is None else _cast_back(g, ctx.dtype), None
+        return None if g is None else _cast_back(g, ctx.dtype), None, None
+
+
+def kept_copy(x: Tensor) -> Tensor | None:
+    """x's kept cast (module docstring) if it is still valid, else None."""
+    kept = x.__dict__.get("_pith_copy")
+    return kept[1] if kept is not None and kept[0] == (x._version, x.data_ptr()) else None
+
+
+def keep(x: Tensor, copy: Tensor) -> None:
+    """Record `copy` (x.to(copy.dtype), bit for bit) as x's kept cast, valid until x changes."""
+    # The storage too: a copied tensor (deepcopy copies __dict__) starts its own version count.
+    x._pith_copy = ((x._version, x.data_ptr()), copy)
+
+
+def _copy_for(x: Tensor, dtype: torch.dtype) -> Tensor | None:
+    if (
+        dtype != torch.bfloat16
+        or not _common.KEEP_COPIES
+        or torch.compiler.is_compiling()
+        or not (x.is_leaf and x.requires_grad)
+        or type(x) not in (Tensor, torch.nn.Parameter)
+    ):
+        return None
+    copy = kept_copy(x)
+    if copy is not None:
+        return copy
+    if not torch.is_grad_enabled():  # evaluation uses a valid copy, makes none
+        return None
+    copy = x.detach().to(dtype)
+    keep(x, copy)
+    return copy
 
 
 def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """x.to(dtype), the gradient cast back to x's dtype (the same values as torch's cast gives)."""
+    """x.to(dtype), the gradient cast back to x's dtype (the same values as torch's cast gives); from
+    x's kept copy when it has a valid one (module docstring)."""
     check("x", x, dtypes=FLOAT_DTYPES)
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype: expected one of {[str(d) for d in FLOAT_DTYPES]}, got {dtype}")
-    return x if x.dtype == dtype else _Cast.apply(x, dtype)
+    return x if x.dtype == dtype else _Cast.apply(x, dtype, _copy_for(x, dtype))

@@ -6,7 +6,9 @@ As pith_ops.fp8_linear, each GEMM's operands are quantised along the contracted 
 - forward  y  = x8 @ w8[e]                  x8: x by rows (over I); w8: w[e] by columns (over I), [E, O, I];
 - dgrad    dx = dy8 @ w8r[e].T              dy8: dy by rows (over O); w8r: w[e] by rows (over O), [E, I, O];
 - wgrad    dw[e] = x8c[e].T @ dy8c[e]       x, dy by columns over each expert's rows, stored transposed.
-The forward keeps x8c (fp8) and w8r for the backward; dgrad and wgrad are separate functions. On
+The forward keeps x8c (fp8) and w8r for the backward. w8 and w8r come from
+`fp8_grouped_gemm_weight(w)`, a function of w alone (a caller may compute it once for several calls);
+`forward` and `backward` are the op without autograd, its backward in two halves (dx now, dw later). On
 CUDA the GEMMs are torch._scaled_grouped_mm (CUTLASS) with fast accumulation; on CPU (where torch
 has no grouped FP8 GEMM) a loop over the experts multiplies the dequantised operands in fp32.
 On CUDA every group end must be a multiple of GROUP_ALIGN = 16 (moe_permute(..., align=16)): the
@@ -73,18 +75,41 @@ def wgrad(dy_NO: Tensor, x8c_IN: Tensor, x8c_scale_EI: Tensor, ends: Tensor) -> 
     return _gmm(a, x8c_scale_EI.flatten(), b.t(), dy8c_scale_EO.flatten(), ends)
 
 
-def _forward(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def quantize_weight(w_EIO: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (w8c_EOI, w8c_scale_EO: w[e] by columns over I, the forward's operand; w8r_EIO, w8r_scale_EI:
+    w[e] by rows over O, dgrad's). A function of w alone (pith_engine.layers caches it per step)."""
     E, I, O = w_EIO.shape
     w8c_EOI, w8c_scale = quantize_cols(w_EIO)
-    y_NO = _gmm(*quantize_rows(x_NI), w8c_EOI.transpose(1, 2), w8c_scale[:, 0], ends).to(x_NI.dtype)
-    x8c_IN, x8c_scale_EI = quantize_cols(x_NI, ends)
     w8r, w8r_scale = quantize_rows(w_EIO.view(E * I, O))
-    return y_NO, x8c_IN, x8c_scale_EI, w8r.view(E, I, O), w8r_scale.view(E, I)
+    return w8c_EOI, w8c_scale[:, 0], w8r.view(E, I, O), w8r_scale.view(E, I)
+
+
+def _forward(
+    x_NI: Tensor, w_EIO: Tensor, w8c_EOI: Tensor, w8c_scale_EO: Tensor, w8r_EIO: Tensor,
+    w8r_scale_EI: Tensor, ends: Tensor, x8_NI: Tensor | None = None, x8_scale_N: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """w_EIO is not read (quantize_weight's outputs are): it is the input the weight gradient is for.
+    x8_NI, x8_scale_N: quantize_rows(x) when the pass writing x made them (pith_ops.swiglu_fp8)."""
+    x8 = quantize_rows(x_NI) if x8_NI is None else (x8_NI, x8_scale_N)
+    y_NO = _gmm(*x8, w8c_EOI.transpose(1, 2), w8c_scale_EO, ends).to(x_NI.dtype)
+    x8c_IN, x8c_scale_EI = quantize_cols(x_NI, ends)
+    return y_NO, x8c_IN, x8c_scale_EI
 
 
 _op = torch.library.custom_op("pith::fp8_grouped_gemm", _forward, mutates_args=())
+_weight_op = torch.library.custom_op("pith::fp8_grouped_gemm_weight", quantize_weight, mutates_args=())
 _dgrad_op = torch.library.custom_op("pith::fp8_grouped_gemm_dgrad", dgrad, mutates_args=())
 _wgrad_op = torch.library.custom_op("pith::fp8_grouped_gemm_wgrad", wgrad, mutates_args=())
+
+
+@_weight_op.register_fake
+def _(w_EIO):
+    E, I, O = w_EIO.shape
+    fp8, fp32 = torch.float8_e4m3fn, torch.float32
+    return (
+        empty_cols(E, O, I, device=w_EIO.device), w_EIO.new_empty(E, O, dtype=fp32),
+        w_EIO.new_empty(E, I, O, dtype=fp8), w_EIO.new_empty(E, I, dtype=fp32),
+    )  # fmt: skip
 
 
 @_dgrad_op.register_fake
@@ -98,38 +123,65 @@ def _(dy_NO, x8c_IN, x8c_scale_EI, ends):
 
 
 @_op.register_fake
-def _(x_NI, w_EIO, ends):
+def _(x_NI, w_EIO, w8c_EOI, w8c_scale_EO, w8r_EIO, w8r_scale_EI, ends, x8_NI=None, x8_scale_N=None):
     (N, I), (E, _, O) = x_NI.shape, w_EIO.shape
-    fp8, fp32 = torch.float8_e4m3fn, torch.float32
-    return (
-        x_NI.new_empty(N, O), empty_cols(1, I, N, device=x_NI.device)[0], x_NI.new_empty(E, I, dtype=fp32),
-        x_NI.new_empty(E, I, O, dtype=fp8), x_NI.new_empty(E, I, dtype=fp32),
-    )  # fmt: skip
+    cols = empty_cols(1, I, N, device=x_NI.device)[0]
+    return x_NI.new_empty(N, O), cols, x_NI.new_empty(E, I, dtype=torch.float32)
 
 
 def _setup(ctx, inputs, output):
     _, *saved = output
     ctx.mark_non_differentiable(*saved)
-    ctx.save_for_backward(*saved, inputs[2])
+    ctx.set_materialize_grads(False)  # the fp8 and scale outputs get no zero-filled gradients
+    ctx.save_for_backward(*saved, *inputs[4:7])
     ctx.dtypes = inputs[0].dtype, inputs[1].dtype
+
+
+def backward(saved, dy_NO: Tensor, need_dx: bool, dtypes, dgrad=dgrad, wgrad=wgrad):
+    """The backward in two halves from the forward's `saved` (x8c_IN, x8c_scale_EI, w8r_EIO,
+    w8r_scale_EI, ends) -> (dx_NI now in dtypes[0], or None without need_dx; a closure computing dw_EIO
+    in dtypes[1]), so a schedule can run the weight gradient later: the plain backward's kernels."""
+    x8c_IN, x8c_scale, w8r, w8r_scale, ends = saved
+    dy_NO = dy_NO.contiguous()
+    dx = dgrad(dy_NO, w8r, w8r_scale, ends).to(dtypes[0]) if need_dx else None
+    return dx, lambda: wgrad(dy_NO, x8c_IN, x8c_scale, ends).to(dtypes[1])
 
 
 def _backward(ctx, dy_NO, *_, dgrad=dgrad, wgrad=wgrad):
     """Eager: the functions; the registered autograd (compiled graphs): their custom ops."""
-    x8c_IN, x8c_scale, w8r, w8r_scale, ends = ctx.saved_tensors
-    dy_NO = dy_NO.contiguous()
-    dx = dgrad(dy_NO, w8r, w8r_scale, ends).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
-    dw = wgrad(dy_NO, x8c_IN, x8c_scale, ends).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
-    return dx, dw, None
+    dx, dw = backward(ctx.saved_tensors, dy_NO, ctx.needs_input_grad[0], ctx.dtypes, dgrad, wgrad)
+    return dx, dw() if ctx.needs_input_grad[1] else None, *(None for _ in range(7))
 
 
 _op.register_autograd(functools.partial(_backward, dgrad=_dgrad_op, wgrad=_wgrad_op), setup_context=_setup)
 _fp8_grouped_gemm = eager_or_custom(_op, _setup, _forward, _backward)
 
 
-def fp8_grouped_gemm(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor) -> Tensor:
+def fp8_grouped_gemm_weight(w_EIO: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """quantize_weight(w) as one graph node under torch.compile, without autograd (the gradient reaches
+    w through fp8_grouped_gemm's own w argument)."""
+    if torch.compiler.is_compiling():
+        return _weight_op(w_EIO.detach())
+    with torch.no_grad():
+        return quantize_weight(w_EIO)
+
+
+def forward(
+    x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, w8=None, x8=(None, None)
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """fp8_grouped_gemm's forward without autograd, for a caller running the backward itself
+    (`backward`): -> (y_NO, saved). w8, x8: as fp8_grouped_gemm's."""
+    w8 = fp8_grouped_gemm_weight(w_EIO) if w8 is None else w8
+    ends = group_ends_E.to(torch.int32).contiguous()
+    y, *saved = _forward(x_NI.contiguous(), w_EIO, *w8, ends, *x8)
+    return y, (*saved, *w8[2:], ends)
+
+
+def fp8_grouped_gemm(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, w8=None, x8=(None, None)) -> Tensor:
     """y_NO in x's dtype with y[group_ends[e-1]:group_ends[e]] = x[...] @ w[e] through FP8 GEMMs and rows
     past group_ends[-1] zero. w may be fp32 (master weights: quantised directly, no bf16 copy).
+    w8: fp8_grouped_gemm_weight(w) computed beforehand (of w's current values), or None. x8: (x8_NI,
+    x8_scale_N) = quantize_rows(x) made by the pass that wrote x (pith_ops.swiglu_fp8), or Nones.
     On CUDA: I and O multiples of 16 and group ends multiples of 16 (see the module docstring)."""
     check("x_NI", x_NI, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check("w_EIO", w_EIO, ndim=3, dtypes=FLOAT_DTYPES, device=x_NI.device, contiguous=True)
@@ -142,7 +194,8 @@ def fp8_grouped_gemm(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor) -> Tenso
         )
     if x_NI.is_cuda and (I % 16 or O % 16):
         raise ValueError(f"fp8_grouped_gemm on CUDA needs I and O multiples of 16, got {I} and {O}")
-    return _fp8_grouped_gemm(x_NI, w_EIO, group_ends_E.to(torch.int32).contiguous())[0]
+    w8 = fp8_grouped_gemm_weight(w_EIO) if w8 is None else w8
+    return _fp8_grouped_gemm(x_NI, w_EIO, *w8, group_ends_E.to(torch.int32).contiguous(), *x8)[0]
 
 
 def fp8_grouped_gemm_reference(

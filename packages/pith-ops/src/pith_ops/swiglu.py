@@ -16,6 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, eager_or_custom, use_triton
+from pith_ops.fp8_quant import FP8, _cast, _interpreted_cast, _pow2_scale, quantize_rows_reference
 
 # Rows per program and warps, autotuned per width on the GPU; the interpreter (CPU tests) would run every
 # config, so it gets one. Columns come in blocks of 256 (F=768: three unmasked blocks).
@@ -75,6 +76,57 @@ def _swiglu_kernel(
             tl.store(dx_row + F + cols[None, :], dup, mask=mask)
     else:
         tl.store(out_ptr + rows[:, None] * F + cols[None, :], g * s * u, mask=mask)
+
+
+@triton.jit
+def _swiglu_fp8_kernel(x_ptr, y_ptr, q_ptr, s_ptr, N, F, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+    """y = silu(gate) * up for BLOCK_N whole rows, then their e4m3 rows as pith_ops.fp8_quant's
+    quantize_rows would make them from y: pass 1 writes y and takes the amax of y as stored (rounded
+    to y's dtype), pass 2 rereads the rows it just wrote (L2-resident) and writes y / scale."""
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        cols = f0 + tl.arange(0, BLOCK_F)
+        mask = (rows[:, None] < N) & (cols[None, :] < F)
+        gate = tl.load(x_ptr + rows[:, None] * (2 * F) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + rows[:, None] * (2 * F) + F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * F + cols[None, :], y, mask=mask)
+        amax = tl.maximum(amax, tl.max(tl.abs(y.to(tl.float32)), 1))
+    scale, inv = _pow2_scale(amax)
+    tl.store(s_ptr + rows, scale, mask=rows < N)
+    tl.debug_barrier()  # this program's stores of y are visible to all its threads
+    for f0 in range(0, F, BLOCK_F):
+        cols = f0 + tl.arange(0, BLOCK_F)
+        mask = (rows[:, None] < N) & (cols[None, :] < F)
+        y = tl.load(y_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = _cast(y, inv[:, None]).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows[:, None] * F + cols[None, :], q, mask=mask)
+
+
+# Rows per program of the FP8 variant: whole rows per program (the row amax), F=768 in 3 column steps.
+FP8_TILE = (4, 128) if INTERPRET else (8, 256)
+
+
+def _forward_fp8(x_N2F: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (y_NF, y8_NF: y by rows in out_dtype (e4m3; float32: the kernel's quotients before the cast),
+    scale_N): swiglu(x) and quantize_rows(swiglu(x)) in one pass."""
+    if not use_triton(x_N2F):
+        y = swiglu_reference(x_N2F).contiguous()
+        return y, *quantize_rows_reference(y, out_dtype)
+    if INTERPRET and out_dtype == FP8:  # the interpreter's e4m3 cast is wrong for some values
+        y, q32, scale = _forward_fp8(x_N2F, torch.float32)
+        return y, *_interpreted_cast(q32, scale)
+    N, F = x_N2F.shape[0], x_N2F.shape[1] // 2
+    y, q = x_N2F.new_empty(N, F), x_N2F.new_empty(N, F, dtype=out_dtype)
+    scale = x_N2F.new_empty(N, dtype=torch.float32)
+    if N:
+        bn, bf = FP8_TILE
+        bf = min(bf, triton.next_power_of_2(F))
+        _swiglu_fp8_kernel[(triton.cdiv(N, bn),)](
+            x_N2F, y, q, scale, N, F, BLOCK_N=bn, BLOCK_F=bf, num_warps=4
+        )
+    return y, q, scale
 
 
 def _launch(x_N2F: Tensor, dy_NF: Tensor | None, oss: bool, alpha: float, limit: float) -> Tensor:
@@ -139,12 +191,46 @@ _swiglu_op.register_autograd(
 _swiglu = eager_or_custom(_swiglu_op, _setup_context, _forward, functools.partial(_grads, backward=_backward))
 
 
-def _apply(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
+_swiglu_fp8_op = torch.library.custom_op("pith::swiglu_fp8", _forward_fp8, mutates_args=())
+
+
+@_swiglu_fp8_op.register_fake
+def _(x_N2F, out_dtype=FP8):
+    N, F = x_N2F.shape[0], x_N2F.shape[1] // 2
+    return (
+        x_N2F.new_empty(N, F),
+        x_N2F.new_empty(N, F, dtype=out_dtype),
+        x_N2F.new_empty(N, dtype=torch.float32),
+    )
+
+
+def _setup_fp8(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])
+    _setup_context(ctx, (inputs[0], False, 1.0, 0.0), output)
+
+
+def _grads_fp8(ctx, dy_NF, *_, backward):
+    return _grads(ctx, dy_NF, backward)[0], None
+
+
+_swiglu_fp8_op.register_autograd(
+    functools.partial(_grads_fp8, backward=_swiglu_backward_op), setup_context=_setup_fp8
+)
+_swiglu_fp8 = eager_or_custom(
+    _swiglu_fp8_op, _setup_fp8, _forward_fp8, functools.partial(_grads_fp8, backward=_backward)
+)
+
+
+def _check_x(x_N2F: Tensor) -> None:
     check("x_N2F", x_N2F, dtypes=FLOAT_DTYPES)
     if x_N2F.ndim == 0 or x_N2F.shape[-1] == 0 or x_N2F.shape[-1] % 2:
         raise ValueError(
             f"x_N2F: expected a last dimension 2F > 0 holding gate and up, got shape {tuple(x_N2F.shape)}"
         )
+
+
+def _apply(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
+    _check_x(x_N2F)
     F = x_N2F.shape[-1] // 2
     y_NF = _swiglu(x_N2F.reshape(-1, 2 * F), oss, alpha, limit)
     return y_NF.view(*x_N2F.shape[:-1], F)
@@ -153,6 +239,16 @@ def _apply(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
 def swiglu(x_N2F: Tensor) -> Tensor:
     """silu(gate) * up with gate = x[..., :F], up = x[..., F:]; fused Triton forward and backward."""
     return _apply(x_N2F, False, 1.0, 0.0)
+
+
+def swiglu_fp8(x_N2F: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """swiglu(x) of 2-D x, and its e4m3 rows as pith_ops.quantize_rows(swiglu(x)) makes them, from one
+    fused pass: -> (y_NF, differentiable as swiglu's; y8_NF, scale_N, not differentiable), for an FP8
+    GEMM that contracts over F next (pith_ops.fp8_grouped_gemm's x8)."""
+    _check_x(x_N2F)
+    if x_N2F.ndim != 2:
+        raise ValueError(f"x_N2F: expected 2 dimensions [N, 2F], got shape {tuple(x_N2F.shape)}")
+    return _swiglu_fp8(x_N2F.contiguous())
 
 
 def swiglu_oss(x_N2F: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:

@@ -17,14 +17,19 @@ FLOPs per token, two conventions (both from `train.flops_per_token`, f(S) at seq
   does. Over the bf16 matmul rate measured on this card in this process that is `mfu_measured`.
 
 Timing: after the warm-up steps (compilation, autotuning, allocator growth), each timed step ends with
-a device synchronisation; the reported step time is the median. Peak memory is the allocator's peak
-over the timed steps (allocated, and reserved: what the process holds from the card).
+a device synchronisation, as the trainer's loop reads each step's values (step_values); the reported
+step time is the median. Then the same number of steps back to back with one synchronisation at the
+end: the CPU queues the next step while the GPU runs this one, what a loop reading each step's values
+a step later would reach (`step_ms_back_to_back`; the gap between the two is the cost of the per-step
+read). Peak memory is the allocator's peak over the timed steps (allocated, and reserved: what the
+process holds from the card).
 
 Shape legend: B sequences, S sequence length.
 """
 
 import collections
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -32,7 +37,6 @@ import time
 import pith_models
 import pith_ops._common
 import torch
-from pith_engine.layers import use_fp8
 from pith_engine.step import train_step
 from pith_models import qwen3_moe
 from torch.profiler import ProfilerActivity, profile
@@ -41,7 +45,7 @@ from pith_train.config import load_config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.metrics import peak_flops
 from pith_train.optim import build_optimizer
-from pith_train.train import flops_per_token, parallel_layout, step_settings, trainer_stages
+from pith_train.train import apply_fp8, flops_per_token, parallel_layout, step_settings, trainer_stages
 
 WORKLOAD = dataclasses.replace(qwen3_moe.QWEN3_30B_A3B, num_hidden_layers=4)
 WORKLOAD_SEQ_LEN, WORKLOAD_BATCH = 4096, 4
@@ -147,6 +151,38 @@ def kernels(prof, steps: int, top: int = 60) -> list[dict]:
     ]
 
 
+def idle(prof, steps: int, top: int = 12) -> dict | None:
+    """Device idle time of a torch.profiler run over `steps` steps: ms per step between the first and
+    the last device activity with none running (any stream), split by gap length (launch gaps of a
+    few us against stretches where the CPU fell behind), and the `top` longest gaps with the kernels
+    on either side. None without device activity (CPU)."""
+    cpu = torch.autograd.DeviceType.CPU
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type != cpu and not getattr(e, "is_user_annotation", False)
+    )
+    if not spans:
+        return None
+    gaps, (_, end, last) = [], spans[0]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            end, last = stop, name
+    bins = {"under 10 us": (0, 10), "10-100 us": (10, 100), "over 100 us": (100, math.inf)}
+    return {
+        "idle_ms_per_step": sum(g for g, _, _ in gaps) / 1e3 / steps,
+        "by_length_ms_per_step": {
+            k: sum(g for g, _, _ in gaps if lo <= g < hi) / 1e3 / steps for k, (lo, hi) in bins.items()
+        },
+        "gaps_per_step": len(gaps) / steps,
+        "longest": [
+            {"us": g, "after": a[:80], "before": b[:80]} for g, a, b in sorted(gaps, reverse=True)[:top]
+        ],
+    }
+
+
 def _set_grouped_gemm_backend(backend: str) -> None:
     pith_ops._common.USE_TORCH_GROUPED_MM = backend == "torch"
 
@@ -191,6 +227,8 @@ def run(
     micro_batch: int | None = None,
     overlap: bool = True,
     wgrad_delay: bool = True,
+    perturb_seed: int | None = None,
+    back_to_back: bool = True,
 ) -> dict:
     """Build the workload (or the tiny one), run `warmup` then `steps` timed training steps (then
     `profile_steps` under torch.profiler), and return the measurements.
@@ -201,7 +239,11 @@ def run(
     per micro-batch (default: all of a data rank's); overlap, wgrad_delay: parallel.overlap and
     parallel.wgrad_delay (pith_engine.step.Stages).
     data: None for random tokens, or a dataset made by `pith-train prepare-data`, read in the trainer's
-    order (seeded windows), so that two runs see the same batches at every step."""
+    order (seeded windows), so that two runs see the same batches at every step.
+    perturb_seed: multiply every initial weight by 1 + u, u uniform in +-2^-9 drawn from this seed (one
+    process): half a bf16 ulp, the size of the rounding the bf16 forward gives each weight anyway, for
+    loss_equivalence.py's noise runs.
+    back_to_back: time the steps back to back too (module docstring); None in the output without."""
     if steps < 1 or warmup < 0 or profile_steps < 0:
         raise ValueError(
             f"expected steps >= 1, warmup >= 0, profile_steps >= 0; got {steps}, {warmup}, {profile_steps}"
@@ -217,6 +259,8 @@ def run(
     B = batch or (TINY_BATCH if tiny else WORKLOAD_BATCH)
     if dp < 1 or cp < 1 or ep < 1 or B % (dp * ep):
         raise ValueError(f"expected dp, cp, ep >= 1 and batch {B} divisible by dp*ep = {dp * ep}")
+    if perturb_seed is not None and dp * cp * ep > 1:
+        raise ValueError(f"perturb_seed is for one process, got dp*cp*ep = {dp * cp * ep}")
     Bl = B // (dp * ep)  # sequences of one data rank
     mb = micro_batch or Bl
     if Bl % mb:
@@ -242,7 +286,12 @@ def run(
     torch.manual_seed(seed)
     mesh = parallel_layout(cfg, dev)  # one process without torchrun: no groups, local experts
     model = pith_models.build(model_cfg, dev, seed, mesh, torch.bfloat16 if cuda else None)
-    use_fp8(model, fp8)
+    if perturb_seed is not None:
+        gen = torch.Generator(dev).manual_seed(perturb_seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(torch.empty_like(p).uniform_(1 - 2**-9, 1 + 2**-9, generator=gen))
+    apply_fp8(cfg, model)
     optimizer = build_optimizer(model, cfg)
     stages = trainer_stages(cfg, model, mesh)
     settings = step_settings(cfg, model)
@@ -277,6 +326,13 @@ def run(
         sync()
         seconds.append(time.perf_counter() - start)
     step_s = statistics.median(seconds)
+    back_to_back_ms = None
+    if back_to_back:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        back_to_back_ms = (time.perf_counter() - start) / steps * 1e3
     tokens_per_s = B * S / step_s
     whole = pith_models.build(model_cfg)  # on meta: every expert (this rank holds some)
     f_full, f_none = flops_per_token(whole, S), flops_per_token(whole, 0)
@@ -316,6 +372,7 @@ def run(
         },  # fmt: skip
         "step_ms": step_s * 1e3,
         "step_ms_all": [s * 1e3 for s in seconds],
+        "step_ms_back_to_back": back_to_back_ms,
         "tokens_per_s": tokens_per_s,
         "flops_per_token_causal": f_causal,
         "flops_per_token_full": f_full,
@@ -337,6 +394,7 @@ def run(
             sync()
         out["breakdown_ms_per_step"] = breakdown(prof, profile_steps)
         out["kernels"] = kernels(prof, profile_steps)
+        out["idle"] = idle(prof, profile_steps)
     return out
 
 
@@ -359,6 +417,12 @@ def summary(r: dict) -> str:
         f" {r['mfu_989']:.1%} in the TorchTitan convention over {r['datasheet_tflops']:.3g} TFLOP/s",
         f"  {mem}",
     ]
+    if r["step_ms_back_to_back"] is not None:
+        ms = r["step_ms_back_to_back"]
+        tokens = r["workload"]["tokens_per_step"] / ms * 1e3
+        lines.insert(
+            2, f"  back to back (one sync after {s['steps']} steps): {ms:.1f} ms/step, {tokens:,.0f} tokens/s"
+        )
     if "breakdown_ms_per_step" in r:
         parts = r["breakdown_ms_per_step"]
         total = sum(parts.values()) or 1.0
@@ -369,4 +433,12 @@ def summary(r: dict) -> str:
             f"    {k['ms_per_step']:8.3f} {k['calls_per_step']:6.1f}  {k['component']:<20} {k['name'][:90]}"
             for k in r["kernels"]
         ]
+    if r.get("idle"):
+        i = r["idle"]
+        by = ", ".join(f"{k} {ms:.2f}" for k, ms in i["by_length_ms_per_step"].items())
+        lines.append(
+            f"  device idle inside the profiled steps (no sync between them): {i['idle_ms_per_step']:.2f}"
+            f" ms/step in {i['gaps_per_step']:.0f} gaps ({by} ms); longest (us, after -> before):"
+        )
+        lines += [f"    {g['us']:8.0f}  {g['after'][:60]} -> {g['before'][:60]}" for g in i["longest"]]
     return "\n".join(lines)

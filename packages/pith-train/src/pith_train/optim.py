@@ -18,7 +18,8 @@ class AdamW(torch.optim.AdamW):
     learning rates left out), stepped by pith_ops.adamw_: `step(grad_scale=coef)` scales every
     gradient by the device scalar coef inside the update (gradient clipping without a pass of its
     own, measured in the pith-train README), and skips the update where coef is not finite. The step
-    count stays on the host, so the bias corrections need no sync."""
+    count stays on the host, so the bias corrections need no sync. A weight with a kept bf16 cast
+    (pith_ops.cast: the expert and lm_head weights) gets it rewritten in the same pass."""
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -41,10 +42,11 @@ class AdamW(torch.optim.AdamW):
                 state["step"] += 1
                 if grad_scale is None:
                     grad_scale = torch.ones(1, device=local(p).device)
+                w = local(p)
                 pith_ops.adamw_(
-                    *(local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), grad_scale,
+                    w, *(local(t) for t in (p.grad, state["exp_avg"], state["exp_avg_sq"])), grad_scale,
                     lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                    eps=group["eps"], step=int(state["step"]),
+                    eps=group["eps"], step=int(state["step"]), copy=pith_ops.kept_copy(w),
                 )  # fmt: skip
 
 

@@ -57,6 +57,13 @@ def step_settings(cfg: Config, model: nn.Module) -> tuple[Aux, float, float]:
     return aux, cfg.optim.grad_clip, cfg.train.bias_rate
 
 
+def apply_fp8(cfg: Config, model: nn.Module) -> None:
+    """train.fp8 on the (sharded) model; the FP8 weight copies cached per step only where a step
+    quantises a weight more than once (several micro-batches or recompute): the cache costs 2 bytes
+    per parameter held to the step's end, which with one micro-batch buys nothing (layers.use_fp8)."""
+    use_fp8(model, cfg.train.fp8, cache=cfg.micro_batches > 1 or cfg.train.ac != "none")
+
+
 def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages:
     """The model as the trainer runs it: compiled on CUDA (under FSDP too, its hooks outside the
     compiled bodies: pith_engine.step.Stages), cfg's recompute, a bf16 residual stream on CUDA, and under
@@ -167,7 +174,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     cuda = device.type == "cuda"
     # Each rank builds only its layers, experts and FSDP shards (fp32); bf16 all-gathers, fp32 reduction.
     model = build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
-    use_fp8(model, cfg.train.fp8)
+    apply_fp8(cfg, model)
     optimizer = build_optimizer(model, cfg)
     step, cursor = 0, 0
     if resume_from is not None:
