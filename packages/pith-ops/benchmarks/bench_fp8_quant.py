@@ -7,17 +7,14 @@ Bytes: one read of x and one e4m3 write (scales not counted). Per layer each FP8
 quantised along both axes: fp8_linear (q, k, v, o projections) quantises x and w in the forward and
 dy in the backward, fp8_grouped_gemm (gate_up, down) the same with the expert weights batched.
 --baseline FILE: also time the quantize_rows / quantize_cols of another fp8_quant.py in the same
-process (the kernels before this rewrite: `git show c185f33:packages/pith-ops/src/pith_ops/fp8_quant.py
-> build/fp8_quant_main.py`). --sweep: also time other tiles of the new kernels at the expert
-activation shape.
-Run on a CUDA machine: python3 packages/pith-ops/benchmarks/bench_fp8_quant.py [--baseline FILE] [--sweep]
+process (a candidate rewrite against the module's kernels).
+Run on a CUDA machine: python3 packages/pith-ops/benchmarks/bench_fp8_quant.py [--baseline FILE]
 """
 
 import argparse
 import importlib.util
 
 import torch
-import triton
 from bench_fp8_recipe import E, N, T, uneven_ends  # N: moe_permute's static row count with align=16
 from harness import ceilings, header, median_ms, report
 from pith_ops import fp8_quant
@@ -67,31 +64,11 @@ def load(path: str):
     return module
 
 
-def sweep(x: torch.Tensor, ends: torch.Tensor) -> None:
-    """Other tiles of the new kernels at one shape (for tuning the module's constants)."""
-    M, K = x.shape
-    q, s = torch.empty_like(x, dtype=fp8_quant.FP8), x.new_empty(M, dtype=FP32)
-    moved = x.numel() * (x.element_size() + 1)
-    bk = triton.next_power_of_2(K)
-    for elems in (4096, 8192, 16384):
-        for warps in (4, 8, 16):
-            tile = max(1, elems // bk), bk, True, warps
-            ms = median_ms(lambda tile=tile: fp8_quant._launch_rows(x, q, s, *tile))
-            report(f"  rows tile {tile[0]}x{bk}, {warps} warps", ms, bytes_moved=moved)
-    x3, qc = x[None], fp8_quant.empty_cols(1, K, M, device="cuda")
-    sc = torch.full((1, ends.shape[0], K), 2.0**-126, device="cuda")  # reruns max the same values in
-    cols_tiles = (2048, 16, 16, 1), (2048, 16, 32, 1), (1024, 32, 16, 1), (1024, 16, 16, 1), (1024, 16, 16, 2)
-    for tile in cols_tiles:  # rows, columns, warps, programs per SM
-        ms = median_ms(lambda tile=tile: fp8_quant._launch_cols(x3, ends, qc, sc, *tile))
-        report(f"  cols tile {tile[0]}x{tile[1]}, {tile[2]} warps, {tile[3]} per SM", ms, bytes_moved=moved)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", help="another fp8_quant.py to time in the same process")
-    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
-    impls = {"new": fp8_quant}
+    impls = {"current": fp8_quant}
     if args.baseline:
         impls["baseline"] = load(args.baseline)
     header("FP8 quantisation (e4m3, power-of-two scales), pith-train bench --fp8 shapes")
@@ -112,8 +89,8 @@ def main() -> None:
             ms = {impl: median_ms(lambda m=m, call=call: call(m)) for impl, m in impls.items()}
             for impl in impls:
                 step_ms[impl] += ms[impl] * per_layer * LAYERS
-            base = {k: v for k, v in ms.items() if k != "new"}
-            report(f"{kind} {tag}", ms["new"], bytes_moved=moved, baselines=base)
+            base = {k: v for k, v in ms.items() if k != "current"}
+            report(f"{kind} {tag}", ms["current"], bytes_moved=moved, baselines=base)
         step_bytes += 2 * moved * per_layer * LAYERS
     copy = ceilings()["copy_GBps"]
     at_copy = step_bytes / copy / 1e6
@@ -121,9 +98,6 @@ def main() -> None:
     for impl, ms in step_ms.items():
         gbps = step_bytes / ms / 1e6
         print(f"  {impl}: {ms:.2f} ms, {gbps:.0f} GB/s ({gbps / copy:.0%} of copy)")
-    if args.sweep:
-        print("\ntiles of the new kernels, expert x gate_up:")
-        sweep(torch.randn(N, D, device="cuda", dtype=BF16), ends_E)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,9 @@ def test_lr_schedules():
 
 
 def _syncs_of_a_step(moe_layers: int) -> list[str]:
-    """file:line of each synchronising call of the second eager train_step on CUDA."""
+    """file:line of each synchronising call of the third eager train_step on CUDA (two warm-up steps:
+    the optimizer's state and the kept weight casts are made in the first, a one-time sync of torch's
+    own came in the second on the H200)."""
     model_cfg = dataclasses.replace(
         qwen3_moe.TINY, vocab_size=260, num_hidden_layers=moe_layers, mlp_only_layers=()
     )
@@ -157,7 +159,8 @@ def _syncs_of_a_step(moe_layers: int) -> list[str]:
     optimizer, settings = build_optimizer(model, cfg), step_settings(cfg, model)
     ids_BS = torch.randint(0, 260, (2, 33), device="cuda")
     micro = [(ids_BS[:, :-1], ids_BS[:, 1:])]
-    train_step(stages, optimizer, micro, 1e-3, *settings)
+    for _ in range(2):
+        train_step(stages, optimizer, micro, 1e-3, *settings)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -175,7 +178,10 @@ def test_host_syncs_of_a_step_none_per_moe_layer_and_none_in_the_model_or_engine
     debug mode after a warm-up step: the same with 1 and 3 MoE layers (none per layer), and none from
     the model, engine or operator code; those left are the step's own (printed: label-token count,
     loss .item()s, gradient norm)."""
-    one, three = _syncs_of_a_step(1), _syncs_of_a_step(3)
+    # 1 layer measured twice, before and after 3: a one-time sync of torch's showed in the first
+    # model's third step on the H200 (torch/cuda/__init__.py), in no later model's.
+    first, three, again = _syncs_of_a_step(1), _syncs_of_a_step(3), _syncs_of_a_step(1)
+    one = min(first, again, key=len)
     print(f"host syncs per step: {len(one)}: {one}")
     assert len(three) == len(one), (one, three)
     assert not [s for s in three if any(f"/{p}/" in s for p in ("pith_ops", "pith_engine", "pith_models"))], (
