@@ -85,7 +85,8 @@ class PreWeightedCombine(LocalExperts):
     """A combine that sums each token's expert rows itself and hands stage 5 one row per token
     (slot t, weight 1) and -1 slots for the rest: the form an EP engine may use."""
 
-    def combine(self, y_ND, handle):
+    def combine(self, y_ND, handle, seg=None):
+        yield from ()  # no exchange
         slots_TK, weights_TK = handle
         rows_TD = (y_ND[slots_TK] * weights_TK[..., None]).sum(1)
         T = slots_TK.shape[0]
