@@ -3,11 +3,15 @@
 CPU runs execute the Triton kernels through Triton's interpreter, so TRITON_INTERPRET must be set
 before anything imports triton; OMP_NUM_THREADS=1 keeps CPU numerics and timing stable; the gpu
 marker skips when CUDA is absent; hypothesis gets a deterministic `ci` profile (default) and a
-wider `dev` profile (HYPOTHESIS_PROFILE=dev).
+wider `dev` profile (HYPOTHESIS_PROFILE=dev); run_ranks runs a test file as a script, one process
+per rank.
 """
 
+import multiprocessing
 import os
 import shutil
+import socket
+from pathlib import Path
 
 if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -40,3 +44,61 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Imported once, in multiprocessing's fork server, for every rank of the session: a rank forked from it
+# starts at once, where a fresh `python` spends seconds of CPU importing these (on a 2-core box, most
+# of a small distributed test). Nothing of pith's: pith_ops reads TRITON_INTERPRET when imported.
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint"]
+PRELOAD += ["numpy", "hypothesis", "pytest"]
+# What a forked rank runs (exec'd with SCRIPT, ARGV, LOG, ENV): `python SCRIPT *ARGV` with its output to
+# LOG, under the environment torchrun gives a worker; the Triton kernels' plain-PyTorch references
+# (no interpreter) for speed.
+RANK = """
+import os, runpy, sys
+log = os.open(LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+os.dup2(log, 1)
+os.dup2(log, 2)
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.update(ENV, OMP_NUM_THREADS="1")
+sys.argv = [SCRIPT, *ARGV]
+sys.path.insert(0, os.path.dirname(SCRIPT))
+runpy.run_path(SCRIPT, run_name="__main__")
+"""
+
+
+def _run_ranks(script: str, world: int, tmp: Path, *args: str, timeout: float = 400) -> None:
+    """Run `python script world rank tmp *args` for every rank, with torchrun's RANK, WORLD_SIZE,
+    MASTER_ADDR... set; fail with every rank's output if any rank fails."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    with socket.socket() as s:  # a free port for env:// rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = [tmp / f"rank_{world}_{rank}.log" for rank in range(world)]
+    procs = []
+    for rank, log in enumerate(logs):
+        env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world}
+        env = {k: str(v) for k, v in env.items()} | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        names = {"SCRIPT": str(script), "ARGV": [str(world), str(rank), str(tmp), *args], "LOG": str(log)}
+        procs.append(ctx.Process(target=exec, args=(RANK, {**names, "ENV": env})))
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+    report = [
+        f"rank {r} (exit {p.exitcode}) ---\n{log.read_text()[-3000:]}"
+        for r, (p, log) in enumerate(zip(procs, logs))
+    ]
+    assert all(p.exitcode == 0 for p in procs), "\n".join(report)
+
+
+@pytest.fixture
+def run_ranks():
+    return _run_ranks

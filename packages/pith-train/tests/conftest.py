@@ -6,7 +6,11 @@ references), so they run the operators' PyTorch reference path instead of the Tr
 which is orders of magnitude slower; subprocesses get an environment without TRITON_INTERPRET.
 """
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pith_models
 import pith_ops._common
@@ -42,6 +46,21 @@ def subprocess_env():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     return env
+
+
+@pytest.fixture(scope="session")
+def torchrun_pretrains(subprocess_env):
+    """torchrun_pretrains(nproc, [(run_dir, overrides), ...]): one torchrun of nproc processes trains each
+    run in turn (pretrains.py); fails with rank 0's error output if any run fails."""
+
+    def torchrun(nproc: int, runs: list[tuple[Path, list[str]]], timeout: float = 900) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd += [str(Path(__file__).with_name("pretrains.py"))]
+        cmd += [json.dumps(["--run-dir", str(run), *args]) for run, args in runs]
+        proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, timeout=timeout)
+        assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+
+    return torchrun
 
 
 @pytest.fixture(scope="session")

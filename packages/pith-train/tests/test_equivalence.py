@@ -20,9 +20,7 @@ tolerances that FP8's per-layout rounding allows (check_fp8_layouts).
 import collections
 import contextlib
 import dataclasses
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -259,9 +257,18 @@ def _worker(tmp: Path) -> None:
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    refs = {}
+    # Resuming across layouts (below); 6 experts over ep2 x dp2 are 3 per EP rank in FSDP pieces of 2 and 1.
+    cfg6 = dataclasses.replace(MODELS["qwen3_moe"], num_experts=6)
+    # The single-process references (the 3 models and cfg6's uninterrupted run) once for both world
+    # sizes, one per rank of the first at the same time: rank 0 alone would take 4 times as long.
+    refs = {**MODELS, "cfg6": cfg6}
+    if world == 4:
+        for i, (name, model_cfg) in enumerate(refs.items()):
+            if rank == i:
+                torch.save(run(model_cfg, None), tmp / f"ref_{name}.pt")
+        dist.barrier()
     for name, model_cfg in MODELS.items():
-        ref = refs[name] = run(model_cfg, None) if rank == 0 else None
+        ref = torch.load(tmp / f"ref_{name}.pt") if rank == 0 else None
         for shape in LAYOUTS[world]:
             losses, grads = run(model_cfg, shape)
             if rank != 0:
@@ -274,35 +281,27 @@ def _worker(tmp: Path) -> None:
 
     check_sharded_hf_loads(tmp, world)
     if world == 2:
-        check_fp8_layouts(rank, ref_fp32=refs["qwen3_moe"][0][:FP8_STEPS] if rank == 0 else None)
+        ref_fp32 = torch.load(tmp / "ref_qwen3_moe.pt")[0][:FP8_STEPS] if rank == 0 else None
+        check_fp8_layouts(rank, ref_fp32=ref_fp32)
 
-    # Resuming across layouts; 6 experts over ep2 x dp2 are 3 per EP rank in FSDP pieces of 2 and 1.
-    cfg6 = dataclasses.replace(MODELS["qwen3_moe"], num_experts=6)
-    ckpt, expected = tmp / "ckpt_ep2_dp2", tmp / "uninterrupted.json"
+    # Resuming across layouts: cfg6 checkpointed under dp2 x ep2 after RESUME_AT steps.
+    ckpt, expected = tmp / "ckpt_ep2_dp2", torch.load(tmp / "ref_cfg6.pt")[0][RESUME_AT:]
     if world == 4:
-        if rank == 0:
-            expected.write_text(json.dumps(run(cfg6, None)[0]))
         run(cfg6, Layout(dp=2, ep=2), steps=range(RESUME_AT), save=ckpt)
         if rank == 0:
             resumed = run(cfg6, None, steps=range(RESUME_AT, STEPS), load=ckpt)[0]
-            assert_same_losses(resumed, json.loads(expected.read_text())[RESUME_AT:], "ep2xdp2 -> 1 process")
+            assert_same_losses(resumed, expected, "ep2xdp2 -> 1 process")
     else:
         resumed = run(cfg6, Layout(dp=2), steps=range(RESUME_AT, STEPS), load=ckpt)[0]
-        assert_same_losses(resumed, json.loads(expected.read_text())[RESUME_AT:], "ep2xdp2 -> dp2")
+        assert_same_losses(resumed, expected, "ep2xdp2 -> dp2")
     dist.destroy_process_group()
 
 
 @pytest.mark.distributed
-def test_every_layout_trains_like_one_process_and_resumes_in_another_layout(subprocess_env, tmp_path):
+def test_every_layout_trains_like_one_process_and_resumes_in_another_layout(run_ranks, tmp_path):
     for world in (4, 2):  # 4 first: it writes the checkpoint that the 2-rank layouts resume
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-        proc = subprocess.run(
-            [*cmd, __file__, str(tmp_path)], env=subprocess_env, capture_output=True, timeout=900
-        )
-        assert proc.returncode == 0, (
-            f"world {world}:\n" + proc.stdout.decode()[-3000:] + proc.stderr.decode()[-3000:]
-        )
+        run_ranks(__file__, world, tmp_path, timeout=900)  # under torchrun's environment variables
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    _worker(Path(sys.argv[3]))

@@ -5,8 +5,6 @@ the single-process losses, with a checkpoint of one layout resuming in another."
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import pith_models
 import pytest
@@ -115,10 +113,8 @@ def _sharded_worker() -> None:
 
 
 @pytest.mark.distributed
-def test_sharded_muon_orthogonalises_whole_matrices_once_and_equals_the_reference(subprocess_env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", __file__]
-    proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+def test_sharded_muon_orthogonalises_whole_matrices_once_and_equals_the_reference(run_ranks, tmp_path):
+    run_ranks(__file__, 3, tmp_path, timeout=300)  # under torchrun's environment variables
     # Owners: one per matrix, the NS cost spread evenly (8 equal matrices over 4 ranks: 2 each).
     assert sorted(_owners([torch.Size((4, 6))] * 8, 4)) == [0, 0, 1, 1, 2, 2, 3, 3]
 
@@ -213,7 +209,7 @@ FP32_NS = ["--optim.muon_ns_dtype=float32"]
 
 @pytest.mark.distributed
 def test_torchrun_dp2_ep2_dp2xep2_train_the_single_process_losses_and_resume_elsewhere(
-    micro_config, micro_args, tmp_path, subprocess_env
+    micro_config, micro_args, tmp_path, torchrun_pretrains
 ):
     """fp32 Newton-Schulz: every layout within 1e-5 of one process (fp32 summation order only). bf16
     (the default): the gradients' fp32 noise flips bf16 roundings inside NS5, which the iteration and
@@ -221,35 +217,35 @@ def test_torchrun_dp2_ep2_dp2xep2_train_the_single_process_losses_and_resume_els
     # dp2 and ep2: 2 data ranks x micro-batch 1 = the single run's micro-batch of 2; dp2 x ep2: 4 data
     # ranks, so global batch 8 in micro-batches of 4 on one process.
     big = ["--train.global_batch=8"]
-
-    def torchrun(run, layout, *args):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc-per-node={2 * len(layout)}", "-m", "pith_train", "pretrain", "--run-dir", str(run)]
-        cmd += [*micro_args, *MUON, *layout, *args]
-        proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, timeout=400)
-        assert proc.returncode == 0, proc.stderr.decode()[-3000:]
-
     runs = [("dp2", ["--parallel.dp=2"], [], FP32_NS), ("ep2", ["--parallel.ep=2"], [], FP32_NS)]
     runs += [("dp2_ep2", ["--parallel.dp=2", "--parallel.ep=2"], big, ns) for ns in (FP32_NS, [])]
+    layouts = {2: [], 4: []}  # one torchrun per world size (process start dominates)
     for name, layout, batch, ns in runs:
         single = tmp_path / ("single" + "_".join(batch + ns))
         if not single.exists():
             pretrain(micro_config(*MUON, *ns, *batch, *(["--train.micro_batch=4"] if batch else [])), single)
-        torchrun(tmp_path / (name + "_".join(ns)), layout, *ns, *batch, "--train.micro_batch=1")
-        _assert_same_losses(_losses(tmp_path / (name + "_".join(ns))), _losses(single), f"{name} {ns}",
-                            1e-5 if ns else 1e-4)  # fmt: skip
-    # dp2 x ep2's step-4 checkpoint: Muon's momentum one entry per expert; one process and dp2 resume
-    # from it and take step 5 as the uninterrupted single-process run did.
+        args = [*micro_args, *MUON, *layout, *ns, *batch, "--train.micro_batch=1"]
+        layouts[2 * len(layout)].append((tmp_path / (name + "_".join(ns)), args))
+    # The 4-process runs first: dp2 resumes dp2 x ep2's step-4 checkpoint (Muon's momentum one entry per
+    # expert); so does one process; both take step 5 as the uninterrupted single-process run did.
+    torchrun_pretrains(4, layouts[4])
     ckpt = tmp_path / ("dp2_ep2" + "_".join(FP32_NS)) / "checkpoints" / "step_000004"
     keys = set(FileSystemReader(ckpt).read_metadata().state_dict_metadata)
     assert {f"optim.state.layers.1.mlp.experts.w_down.{e}.momentum_buffer" for e in range(4)} <= keys
     assert "optim.state.layers.0.self_attn.q_proj.weight.momentum_buffer" in keys
     assert "optim.state.layers.0.mlp.gate.weight.exp_avg_sq" in keys
-    want = _losses(tmp_path / ("single" + "_".join(big + FP32_NS)))[4:]
     for name in ("resumed_1", "resumed_dp2"):
         shutil.copytree(ckpt, tmp_path / name / "checkpoints" / ckpt.name)
+    resumed = [*micro_args, *MUON, "--parallel.dp=2", *FP32_NS, *big, "--train.micro_batch=2"]
+    torchrun_pretrains(2, [*layouts[2], (tmp_path / "resumed_dp2", resumed)])
+    for name, _, batch, ns in runs:
+        got, single = (
+            _losses(tmp_path / (name + "_".join(ns))),
+            _losses(tmp_path / ("single" + "_".join(batch + ns))),
+        )
+        _assert_same_losses(got, single, f"{name} {ns}", 1e-5 if ns else 1e-4)
     pretrain(micro_config(*MUON, *FP32_NS, *big, "--train.micro_batch=4"), tmp_path / "resumed_1")
-    torchrun(tmp_path / "resumed_dp2", ["--parallel.dp=2"], *FP32_NS, *big, "--train.micro_batch=2")
+    want = _losses(tmp_path / ("single" + "_".join(big + FP32_NS)))[4:]
     for name in ("resumed_1", "resumed_dp2"):
         _assert_same_losses(_losses(tmp_path / name), want, name)
 

@@ -1,13 +1,12 @@
-"""`torchrun ... -m pith_train pretrain --parallel.*=...` trains like one process: 4 gloo processes in
+"""`pith-train pretrain --parallel.*=...` under torchrun trains like one process: 4 gloo processes in
 cp2 x ep2, pp2 x ep2 and pp4 log (rank 0 only) the per-step global-batch losses of the single-process
-run, and a checkpoint written under pp2 x ep2 resumes on one process with the same losses; layouts
-that cannot work stop before any compute with a message naming the numbers."""
+run, and a checkpoint written under pp2 x ep2 (and pp4) resumes on one process with the same losses;
+check-layout runs `torchrun ... -m pith_train pretrain` itself and reports agreement; layouts that
+cannot work stop before any compute with a message naming the numbers."""
 
 import dataclasses
 import json
 import shutil
-import subprocess
-import sys
 
 import pith_models
 import pytest
@@ -25,31 +24,42 @@ def _losses(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows]
 
 
+# cp2 x ep2: 4 sequences per step, one per data rank (dp*ep = 2) and micro-batch (2), as the single
+# run's 2. The pipelines: 8 sequences per step in 4 micro-batches (2*pp) of 2 on one process, of 1 per
+# data rank (ep2); pp4 in 8 micro-batches; the micro model with more layers, 2 chunks per pipeline rank.
+CP2_EP2 = ["--parallel.cp=2", "--parallel.ep=2", "--train.micro_batch=1"]
+PIPELINES = [
+    (4, ["--train.global_batch=8", "--train.micro_batch=2"], ["--parallel.pp=2", "--parallel.ep=2"]),
+    (8, ["--train.global_batch=8", "--train.micro_batch=1"], ["--parallel.pp=4"]),
+]
+
+
+@pytest.fixture(scope="module")
+def four_processes(micro_hf, micro_args, tmp_path_factory, torchrun_pretrains):
+    """The 4-process layouts trained by one torchrun (process start dominates): -> their root directory,
+    with the run directories cp2_ep2, pp_4 and pp_8 and the Hugging Face directories hf_4 and hf_8."""
+    root = tmp_path_factory.mktemp("torchrun")
+    runs = [(root / "cp2_ep2", [*micro_args, *COMPARABLE, *CP2_EP2])]
+    for layers, batch, layout in PIPELINES:
+        cfg = dataclasses.replace(pith_models.from_pretrained(micro_hf).cfg, num_hidden_layers=layers)
+        model = pith_models.build(cfg, "cpu", seed=0)
+        pith_models.save_pretrained(model, root / f"hf_{layers}", dtype=torch.float32)
+        overrides = [*COMPARABLE, f"--model.name={root / f'hf_{layers}'}", *batch]
+        runs.append((root / f"pp_{layers}", [*micro_args, *overrides, *layout, "--train.micro_batch=1"]))
+    torchrun_pretrains(4, runs)
+    return root
+
+
 @pytest.mark.distributed
-def test_torchrun_cp2_ep2_logs_the_single_process_losses(micro_config, micro_args, tmp_path, subprocess_env):
+def test_torchrun_cp2_ep2_logs_the_single_process_losses(micro_config, four_processes, tmp_path):
     pretrain(micro_config(*COMPARABLE), tmp_path / "single")
     expected = _losses(tmp_path / "single")
-    run = tmp_path / "cp2_ep2"
-    # 4 sequences per step: one per data rank (dp*ep = 2) and micro-batch (2), as the single run's 2.
-    layout = ["--parallel.cp=2", "--parallel.ep=2", "--train.micro_batch=1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    cmd += ["-m", "pith_train", "pretrain", "--run-dir", str(run), *micro_args, *COMPARABLE, *layout]
-    proc = subprocess.run(
-        cmd, env={**subprocess_env, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=400
-    )
-    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    run = four_processes / "cp2_ep2"
     got = _losses(run)  # one line per step: only rank 0 writes
     assert [s for s, _ in got] == [s for s, _ in expected], got
     for (step, loss), (_, want) in zip(got, expected):
         assert abs(loss - want) <= 1e-5 * abs(want), f"step {step}: {loss} vs single process {want}"
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step_000004", "step_000006"]
-
-
-def _torchrun(run, args, env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    cmd += ["-m", "pith_train", "pretrain", "--run-dir", str(run), *args]
-    proc = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
 
 
 def _assert_same(got, expected, where):
@@ -59,26 +69,14 @@ def _assert_same(got, expected, where):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "layers, batch, layout",
-    [
-        # 8 sequences per step in 4 micro-batches (2*pp): of 2 on one process, of 1 per data rank (ep2).
-        (4, ["--train.global_batch=8", "--train.micro_batch=2"], ["--parallel.pp=2", "--parallel.ep=2"]),
-        (8, ["--train.global_batch=8", "--train.micro_batch=1"], ["--parallel.pp=4"]),  # 8 micro-batches
-    ],
-)
+@pytest.mark.parametrize("layers, batch, layout", PIPELINES)
 def test_torchrun_pipeline_logs_the_single_process_losses_and_its_checkpoint_resumes_on_one_process(
-    micro_config, micro_args, micro_hf, tmp_path, subprocess_env, layers, batch, layout
+    micro_config, four_processes, tmp_path, layers, batch, layout
 ):
-    hf = tmp_path / "hf"  # the micro model with more layers: 2 chunks per pipeline rank
-    cfg = dataclasses.replace(pith_models.from_pretrained(micro_hf).cfg, num_hidden_layers=layers)
-    model = pith_models.build(cfg, "cpu", seed=0)
-    pith_models.save_pretrained(model, hf, dtype=torch.float32)
-    overrides = [*COMPARABLE, f"--model.name={hf}", *batch]
+    overrides = [*COMPARABLE, f"--model.name={four_processes / f'hf_{layers}'}", *batch]
     pretrain(micro_config(*overrides), tmp_path / "single")
     expected = _losses(tmp_path / "single")
-    run = tmp_path / "pipeline"
-    _torchrun(run, [*micro_args, *overrides, *layout, "--train.micro_batch=1"], subprocess_env)
+    run = four_processes / f"pp_{layers}"
     _assert_same(_losses(run), expected, f"{layout}")
     # Its step-4 checkpoint resumes on one process: steps 5 and 6 as the uninterrupted run's.
     resumed = tmp_path / "resumed"
