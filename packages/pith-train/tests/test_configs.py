@@ -28,7 +28,8 @@ def test_a_preset_loads_fits_its_layout_and_its_states_fit_80_gb(path):
     cfg = load_config(str(path))
     assert path.read_text().startswith("#")  # commented: what it runs and how
     model = pith_models.build(model_config(cfg.model))  # meta
-    layout = Layout(**vars(cfg.parallel))
+    p = cfg.parallel
+    layout = Layout(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
     world = 1 if path.stem.endswith("1gpu") else 8
     check_layout(
         layout, world_size=world, num_experts=num_experts(model), seq_len=cfg.data.seq_len,
