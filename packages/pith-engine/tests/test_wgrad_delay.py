@@ -99,18 +99,21 @@ def test_deferred_weight_grads_flow_through_the_weights_dtype_cast():
     assert module.w_gate_up.grad is None  # the checks ran on copies
 
 
+def _compiled_with_a_queue(module, x, dy):
+    """(module's grads eager, a queued copy's grads compiled to one graph): under torch.compile the
+    queue is bypassed, the weight grads computed at once."""
+    queue, compiled = WeightGradQueue(), copy.deepcopy(module)
+    set_wgrad_queue(compiled, queue)
+    module(x).backward(dy)
+    with queue.deferring():
+        torch.compile(compiled, backend="aot_eager", fullgraph=True)(x).backward(dy)
+    queue.run_all()
+    return zip(module.parameters(), compiled.parameters(), strict=True)
+
+
 def test_linear_with_a_queue_compiles_to_one_graph_and_computes_weight_grads_at_once():
     torch.manual_seed(0)
-    plain, queued = Linear(6, 5), Linear(6, 5)
-    queued.load_state_dict(plain.state_dict())
-    queue = WeightGradQueue()
-    set_wgrad_queue(queued, queue)
-    x, dy = torch.randn(2, 3, 6), torch.randn(2, 3, 5)
-    plain(x).backward(dy)
-    with queue.deferring():
-        torch.compile(queued, backend="aot_eager", fullgraph=True)(x).backward(dy)
-    queue.run_all()
-    for a, b in zip(plain.parameters(), queued.parameters()):
+    for a, b in _compiled_with_a_queue(Linear(6, 5), torch.randn(2, 3, 6), torch.randn(2, 3, 5)):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
 
 
@@ -188,13 +191,5 @@ def test_fp8_linear_with_a_queue_compiles_to_one_graph_and_equals_eager():
     """Under torch.compile the weight quantisation is a graph node (no cache) and the queue is bypassed:
     the same values as eager."""
     lin, _ = _fp8_modules(2)
-    queue = WeightGradQueue()
-    compiled = copy.deepcopy(lin)
-    set_wgrad_queue(compiled, queue)
-    x, dy = torch.randn(2, 3, 24), torch.randn(2, 3, 40)
-    lin(x).backward(dy)
-    with queue.deferring():
-        torch.compile(compiled, backend="aot_eager", fullgraph=True)(x).backward(dy)
-    queue.run_all()
-    for a, b in zip(lin.parameters(), compiled.parameters()):
+    for a, b in _compiled_with_a_queue(lin, torch.randn(2, 3, 24), torch.randn(2, 3, 40)):
         assert torch.equal(a.grad, b.grad)

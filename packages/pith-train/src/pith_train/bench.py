@@ -262,8 +262,8 @@ def run(
     if perturb_seed is not None and dp * cp * ep > 1:
         raise ValueError(f"perturb_seed is for one process, got dp*cp*ep = {dp * cp * ep}")
     Bl = B // (dp * ep)  # sequences of one data rank
-    mb = micro_batch or Bl
-    if Bl % mb:
+    mb = Bl if micro_batch is None else micro_batch
+    if mb < 1 or Bl % mb:
         raise ValueError(f"micro_batch: expected a divisor of the {Bl} sequences per data rank, got {mb}")
     # The trainer's config carries what train_step and the optimizer read (validated there).
     cfg = load_config(
