@@ -125,3 +125,18 @@ def test_the_copy_is_the_new_parameter_cast_bit_for_bit_and_kept(fn):
         fn(p, g, m, v, torch.tensor([math.nan]), lr=0.1, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
            step=3, copy=copy)  # fmt: skip
     assert torch.equal(copy, before) and torch.equal(copy, p.detach().to(dtype))
+
+
+@given(n=st.integers(1, 9000), steps=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_a_bf16_gradient_updates_exactly_as_its_widened_copy(n, steps, seed):
+    # pith_ops.cast's kept gradients reach the update in bf16: every bf16 value is an fp32 one.
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen)
+    grads = [(torch.randn(n, generator=gen) * 3).bfloat16() for _ in range(steps)]
+    args = (torch.tensor([0.7]), 1e-2, (0.9, 0.95), 0.1, 1e-8)
+    for fn in (adamw_, adamw_reference_):
+        p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+        for step, g in enumerate(grads, 1):
+            fn(p, g, m, v, args[0], lr=1e-2, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, step=step)
+        want = ours(fn, p0, [g.float() for g in grads], *args)
+        assert all(torch.equal(a, b) for a, b in zip((p, m, v), want))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pith_ops import cast, kept_copy
+from pith_ops import cast, drop_grad, grad, keep_grads, kept_copy
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -65,3 +65,27 @@ def test_no_copies_are_kept_when_switched_off(monkeypatch):
     monkeypatch.setattr(pith_ops._common, "KEEP_COPIES", False)
     w = torch.nn.Parameter(torch.randn(4, 4))
     assert torch.equal(cast(w, torch.bfloat16), w.detach().bfloat16()) and kept_copy(w) is None
+
+
+def test_a_marked_weight_gets_its_gradient_in_bf16_from_its_kept_cast():
+    """keep_grads: the bf16 gradient held, not widened; a second backward adds in fp32 as .grad does;
+    a gradient by another edge (a tied embedding) lands in .grad and grad() adds both."""
+    w = torch.nn.Parameter(torch.randn(64, 8))
+    plain = torch.nn.Parameter(w.detach().clone())
+    keep_grads([w])
+    gen = torch.Generator().manual_seed(0)
+    dys = [torch.randn(64, 8, generator=gen).bfloat16() for _ in range(2)]
+    cast(w, torch.bfloat16).backward(dys[0])
+    cast(plain, torch.bfloat16).backward(dys[0])
+    assert w.grad is None and grad(w).dtype == torch.bfloat16 and torch.equal(grad(w).float(), plain.grad)
+    cast(w, torch.bfloat16).backward(dys[1])
+    cast(plain, torch.bfloat16).backward(dys[1])
+    assert grad(w).dtype == torch.float32 and torch.equal(grad(w), plain.grad)
+    (w * 3.0).sum().backward()  # another edge: autograd's own accumulation into w.grad
+    (plain * 3.0).sum().backward()
+    assert torch.equal(grad(w), plain.grad) and torch.equal(w.grad, plain.grad)
+    drop_grad(w)
+    w.grad = None
+    assert grad(w) is None
+    cast(w, torch.bfloat16).backward(dys[0])  # after drop_grad: a fresh bf16 gradient
+    assert torch.equal(grad(w), dys[0])

@@ -132,9 +132,10 @@ def test_a_non_finite_step_leaves_weights_moments_and_biases_and_then_raises(
         step_values(*out)
 
 
-def _bf16_steps(keep: bool, monkeypatch) -> tuple[list[Tensor], list[Tensor]]:
-    """3 AdamW steps of 2 micro-batches each through what casts master weights to bf16 (the expert
-    GEMMs, the fused loss's lm_head), bf16 rows as the trainer's stream has them on CUDA."""
+def _bf16_steps(keep: bool, monkeypatch, micro: int) -> tuple[list[Tensor], list[Tensor]]:
+    """3 AdamW steps of `micro` micro-batches each through what casts master weights to bf16 (the
+    expert GEMMs, the fused loss's lm_head), bf16 rows as the trainer's stream has them on CUDA; kept,
+    the gradients reach the norm and the update in bf16 (one micro-batch) or fp32-accumulated."""
     monkeypatch.setattr(pith_ops._common, "KEEP_COPIES", keep)
     torch.manual_seed(0)
     experts, lm_head = Experts(4, 16, 8), torch.nn.Linear(16, 40, bias=False)
@@ -145,12 +146,15 @@ def _bf16_steps(keep: bool, monkeypatch) -> tuple[list[Tensor], list[Tensor]]:
     gen, losses = torch.Generator().manual_seed(1), []
     ends = torch.tensor([3, 3, 9, 12], dtype=torch.int32)  # an empty group
     for _ in range(3):
-        for _ in range(2):
+        for _ in range(micro):
             x = torch.randn(12, 16, generator=gen).bfloat16().requires_grad_()
             labels = torch.randint(40, (12,), generator=gen)
             loss = loss_sum(experts(x, ends)[None], lm_head, labels)
             loss.backward()
             losses.append(loss.detach())
+        if keep:
+            want = torch.bfloat16 if micro == 1 else torch.float32
+            assert all(p.grad is None and pith_ops.grad(p).dtype == want for p in params)
         norm = parallel.grad_norm(params, CPU)
         opt.step(grad_scale=parallel.clip_coef(norm, 1.0).reshape(1))
         opt.zero_grad(set_to_none=True)
@@ -159,8 +163,9 @@ def _bf16_steps(keep: bool, monkeypatch) -> tuple[list[Tensor], list[Tensor]]:
     return losses, [p.detach() for p in params]
 
 
-def test_kept_bf16_casts_train_bit_for_bit_like_a_cast_per_use(monkeypatch):
-    losses, params = _bf16_steps(True, monkeypatch)
-    old_losses, old_params = _bf16_steps(False, monkeypatch)
+@pytest.mark.parametrize("micro", [1, 2])
+def test_kept_bf16_casts_train_bit_for_bit_like_a_cast_per_use(monkeypatch, micro):
+    losses, params = _bf16_steps(True, monkeypatch, micro)
+    old_losses, old_params = _bf16_steps(False, monkeypatch, micro)
     assert all(torch.equal(a, b) for a, b in zip(losses + params, old_losses + old_params))
     assert not torch.equal(losses[0], losses[-1])

@@ -28,6 +28,7 @@ Shape legend: E experts, El experts per EP rank.
 import os
 from dataclasses import dataclass
 
+import pith_ops
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -270,13 +271,20 @@ def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
     lives on exactly one rank of dp x cp x ep (dense shards over all of it, an EP rank's experts over
     dp x cp) of the pipeline rank holding its layer, so the squared norms of the local shards sum to
     the global one."""
-    local = [_local(p.grad) for p in params if p.grad is not None]
-    # One fused multi-tensor read of the gradients (a per-tensor pow/sum loop also writes a temporary
-    # the size of each gradient: ~10 ms more per step on the pith-train bench's 3B fp32 gradients).
+    local = _local_grads(params)
+    # One fused multi-tensor read of the gradients per dtype (a per-tensor pow/sum loop also writes a
+    # temporary the size of each gradient: ~10 ms more per step on the pith-train bench's 3B fp32
+    # gradients); bf16 ones (pith_ops.grad's kept gradients) summed in fp32 as their widened values.
     sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
     if local:
-        sq += torch.nn.utils.get_total_norm(local, 2.0).float().pow(2)
+        by_dtype = [[g for g in local if g.dtype == d] for d in dict.fromkeys(g.dtype for g in local)]
+        norms = [n for same in by_dtype for n in torch._foreach_norm(same, 2, dtype=sq.dtype)]
+        sq += torch.linalg.vector_norm(torch.stack(norms)).pow(2)
     return all_reduce_sum(sq, mesh, pp=True).sqrt()
+
+
+def _local_grads(params: list[nn.Parameter]) -> list[Tensor]:
+    return [_local(g) for g in map(pith_ops.grad, params) if g is not None]
 
 
 def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
@@ -288,7 +296,7 @@ def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> Tensor:
     """grad_norm, and the gradients scaled in place by clip_coef (one read-write of them)."""
     norm = grad_norm(params, mesh)
-    local = [_local(p.grad) for p in params if p.grad is not None] if max_norm > 0 else []
+    local = _local_grads(params) if max_norm > 0 else []
     coef = clip_coef(norm, max_norm)
     for dtype in {g.dtype for g in local}:
         torch._foreach_mul_([g for g in local if g.dtype == dtype], coef.to(dtype))
@@ -300,7 +308,7 @@ def full_state(model: nn.Module, mesh: Mesh, grads: bool = False) -> dict[str, T
     experts = expert_param_names(model)
     out = {}
     for name, p in model.named_parameters():
-        t = p.grad if grads else p
+        t = pith_ops.grad(p).to(p.dtype) if grads else p
         # A copy: over a mesh of one rank full_tensor() is the local tensor itself.
         t = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
         if name in experts and mesh.layout.ep > 1:

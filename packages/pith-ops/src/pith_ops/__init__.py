@@ -5,7 +5,7 @@ and a plain-PyTorch `*_reference` that is its specification.
 """
 
 from pith_ops.adamw import adamw_, adamw_reference_
-from pith_ops.cast import cast, kept_copy
+from pith_ops.cast import cast, drop_grad, grad, keep_grads, kept_copy
 from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_reference
 from pith_ops.fp8_linear import fp8_linear, fp8_linear_reference
@@ -21,6 +21,7 @@ __all__ = [
     "adamw_reference_",
     "apply_rope",
     "cast",
+    "drop_grad",
     "apply_rope_reference",
     "fp8_grouped_gemm",
     "fp8_grouped_gemm_reference",
@@ -29,6 +30,8 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_backward",
     "grouped_gemm_reference",
+    "grad",
+    "keep_grads",
     "kept_copy",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",

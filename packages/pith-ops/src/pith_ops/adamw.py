@@ -3,10 +3,11 @@
 Shape legend: N elements (any shape, contiguous; all four tensors alike).
 
 Memory-bound: the kernel reads parameter, gradient and both moments once and writes parameter and
-moments once (28 bytes per element), the gradient scale read from device memory so that clipping
-needs neither a host sync nor its own read-write pass over the gradients (8 bytes per element more,
-~6 ms per step on the pith-train bench's 3.11B parameters on an H200). A non-finite scale skips the
-update, so a trainer can hand a non-finite loss to the kernel instead of checking it on the host.
+moments once (28 bytes per element; 26 with a bf16 gradient), the gradient scale read from device
+memory so that clipping needs neither a host sync nor its own read-write pass over the gradients (8
+bytes per element more, ~6 ms per step on the pith-train bench's 3.11B parameters on an H200). A
+non-finite scale skips the update, so a trainer can hand a non-finite loss to the kernel instead of
+checking it on the host.
 The math is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, eps after the
 square root) in the operation order of its single-tensor path.
 
@@ -32,7 +33,7 @@ def _adamw_kernel(
     if scale - scale == 0:  # finite (inf - inf and nan - nan are nan)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
-        g = tl.load(g_ptr + offs, mask=mask) * scale
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * scale
         p = tl.load(p_ptr + offs, mask=mask) * decay
         m = tl.load(m_ptr + offs, mask=mask)
         m = tl.fma(rest1, g - m, m)  # m.lerp_(g, rest1), as torch's vectorised CPU lerp computes it
@@ -63,11 +64,12 @@ def adamw_(
     copy: Tensor | None = None,
 ) -> None:  # fmt: skip
     """In place: AdamW step number `step` (1-based) of parameter p with gradient g * scale and moments
-    m, v (fp32, contiguous, one shape); nothing is written when scale (a one-element fp32 tensor on
-    p's device) is not finite. copy (bf16, p's shape, contiguous): set to the new p in bf16 and kept as
-    p's cast (pith_ops.cast). Triton on CUDA (and under the interpreter), adamw_reference_ otherwise."""
+    m, v (fp32, contiguous, one shape; g may be bf16: a kept gradient, pith_ops.cast); nothing is
+    written when scale (a one-element fp32 tensor on p's device) is not finite. copy (bf16, p's shape,
+    contiguous): set to the new p in bf16 and kept as p's cast (pith_ops.cast). Triton on CUDA (and
+    under the interpreter), adamw_reference_ otherwise."""
     fp32, bf16 = (torch.float32,), (torch.bfloat16,)
-    tensors = [("p", p, fp32), ("g", g, fp32), ("m", m, fp32), ("v", v, fp32), ("copy", copy, bf16)]
+    tensors = [("p", p, fp32), ("g", g, (*fp32, *bf16)), ("m", m, fp32), ("v", v, fp32), ("copy", copy, bf16)]
     for name, t, dtypes in tensors[:4] if copy is None else tensors:
         check(name, t, dtypes=dtypes, device=p.device, contiguous=True)
         if t.shape != p.shape:
@@ -115,7 +117,7 @@ def adamw_reference_(
     """adamw_ in plain PyTorch: torch.optim.AdamW's single-tensor path on g * scale (no host read of
     scale: a non-finite one selects the old values); copy set to the new p cast to its dtype."""
     decay, rest1, rest2, step_size, bc2_sqrt = _constants(lr, beta1, beta2, weight_decay, step)
-    g = g * scale
+    g = g.to(p.dtype) * scale
     p_new, m_new, v_new = p * decay, m.lerp(g, rest1), (v * beta2).addcmul_(g, g, value=rest2)
     p_new.addcdiv_(m_new, v_new.sqrt().div_(bc2_sqrt).add_(eps), value=-step_size)
     finite = torch.isfinite(scale)

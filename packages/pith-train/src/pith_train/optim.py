@@ -19,10 +19,19 @@ class AdamW(torch.optim.AdamW):
     gradient by the device scalar coef inside the update (gradient clipping without a pass of its
     own, measured in the pith-train README), and skips the update where coef is not finite. The step
     count stays on the host, so the bias corrections need no sync. A weight with a kept bf16 cast
-    (pith_ops.cast: the expert and lm_head weights) gets it rewritten in the same pass."""
+    (pith_ops.cast: the expert and lm_head weights) gets it rewritten in the same pass, and its
+    gradient read in bf16 from that cast (pith_ops.grad: the kept gradients, bit for bit the widened
+    ones), so zero_grad drops those too."""
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        pith_ops.keep_grads(p for group in self.param_groups for p in group["params"])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                pith_ops.drop_grad(p)
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: Tensor | None = None):
@@ -30,7 +39,8 @@ class AdamW(torch.optim.AdamW):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
+                grad = pith_ops.grad(p)
+                if grad is None:
                     continue
                 state = self.state[p]
                 if not state:
@@ -44,7 +54,7 @@ class AdamW(torch.optim.AdamW):
                     grad_scale = torch.ones(1, device=local(p).device)
                 w = local(p)
                 pith_ops.adamw_(
-                    w, *(local(t) for t in (p.grad, state["exp_avg"], state["exp_avg_sq"])), grad_scale,
+                    w, *(local(t) for t in (grad, state["exp_avg"], state["exp_avg_sq"])), grad_scale,
                     lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                     eps=group["eps"], step=int(state["step"]), copy=pith_ops.kept_copy(w),
                 )  # fmt: skip
