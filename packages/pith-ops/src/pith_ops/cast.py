@@ -7,6 +7,7 @@ bf16 -> fp32 copy, which (converting dtypes) runs torch's unrolled, unvectorised
 measured on an H200 in the pith-train bench (2026-12-03), 8.4 ms a step for the expert and lm_head
 weight gradients (2.7B elements, 16.4 GB), 47% of copy bandwidth. The Triton cast streams 16-byte
 accesses. The forward is torch's cast (fp32 -> bf16 copies take its vectorised kernel already).
+The FP8 GEMMs (fp8_linear, fp8_grouped_gemm) widen their bf16 weight gradients with it too.
 
 Kept copies. A trainable weight cast to bf16 (a leaf that requires grad, a plain tensor: not FSDP's
 DTensor, whose mixed-precision policy casts on its own) cast while grad mode is on keeps its cast as

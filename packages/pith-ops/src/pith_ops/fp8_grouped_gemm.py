@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, check, eager_or_custom
+from pith_ops.cast import _cast_back
 from pith_ops.fp8_quant import (
     dequantize_cols,
     dequantize_rows,
@@ -144,7 +145,7 @@ def backward(saved, dy_NO: Tensor, need_dx: bool, dtypes, dgrad=dgrad, wgrad=wgr
     x8c_IN, x8c_scale, w8r, w8r_scale, ends = saved
     dy_NO = dy_NO.contiguous()
     dx = dgrad(dy_NO, w8r, w8r_scale, ends).to(dtypes[0]) if need_dx else None
-    return dx, lambda: wgrad(dy_NO, x8c_IN, x8c_scale, ends).to(dtypes[1])
+    return dx, lambda: _cast_back(wgrad(dy_NO, x8c_IN, x8c_scale, ends), dtypes[1])
 
 
 def _backward(ctx, dy_NO, *_, dgrad=dgrad, wgrad=wgrad):

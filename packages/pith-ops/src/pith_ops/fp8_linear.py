@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from pith_ops._common import FLOAT_DTYPES, check, eager_or_custom
+from pith_ops.cast import _cast_back
 from pith_ops.fp8_quant import (
     FP8,
     dequantize_cols,
@@ -127,7 +128,7 @@ def backward(saved, dy_TO: Tensor, need_dx: bool, dtypes, dgrad=dgrad, wgrad=wgr
     x8c_DT, x8c_scale, w8c_DO, w8c_scale = saved
     dy_TO = dy_TO.contiguous()
     dx = dgrad(dy_TO, w8c_DO, w8c_scale).to(dtypes[0]) if need_dx else None
-    return dx, lambda: wgrad(dy_TO, x8c_DT, x8c_scale).to(dtypes[1])
+    return dx, lambda: _cast_back(wgrad(dy_TO, x8c_DT, x8c_scale), dtypes[1])
 
 
 def _backward(ctx, dy_TO, *_, dgrad=dgrad, wgrad=wgrad):
