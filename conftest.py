@@ -38,6 +38,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    # Under pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts) the tests that spawn ranks run
+    # one after another on one worker: two of them at once would put 8 processes on the CI's 2 cores.
+    # The other worker takes the single-process tests meanwhile.
+    for item in items:
+        if "distributed" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("ranks"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
