@@ -1,10 +1,12 @@
 """Pipeline parallelism trains like one process: through the engine's train_step (DualPipeV schedule,
 stage-level segments, P2P between neighbours, per-layer aux losses and bias counts, FSDP reduced once
 per step, the norm over every pipeline rank), tiny Qwen3-MoE, DeepSeek-V2 (a dense first layer, shared
-experts) and GPT-OSS configs in fp32 reproduce the single-process per-step losses over 5 AdamW steps
+experts) and GPT-OSS configs in fp32 reproduce the single-process per-step losses over 4 AdamW steps
 (clipping, load-balancing loss, z-loss and the expert-bias update on) to a relative error <= 1e-5, and
 every parameter's gradient after the first step, under pp2 (2 gloo processes), pp2 x ep2, pp2 x dp2,
-pp2 x cp2 and pp4 (4 processes; 8 layers). Checkpoints are canonical: saved on one process and
+pp2 x cp2 and pp4 (4 processes; 8 layers): every model under pp2 and pp2 x cp2, the others a cover
+(LAYOUTS: DeepSeek-V2 under pp2 x ep2 and pp2 x dp2 is test_overlap.py's, with overlap and the
+weight-gradient delay on and off). Checkpoints are canonical: saved on one process and
 resumed under pp2 x ep2, saved under pp2 x ep2 and resumed on one process, under ep2 and under dp2.
 
 Each world size is spawned once (this file run as a script, one process per rank); rank 0 also runs
@@ -36,9 +38,19 @@ MODELS = {
     "gpt_oss": (gpt_oss, lambda L: dataclasses.replace(gpt_oss.TINY, num_hidden_layers=L, layer_types=())),
 }
 CHECKPOINTED = MODELS["qwen3_moe"][1]
-LAYOUTS = {2: [Layout(pp=2)], 4: [Layout(pp=2, ep=2), Layout(pp=2, dp=2), Layout(pp=2, cp=2), Layout(pp=4)]}
-STEPS, MICRO_BATCHES, SEQ = 5, 8, 16
-RESUME_AT = 3
+# World size -> (layout, the models run under it). Qwen3-MoE also runs pp2 x ep2 in the checkpoint runs.
+ALL = tuple(MODELS)
+LAYOUTS = {
+    2: [(Layout(pp=2), ALL)],
+    4: [
+        (Layout(pp=2, ep=2), ("gpt_oss",)),
+        (Layout(pp=2, dp=2), ("qwen3_moe", "gpt_oss")),
+        (Layout(pp=2, cp=2), ALL),
+        (Layout(pp=4), ("qwen3_moe", "deepseek_v2")),
+    ],
+}
+STEPS, MICRO_BATCHES, SEQ = 4, 8, 16
+RESUME_AT = 2
 AUX = Aux(lbl_coef=0.1, z_loss_coef=1e-3)
 MAX_NORM, BIAS_RATE, ADAM_EPS = (
     0.05,
@@ -115,7 +127,8 @@ def _worker(world: int, rank: int, tmp: Path) -> None:
     cpu = torch.device("cpu")
     single = Mesh(Layout(), cpu)
     # The single-process references: once for both world sizes, spread over the ranks of the first.
-    refs = dict.fromkeys((n, 2 * lay.pp, lay.data_ranks) for n in MODELS for lay in LAYOUTS[4] + LAYOUTS[2])
+    runs = [(n, 2 * lay.pp, lay.data_ranks) for lay, names in LAYOUTS[4] + LAYOUTS[2] for n in names]
+    refs = dict.fromkeys([*runs, ("qwen3_moe", 4, 2)])  # the last: the checkpoint runs'
     ref = lambda name, layers, dr: tmp / f"ref_{name}_{layers}_{dr}.pt"
     if world == 4:
         for i, (name, layers, dr) in enumerate(refs):
@@ -123,8 +136,9 @@ def _worker(world: int, rank: int, tmp: Path) -> None:
                 module, config = MODELS[name]
                 torch.save(train(module, config(layers), single, dr), ref(name, layers, dr))
         dist.barrier()
-    for name, (module, config) in MODELS.items():
-        for layout in LAYOUTS[world]:
+    for layout, names in LAYOUTS[world]:
+        for name in names:
+            module, config = MODELS[name]
             cfg = config(2 * layout.pp)
             dr = layout.data_ranks
             mesh = build_mesh(layout, cpu)

@@ -56,8 +56,8 @@ def _reference_grads(model, micro, moe_layers: int):
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("M", [1, 3])
-def test_the_staged_step_is_bit_for_bit_one_graph_per_micro_batch(name, M, scaled_adamw):
+def test_the_staged_step_is_bit_for_bit_one_graph_per_micro_batch(name, scaled_adamw):
+    M = 3  # micro-batches (one is what most other tests run)
     module, cfg = MODELS[name]
     model = module.Model(cfg)
     module.init_weights(model, seed=0)

@@ -1,13 +1,14 @@
 """Every parallel layout trains like one process, through the trainer itself: for tiny Qwen3-MoE,
 DeepSeek-V2 (MLA) and GPT-OSS (sliding window, sinks) configs with 8 experts, in fp32 on CPU, the
-layouts dp2, ep2, cp2 (2 gloo processes under torchrun) and dp2 x ep2, cp2 x ep2, ep4 (4 processes)
-reproduce the single-process per-step losses (cross-entropy and aux) of 5 steps of the trainer's
+layouts dp2, ep2, cp2 (2 gloo processes under torchrun) and dp2 x ep2, cp2 x ep2, ep4 (4 processes;
+every model under dp2, cp2 and dp2 x ep2, a cover of them under the others: LAYOUTS) reproduce the
+single-process per-step losses (cross-entropy and aux) of 4 steps of the trainer's
 `train_step` (2 micro-batches, gradient clipping active, load-balancing loss, z-loss and the expert-bias
 update on) to a relative 1e-5, and every parameter's (clipped) gradient of the first step.
 
 Each model is the trainer's sharded build (pith_models.build with the layout's mesh: this rank's
 experts and FSDP shards only, drawn from the seed); the layout is the trainer's own
-(train.parallel_layout from a Config's [parallel]). A checkpoint written under dp2 x ep2 after 3 steps
+(train.parallel_layout from a Config's [parallel]). A checkpoint written under dp2 x ep2 after 2 steps
 resumes on one process and under dp2 to the uninterrupted losses. A bf16 Hugging Face directory of
 each family loaded sharded under dp2, ep2, pp2, dp2 x ep2 and pp2 x ep2 holds exactly the
 single-process load's tensors, and each rank reads (through safetensors slices) exactly its shard's
@@ -43,9 +44,16 @@ MODELS = {
     # one sliding-window layer (window 5: across the cp2 zigzag chunks of 4) and one full, both with sinks
     "gpt_oss": dataclasses.replace(gpt_oss.TINY, num_hidden_layers=2, layer_types=()),
 }
+# World size -> (layout, the models run under it): every model under dp2 and dp2 x ep2 (FSDP, EP and
+# both), the attention variants (MLA, sliding window with sinks) under CP, the rest a cover.
+ALL = tuple(MODELS)
 LAYOUTS = {
-    2: [Layout(dp=2), Layout(ep=2), Layout(cp=2)],
-    4: [Layout(dp=2, ep=2), Layout(cp=2, ep=2), Layout(ep=4)],
+    2: [(Layout(dp=2), ALL), (Layout(ep=2), ("qwen3_moe", "deepseek_v2")), (Layout(cp=2), ALL)],
+    4: [
+        (Layout(dp=2, ep=2), ALL),
+        (Layout(cp=2, ep=2), ("qwen3_moe", "gpt_oss")),
+        (Layout(ep=4), ("qwen3_moe",)),
+    ],
 }
 # Hugging Face loading: 4 layers (pp2's 4 chunks), a dense first layer whose fused gate_up [2*97, D]
 # FSDP cuts over 4 ranks in pieces of 49 (one straddles the gate/up boundary), tied embeddings.
@@ -57,8 +65,8 @@ HF_MODELS = {
     "gpt_oss": dataclasses.replace(gpt_oss.TINY, num_hidden_layers=4, layer_types=()),
 }
 HF_LAYOUTS = {2: [Layout(dp=2), Layout(ep=2), Layout(pp=2)], 4: [Layout(dp=2, ep=2), Layout(pp=2, ep=2)]}
-STEPS, GLOBAL_BATCH, MICRO_BATCHES, SEQ, LR = 5, 8, 2, 16, 1e-2
-RESUME_AT = 3  # the checkpointed run stops after 3 steps; the resumed ones run steps 3 and 4
+STEPS, GLOBAL_BATCH, MICRO_BATCHES, SEQ, LR = 4, 8, 2, 16, 1e-2
+RESUME_AT = 2  # the checkpointed run stops after 2 steps; the resumed ones run steps 2 and 3
 RTOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7  # gradients are O(1e-2); fp32 summation-order noise is ~1e-9
 # optim.eps 1e-3: Adam divides by sqrt(v) + eps; with the default 1e-8, entries whose gradient is ~1e-8
@@ -267,10 +275,10 @@ def _worker(tmp: Path) -> None:
             if rank == i:
                 torch.save(run(model_cfg, None), tmp / f"ref_{name}.pt")
         dist.barrier()
-    for name, model_cfg in MODELS.items():
-        ref = torch.load(tmp / f"ref_{name}.pt") if rank == 0 else None
-        for shape in LAYOUTS[world]:
-            losses, grads = run(model_cfg, shape)
+    for shape, names in LAYOUTS[world]:
+        for name in names:
+            ref = torch.load(tmp / f"ref_{name}.pt") if rank == 0 else None
+            losses, grads = run(MODELS[name], shape)
             if rank != 0:
                 continue
             where = f"{name} {shape}"
