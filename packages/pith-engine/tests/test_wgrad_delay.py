@@ -2,8 +2,8 @@
 the plain modules, whether the weight-gradient work runs inside the backward or later from the queue,
 over two accumulated micro-batches; deferred work leaves .grad untouched until it runs; under
 torch.compile the queue is bypassed and the result is unchanged. The same holds in FP8 (use_fp8), whose
-weights' FP8 copies are quantised once per optimizer step however many micro-batches run, bit-identical
-to quantising on every call.
+weights the optimizer steps are quantised once, on their first forward, and then by the update pass,
+bit-identical to quantising on every call where the scales agree.
 
 Shape legend: B batch, S sequence, D in features, O out features, N grouped rows, E experts, F expert
 hidden width.
@@ -11,13 +11,14 @@ hidden width.
 
 import copy
 
+import pith_ops
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from pith_engine import layers
 from pith_engine.layers import Experts, Linear, WeightGradQueue, set_wgrad_queue, use_fp8
-from pith_ops import _common
+from pith_ops import _common, quantize_weight
 
 
 def _grads(module, batches, queue, defer):
@@ -138,30 +139,44 @@ def test_fp8_deferred_weight_grads_equal_the_plain_backward_bit_for_bit():
         _check_all_ways_equal(experts, batches)
 
 
-def _train(modules, cached: bool, steps=2, micro=3):
-    """`steps` SGD steps of `micro` micro-batches each -> (every micro-batch's outputs, final weights)."""
+def _train(modules, kept: bool, steps=2, micro=3):
+    """`steps` AdamW steps (pith_ops.adamw_, as pith-train's AdamW: it marks its weights, reads their
+    kept gradients and rewrites their kept copies) of `micro` micro-batches each -> (every
+    micro-batch's outputs, final weights, each weight's FP8 scale at the last forward)."""
     modules = copy.deepcopy(modules)
-    if not cached:
-        for m in modules:
-            m._fp8_cache = None
     lin, experts = modules
     params = [p for m in modules for p in m.parameters()]
-    opt = torch.optim.SGD(params, lr=0.1)
+    if kept:
+        pith_ops.keep_grads(params)
+    state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
     g = torch.Generator().manual_seed(1)
     ends_E = torch.tensor([5, 5, 12], dtype=torch.int32)
     outs = []
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         for _ in range(micro):
             y = lin(torch.randn(4, 24, generator=g))
             z = experts(torch.randn(12, 16, generator=g), ends_E)
             (y.square().sum() + z.square().sum()).backward()
             outs += [y.detach(), z.detach()]
-        opt.step()
-        opt.zero_grad()
-    return outs, [p.detach().clone() for p in params]
+        scales = [
+            layers.FP8Switch.fp8_weight(w, quantize_weight)[1].flatten()[0] for w in params if w.ndim > 1
+        ]
+        with torch.no_grad():
+            for p, (m, v) in zip(params, state):
+                pith_ops.adamw_(p, pith_ops.grad(p), m, v, torch.ones(1), lr=1e-3, beta1=0.9, beta2=0.95,
+                                weight_decay=0.0, eps=1e-8, step=step,
+                                fp8=pith_ops.kept_copy(p, torch.float8_e4m3fn))  # fmt: skip
+                p.grad = None
+                pith_ops.drop_grad(p)
+    return outs, [p.detach().clone() for p in params], scales
 
 
-def test_fp8_weights_quantised_once_per_optimizer_step_and_equal_uncached():
+def test_fp8_weights_quantised_once_then_by_the_update_equal_per_call_quantisation():
+    """Weights the optimizer marks keep their FP8 copies from their first forward on: the
+    micro-batches and steps after read what adamw_ wrote (delayed scaling: the scale of the weights
+    before the update; here no amax crossed a power of two, so the same scales as quantising per
+    call) and their bf16 gradients stay bf16 (pith_ops.cast's kept gradients): bit for bit the run
+    that quantises every call and widens every gradient."""
     modules = _fp8_modules(1)
     calls = {}
 
@@ -178,11 +193,12 @@ def test_fp8_weights_quantised_once_per_optimizer_step_and_equal_uncached():
         )  # the quantisation's references: the kernels are tested in pith-ops
         for name in ("fp8_linear_weight", "fp8_grouped_gemm_weight"):
             patch.setattr(layers, name, counting(getattr(layers, name)))
-        want = _train(modules, cached=False)
+        want = _train(modules, kept=False)
         assert sorted(calls.values()) == [6, 6, 6]  # 2 steps x 3 micro-batches, each weight
         calls.clear()
-        got = _train(modules, cached=True)
-        assert sorted(calls.values()) == [2, 2, 2]  # once per step: the update invalidates
+        got = _train(modules, kept=True)
+        assert sorted(calls.values()) == [1, 1, 1]  # the first forward; adamw_ writes the rest
+    assert all(torch.equal(a, b) for a, b in zip(want[2], got[2], strict=True))
     for a, b in zip(want[0] + want[1], got[0] + got[1], strict=True):
         assert torch.equal(a, b)
 

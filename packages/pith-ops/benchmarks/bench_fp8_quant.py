@@ -1,103 +1,99 @@
-"""quantize_rows / quantize_cols at every shape `pith-train bench --fp8` quantises (Qwen3-30B-A3B, 16,384
+"""The FP8 quantisation kernels at every shape `pith-train bench --fp8` runs them (Qwen3-30B-A3B, 16,384
 tokens, 128 experts top-8: 132,992 expert rows with the 16-row padding, D=2048, expert F=768), each
-checked bit-exact against the reference, in GB/s against the copy ceiling, and the per-step total
-(4 layers) against the same bytes at copy bandwidth.
+checked bit-exact against its reference, in GB/s against the copy ceiling, with the per-step total (4
+layers) against the same bytes at copy bandwidth; then the fusions: swiglu_fp8 against swiglu +
+quantize_rows, and the optimizer's update pass with and without writing the FP8 weight copies
+(pith_ops.adamw_) against quantize_weight on its own.
 
-Bytes: one read of x and one e4m3 write (scales not counted). Per layer each FP8 GEMM operand is
-quantised along both axes: fp8_linear (q, k, v, o projections) quantises x and w in the forward and
-dy in the backward, fp8_grouped_gemm (gate_up, down) the same with the expert weights batched.
---baseline FILE: also time the quantize_rows / quantize_cols of another fp8_quant.py in the same
-process (a candidate rewrite against the module's kernels).
-Run on a CUDA machine: python3 packages/pith-ops/benchmarks/bench_fp8_quant.py [--baseline FILE]
+Bytes: quantize_rows reads x and writes e4m3 (scales not counted); cols_from_rows reads the e4m3 rows
+and writes the transposed copy; quantize_weight reads the fp32 weight twice (its amax, then the copies)
+and writes two e4m3 copies. Per layer: the forward quantises the activations by rows, the backward the
+output gradients by rows, and the weight gradients take both by columns from those rows. The weights'
+copies come from the optimizer (measured in the last section), not from the step.
+Run on a CUDA machine: python3 packages/pith-ops/benchmarks/bench_fp8_quant.py
 """
 
-import argparse
-import importlib.util
-
 import torch
-from bench_fp8_recipe import E, N, T, uneven_ends  # N: moe_permute's static row count with align=16
+from bench_fp8_recipe import N, T, uneven_ends  # N: moe_permute's static row count with align=16
 from harness import ceilings, header, median_ms, report
-from pith_ops import fp8_quant
-from pith_ops.fp8_quant import quantize_cols, quantize_cols_reference, quantize_rows, quantize_rows_reference
+from pith_ops import adamw_, cols_from_rows, cols_from_rows_reference, quantize_rows, quantize_rows_reference
+from pith_ops.fp8_quant import FP8, quantize_weight, weight_amax
+from pith_ops.swiglu import swiglu, swiglu_fp8
 
-D, F, LAYERS = 2048, 768, 4
-BF16, FP32 = torch.bfloat16, torch.float32
+D, F, E, LAYERS = 2048, 768, 128, 4
 EXPERTS = "experts"  # marks a shape whose rows are grouped by expert
 
-
-# (name, shape, dtype, groups, quantisations of each kind per layer)
+# (name, shape, groups, quantisations per layer): each is a rows pass in the step and a columns pass
+# in the weight gradient.
 SHAPES = [
-    ("expert x gate_up", (N, D), BF16, EXPERTS, 1),
-    ("expert dy gate_up", (N, 2 * F), BF16, EXPERTS, 1),
-    ("expert x down", (N, F), BF16, EXPERTS, 1),
-    ("expert dy down", (N, D), BF16, EXPERTS, 1),
-    ("expert w gate_up", (E, D, 2 * F), FP32, None, 1),
-    ("expert w down", (E, F, D), FP32, None, 1),
-    ("x of q/k/v", (T, D), BF16, None, 3),
-    ("x of o, dy of q", (T, 4096), BF16, None, 2),
-    ("dy of k/v", (T, 512), BF16, None, 2),
-    ("dy of o", (T, D), BF16, None, 1),
-    ("w q", (4096, D), FP32, None, 1),
-    ("w k/v", (512, D), FP32, None, 2),
-    ("w o", (D, 4096), FP32, None, 1),
+    ("expert x gate_up", (N, D), EXPERTS, 1),
+    ("expert dy gate_up", (N, 2 * F), EXPERTS, 1),
+    ("expert x down (rows: swiglu_fp8)", (N, F), EXPERTS, 1),
+    ("expert dy down", (N, D), EXPERTS, 1),
+    ("x of q/k/v", (T, D), None, 3),
+    ("x of o, dy of q", (T, 4096), None, 2),
+    ("dy of k/v", (T, 512), None, 2),
+    ("dy of o", (T, D), None, 1),
 ]
 
 
-def check_exact(x: torch.Tensor, ends: torch.Tensor | None) -> None:
-    q, s = quantize_rows(x.flatten(0, -2))
-    ref_q, ref_s = quantize_rows_reference(x.flatten(0, -2))
-    assert torch.equal(s, ref_s) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
-    q, s = quantize_cols(x, ends)
-    x3 = x if x.ndim == 3 else x[None]
-    e = ends if ends is not None else torch.full((1,), x3.shape[1], device="cuda", dtype=torch.int32)
-    ref_q, ref_s = quantize_cols_reference(x3, e)
-    used = int(e[-1])  # rows past the last end are left unwritten
-    q = q.reshape(ref_q.shape)[..., :used]
-    assert torch.equal(s.reshape(ref_s.shape), ref_s)
-    assert torch.equal(q.view(torch.uint8), ref_q[..., :used].view(torch.uint8))
-
-
-def load(path: str):
-    spec = importlib.util.spec_from_file_location("fp8_quant_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == FP8 else torch.equal(a, b)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", help="another fp8_quant.py to time in the same process")
-    args = ap.parse_args()
-    impls = {"current": fp8_quant}
-    if args.baseline:
-        impls["baseline"] = load(args.baseline)
     header("FP8 quantisation (e4m3, power-of-two scales), pith-train bench --fp8 shapes")
     ends_E = uneven_ends()
-    step_ms = {k: 0.0 for k in impls}
-    step_bytes = 0.0
-    for name, shape, dtype, groups, per_layer in SHAPES:
-        x = torch.randn(shape, device="cuda", dtype=dtype)
-        ends = ends_E if groups == EXPERTS else None
-        check_exact(x, ends)
-        moved = x.numel() * (x.element_size() + 1)
-        calls = {
-            "rows": lambda m, x=x: m.quantize_rows(x.flatten(0, -2)),
-            "cols": lambda m, x=x, ends=ends: m.quantize_cols(x, ends),
-        }
-        tag = f"{name} {list(shape)} {str(dtype)[6:]}" + (f" {E} groups" if ends is not None else "")
-        for kind, call in calls.items():
-            ms = {impl: median_ms(lambda m=m, call=call: call(m)) for impl, m in impls.items()}
-            for impl in impls:
-                step_ms[impl] += ms[impl] * per_layer * LAYERS
-            base = {k: v for k, v in ms.items() if k != "current"}
-            report(f"{kind} {tag}", ms["current"], bytes_moved=moved, baselines=base)
-        step_bytes += 2 * moved * per_layer * LAYERS
+    step_ms, step_bytes = 0.0, 0.0
+    for name, shape, groups, per_layer in SHAPES:
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        ends = ends_E if groups == EXPERTS else torch.full((1,), shape[0], device="cuda", dtype=torch.int32)
+        q, s = quantize_rows(x)
+        assert all(map(same, (q, s), quantize_rows_reference(x)))
+        qc, sc = cols_from_rows(q, s, ends)
+        ref_q, ref_s = cols_from_rows_reference(q, s, ends)
+        assert same(sc, ref_s) and same(qc[:, : int(ends[-1])], ref_q[:, : int(ends[-1])])
+        tag = f"{name} {list(shape)}" + (f" {E} groups" if groups else "")
+        rows_ms = median_ms(lambda x=x: quantize_rows(x))
+        cols_ms = median_ms(lambda q=q, s=s, ends=ends: cols_from_rows(q, s, ends))
+        report(f"rows {tag}", rows_ms, bytes_moved=x.numel() * 3)
+        report(f"cols from rows {tag}", cols_ms, bytes_moved=x.numel() * 2)
+        step_ms += (rows_ms * ("swiglu_fp8" not in name) + cols_ms) * per_layer * LAYERS
+        step_bytes += x.numel() * (3 * ("swiglu_fp8" not in name) + 2) * per_layer * LAYERS
     copy = ceilings()["copy_GBps"]
     at_copy = step_bytes / copy / 1e6
-    print(f"\nper step ({LAYERS} layers): {step_bytes / 1e9:.1f} GB, {at_copy:.2f} ms at copy")
-    for impl, ms in step_ms.items():
-        gbps = step_bytes / ms / 1e6
-        print(f"  {impl}: {ms:.2f} ms, {gbps:.0f} GB/s ({gbps / copy:.0%} of copy)")
+    print(f"\nper step ({LAYERS} layers): {step_bytes / 1e9:.1f} GB, {at_copy:.2f} ms at copy;"
+          f" measured {step_ms:.2f} ms ({step_bytes / step_ms / 1e6 / copy:.0%} of copy)")  # fmt: skip
+
+    header(f"SwiGLU + row quantisation on x [{N}, 2*{F}] bf16")
+    x = torch.randn(N, 2 * F, device="cuda", dtype=torch.bfloat16).mul_(3)
+    y, y8, scale = swiglu_fp8(x)
+    assert all(map(same, (y8, scale), quantize_rows(swiglu(x))))
+    moved = N * F * (2 * 2 + 2 + 1)  # read gate and up, write y (bf16) and y8
+    separate = median_ms(lambda: quantize_rows(swiglu(x)))
+    report("swiglu, then quantize_rows", separate, bytes_moved=moved)
+    report("swiglu_fp8 (one pass)", median_ms(lambda: swiglu_fp8(x)), bytes_moved=moved,
+           baselines={"separate": separate})  # fmt: skip
+
+    header("Expert weights' FP8 copies: quantize_weight alone, or written by the AdamW update pass")
+    for name, shape in (("w_gate_up", (E, D, 2 * F)), ("w_down", (E, F, D))):
+        weight_copies(name, torch.randn(shape, device="cuda") * 0.02)
+
+
+def weight_copies(name: str, w: torch.Tensor) -> None:
+    g, m, v = torch.randn_like(w).bfloat16(), torch.zeros_like(w), torch.zeros_like(w)
+    copies = (*quantize_weight(w), weight_amax(w))
+    kw = dict(lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, step=1)
+    one = torch.ones(1, device="cuda")
+    tag = f"{name} {list(w.shape)}"
+    report(
+        f"quantize_weight {tag}", median_ms(lambda: quantize_weight(w)), bytes_moved=w.numel() * (4 + 4 + 2)
+    )
+    plain = median_ms(lambda: adamw_(w, g, m, v, one, **kw))
+    report(f"adamw_ {tag}, bf16 gradient", plain, bytes_moved=w.numel() * 26)
+    with_fp8 = median_ms(lambda: adamw_(w, g, m, v, one, **kw, fp8=copies))
+    report(f"adamw_ {tag} writing the FP8 copies", with_fp8, bytes_moved=w.numel() * 28,
+           baselines={"adamw_ alone": plain})  # fmt: skip
 
 
 if __name__ == "__main__":

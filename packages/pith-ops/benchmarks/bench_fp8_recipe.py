@@ -12,7 +12,7 @@ Run on a CUDA machine: python3 packages/pith-ops/benchmarks/bench_fp8_recipe.py
 
 import torch
 from harness import header, median_ms, report
-from pith_ops.fp8_quant import quantize_cols, quantize_rows
+from pith_ops.fp8_quant import cols_from_rows, quantize_rows, quantize_weight
 
 T, TOPK, E = 16384, 8, 128
 N = T * TOPK + E * 15  # routed rows plus the most padding 16-row groups can add
@@ -37,19 +37,19 @@ def grouped(name: str, I: int, O: int, ends: torch.Tensor) -> None:
     dy = torch.randn(N, O, device="cuda", dtype=BF16)
     flops = 2 * N * I * O
     xq, sx = quantize_rows(x)
-    wq, sw = quantize_cols(w)  # [E, O, I], [E, 1, O]
+    _, _, wq, sw = quantize_weight(w)  # [E, O, I], [E, O]
     bf = median_ms(lambda: torch._grouped_mm(x, w, offs=ends))
-    ref = torch.cat([xq[a:b].double() * sx[a:b, None].double() @ (wq[e].double() * sw[e].double().T).T
+    ref = torch.cat([xq[a:b].double() * sx[a:b, None].double() @ (wq[e].double() * sw[e].double()[:, None]).T
                      for e, (a, b) in enumerate(zip([0, *ends[:-1].tolist()], ends.tolist()))])  # fmt: skip
     for fast in (False, True):
-        f = lambda fast=fast: torch._scaled_grouped_mm(xq, wq.transpose(1, 2), sx, sw[:, 0], offs=ends,
+        f = lambda fast=fast: torch._scaled_grouped_mm(xq, wq.transpose(1, 2), sx, sw, offs=ends,
                                              out_dtype=BF16, use_fast_accum=fast)  # fmt: skip
         report(f"{name} fwd fp8 fast={fast}", median_ms(f), flops=flops, baselines={"bf16": bf})
         print(f"    rel. error vs dequantised float64: {rel_err(f()[: ref.shape[0]], ref):.2e}")
     report(f"{name} fwd bf16", bf, flops=flops)
     # wgrad: dw[e] = x[rows of e].T @ dy[rows of e], operands quantised along the group's rows.
-    xt, sxt = quantize_cols(x, ends)  # [I, N], [G, I]
-    dyt, sdyt = quantize_cols(dy, ends)  # [O, N], [G, O]
+    xt, sxt = cols_from_rows(*quantize_rows(x), ends)  # [I, N], [G, I]
+    dyt, sdyt = cols_from_rows(*quantize_rows(dy), ends)  # [O, N], [G, O]
     bf = median_ms(lambda: torch._grouped_mm(x.t(), dy, offs=ends))
     for fast in (False, True):
         f = lambda fast=fast: torch._scaled_grouped_mm(xt, dyt.t(), sxt.flatten(), sdyt.flatten(), offs=ends,

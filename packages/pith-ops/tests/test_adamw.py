@@ -7,7 +7,16 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pith_ops import adamw_, adamw_reference_, cast, kept_copy
+from pith_ops import (
+    adamw_,
+    adamw_reference_,
+    cast,
+    keep,
+    kept_copy,
+    quantize_weight,
+    quantize_weight_reference,
+)
+from pith_ops.fp8_quant import FP8, weight_amax
 
 
 def torch_path(p0, grads, scale, lr, betas, wd, eps):
@@ -140,3 +149,53 @@ def test_a_bf16_gradient_updates_exactly_as_its_widened_copy(n, steps, seed):
             fn(p, g, m, v, args[0], lr=1e-2, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, step=step)
         want = ours(fn, p0, [g.float() for g in grads], *args)
         assert all(torch.equal(a, b) for a, b in zip((p, m, v), want))
+
+
+@given(
+    shape=st.sampled_from([(70, 90), (3, 40, 24), (1, 1, 5), (2, 65, 130)]),
+    steps=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_fp8_copies_are_the_new_parameter_quantised_with_the_old_amax(shape, steps, seed):
+    """adamw_'s FP8 copies (fp32 quotients under the interpreter, as fp8_quant's tests take them) equal
+    quantize_weight_reference(new p, amax of the old p) in both layouts, the kept amax is the new p's,
+    the update is the plain one bit for bit, and a non-finite scale leaves copies and amax alone."""
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(shape, generator=gen) * 0.02
+    for fn in (adamw_, adamw_reference_):
+        p, m, v = p0.clone().requires_grad_(), torch.zeros(shape), torch.zeros(shape)
+        plain = p0.clone()
+        pm, pv = torch.zeros(shape), torch.zeros(shape)
+        amax = weight_amax(p0)
+        copies = quantize_weight(p0, amax, torch.float32)
+        keep(p, (*copies, amax), FP8)
+        for step in range(1, steps + 1):
+            g, kw = (
+                torch.randn(shape, generator=gen),
+                dict(lr=0.3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8),
+            )
+            old = kept_copy(p, FP8)
+            with torch.no_grad():
+                fn(p, g, m, v, torch.tensor([0.8]), step=step, fp8=old, **kw)
+                fn(plain, g, pm, pv, torch.tensor([0.8]), step=step, **kw)
+            new = kept_copy(p, FP8)
+            assert new is not None and all(a is b for a, b in zip(new[:4], old[:4]))
+            assert torch.equal(p.detach(), plain) and torch.equal(new[4], weight_amax(p.detach()))
+            for got, want in zip(
+                new[:4], quantize_weight_reference(p.detach().reshape(-1, *shape[-2:]), old[4], torch.float32)
+            ):
+                assert torch.equal(got, want.reshape(got.shape))
+        assert (new[0].abs() == 448).any()  # the weights grew past the old amax somewhere: saturated
+        before = [t.clone() for t in new]
+        with torch.no_grad():
+            fn(p, g, m, v, torch.tensor([math.nan]), step=steps + 1, fp8=new, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(kept_copy(p, FP8), before))
+
+
+def test_a_kept_copy_not_rewritten_is_dropped():
+    p = torch.randn(8, 16, requires_grad=True)
+    keep(p, quantize_weight(p.detach()), FP8)
+    with torch.no_grad():
+        adamw_(p, torch.randn(8, 16), torch.zeros(8, 16), torch.zeros(8, 16), torch.ones(1), lr=0.1,
+               beta1=0.9, beta2=0.95, weight_decay=0.0, eps=1e-8, step=1)  # fmt: skip
+    assert kept_copy(p, FP8) is None

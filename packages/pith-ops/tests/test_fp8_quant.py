@@ -2,14 +2,21 @@
 own properties in float64: power-of-two scales as small as allowed, no saturation past 448, round-trip
 error within half an e4m3 step.
 
-Shape legend: B batch, M rows, K columns, G row groups.
+Shape legend: B batch, M rows, K columns, G row groups, R and C a weight's rows and columns.
 """
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pith_ops import quantize_cols, quantize_cols_reference, quantize_rows, quantize_rows_reference
+from pith_ops import (
+    cols_from_rows,
+    cols_from_rows_reference,
+    quantize_rows,
+    quantize_rows_reference,
+    quantize_weight,
+    quantize_weight_reference,
+)
 from pith_ops.fp8_quant import FP8, dequantize_cols, dequantize_rows, pow2_scale
 
 
@@ -54,52 +61,64 @@ def test_quantize_rows_kernel_matches_reference_and_round_trips(M, K, seed):
 
 
 @given(
-    B=st.integers(1, 3),
     sizes=st.lists(st.integers(0, 40), min_size=1, max_size=5),
     tail=st.integers(0, 5),
     K=st.integers(1, 70),
     seed=st.integers(0, 2**16),
 )
-def test_quantize_cols_kernel_matches_reference_per_group_and_round_trips(B, sizes, tail, K, seed):
+def test_cols_from_rows_kernel_matches_reference_per_group_and_round_trips(sizes, tail, K, seed):
     ends_G = torch.tensor(sizes).cumsum(0).to(torch.int32)
     used = int(ends_G[-1])
-    x_BMK = _data((B, used + tail, K), seed, torch.bfloat16)
-    q, scale = quantize_cols(x_BMK, ends_G, torch.float32)
-    ref_q, ref_scale = quantize_cols_reference(x_BMK, ends_G, torch.float32)
-    assert q.shape == (B, K, used + tail) and scale.shape == (B, len(sizes), K)
-    assert torch.equal(scale, ref_scale) and torch.equal(q[..., :used], ref_q[..., :used])
-    q8, scale8 = quantize_cols(x_BMK, ends_G)
-    assert torch.equal(
-        q8[..., :used].view(torch.uint8),
-        quantize_cols_reference(x_BMK, ends_G)[0][..., :used].view(torch.uint8),
-    )
+    x_MK = _data((used + tail, K), seed, torch.bfloat16)
+    q8, s8 = quantize_rows(x_MK)
+    q, scale = cols_from_rows(q8, s8, ends_G, torch.float32)
+    qc8, scale8 = cols_from_rows(q8, s8, ends_G)
+    ref_q, ref_scale = cols_from_rows_reference(q8, s8, ends_G, torch.float32)
+    assert q.shape == (K, used + tail) and (q.stride(0) % 16 == 0 or not used + tail)
+    assert scale.shape == (len(sizes), K)
+    assert torch.equal(scale, ref_scale) and torch.equal(q[:, :used], ref_q[:, :used])
+    assert torch.equal(scale8, ref_scale) and qc8.dtype == FP8
+    ref_q8 = cols_from_rows_reference(q8, s8, ends_G)[0]
+    assert torch.equal(qc8[:, :used].view(torch.uint8), ref_q8[:, :used].view(torch.uint8))
     start = 0
-    for g, end in enumerate(ends_G.tolist()):
-        if end > start:
-            _check_scales(x_BMK[:, start:end].float().abs().amax(1), scale8[:, g])
-        start = end
-    deq = dequantize_cols(q8, scale8, ends_G)[..., :used]
-    scale_BKM = scale8.transpose(1, 2).repeat_interleave(torch.tensor(sizes), dim=2)
-    _check_round_trip(x_BMK[:, :used].mT, deq, scale_BKM)
+    for g, end in enumerate(ends_G.tolist()):  # the group's scale: its largest row scale
+        assert (scale8[g] == (s8[start:end].max() if end > start else 2.0**-126)).all()
+        start = max(start, end)
+    rows = dequantize_rows(q8, s8)  # the values rescaled: within half an e4m3 step at the group's scale
+    deq = dequantize_cols(qc8, scale8, ends_G)[:, :used]
+    scale_KM = scale8.T.repeat_interleave(torch.tensor(sizes), dim=1)
+    _check_round_trip(rows[:used].T, deq, scale_KM)
 
 
-@pytest.mark.parametrize("ends", [[16, 48, 48, 80], [16, 40, 64]])
-def test_quantize_cols_16_row_groups_match_reference(ends):
-    """Groups on 16-row boundaries (the FP8 GEMMs'), whole tiles and longer, take the kernel's 16-byte
-    store path; a group ending off the boundary makes the tiles after it take the other one."""
-    ends_G = torch.tensor(ends, dtype=torch.int32)
-    x_BMK = _data((2, ends[-1] + 5, 24), 3)
-    q, scale = quantize_cols(x_BMK, ends_G, torch.float32)
-    ref_q, ref_scale = quantize_cols_reference(x_BMK, ends_G, torch.float32)
-    assert torch.equal(scale, ref_scale) and torch.equal(q[..., : ends[-1]], ref_q[..., : ends[-1]])
+def test_cols_from_rows_rescales_exactly_where_values_stay_normal():
+    """Row and group scales are powers of two: a value that is a normal e4m3 number at both scales
+    keeps its bits but the exponent; only those turning subnormal are rounded again."""
+    g = torch.Generator().manual_seed(0)
+    x_MK = torch.randn(64, 48, generator=g) * torch.exp2(torch.randint(-4, 5, (64, 1), generator=g).float())
+    q8, s8 = quantize_rows(x_MK)
+    qc, scale = cols_from_rows(q8, s8)
+    rows, at_group = dequantize_rows(q8, s8), qc.T.double() * scale[0, 0].double()
+    normal = rows.abs() >= 2**-6 * scale[0, 0]  # before the rounding at the group's scale
+    assert normal.float().mean() > 0.8 and torch.equal(at_group[normal], rows[normal])
 
 
-def test_2d_input_is_one_batch_entry_of_one_group():
-    x_MK = _data((33, 20), 0)
-    q, scale = quantize_cols(x_MK)
-    ref_q, ref_scale = quantize_cols_reference(x_MK[None], torch.tensor([33], dtype=torch.int32))
-    assert q.shape == (20, 33) and scale.shape == (1, 20) and q.stride() == (48, 1)  # 16-byte rows
-    assert torch.equal(scale, ref_scale[0]) and torch.equal(q.view(torch.uint8), ref_q[0].view(torch.uint8))
+@given(B=st.integers(1, 3), R=st.integers(1, 40), C=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_quantize_weight_kernel_matches_reference_in_both_layouts(B, R, C, seed):
+    w_BRC = _data((B, R, C), seed).mul_(2.0**-10)
+    amax = w_BRC.abs().flatten(1).amax(1)
+    for amax_B in (None, amax * 0.75):  # its own amax, and an older smaller one: the excess saturates
+        q, s_rows, qt, s_cols = quantize_weight(w_BRC, amax_B, torch.float32)
+        ref = quantize_weight_reference(w_BRC, amax_B, torch.float32)
+        for got, want in zip((q, s_rows, qt, s_cols), ref):
+            assert torch.equal(got, want)
+        q8, *_, qt8, _ = quantize_weight(w_BRC, amax_B)
+        assert torch.equal(q8.view(torch.uint8), ref[0].to(FP8).view(torch.uint8))
+        assert torch.equal(qt8.view(torch.uint8), q8.mT.view(torch.uint8)) and qt8.stride(1) % 16 == 0
+        assert (s_rows == s_rows[:, :1]).all() and torch.equal(s_rows[:, 0], s_cols[:, 0])
+    _check_scales(amax, s_rows[:, 0] if amax_B is None else pow2_scale(amax))
+    assert q.abs().max() <= 448
+    q2 = quantize_weight(w_BRC[0])  # 2-D: one batch entry, 2-D outputs
+    assert [t.shape for t in q2] == [(R, C), (R,), (C, R), (C,)]
 
 
 def test_scale_edges_saturate_nothing():
@@ -116,8 +135,9 @@ def test_scale_edges_saturate_nothing():
 def test_empty_inputs():
     q, scale = quantize_rows(torch.zeros(0, 8))
     assert q.shape == (0, 8) and scale.shape == (0,)
-    q, scale = quantize_cols(torch.zeros(0, 8), torch.zeros(2, dtype=torch.int32))
-    assert q.shape == (8, 0) and torch.equal(scale, torch.full((2, 8), 2.0**-126))
+    qc, scale = cols_from_rows(q, scale, torch.zeros(2, dtype=torch.int32))
+    assert qc.shape == (8, 0) and torch.equal(scale, torch.full((2, 8), 2.0**-126))
+    assert [t.shape for t in quantize_weight(torch.zeros(2, 0, 3))] == [(2, 0, 3), (2, 0), (2, 3, 0), (2, 3)]
 
 
 def test_bad_inputs_raise_value_error():
@@ -125,10 +145,14 @@ def test_bad_inputs_raise_value_error():
         quantize_rows(torch.zeros(4))
     with pytest.raises(ValueError, match="expected dtype"):
         quantize_rows(torch.zeros(4, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="one scale per row"):
+        cols_from_rows(torch.zeros(4, 6), torch.ones(3))
     with pytest.raises(ValueError, match="contiguous"):
-        quantize_cols(torch.zeros(4, 6).t())
+        quantize_weight(torch.zeros(4, 6).t())
     with pytest.raises(ValueError, match="2 or 3 dimensions"):
-        quantize_cols(torch.zeros(2, 2, 2, 2))
+        quantize_weight(torch.zeros(2, 2, 2, 2))
+    with pytest.raises(ValueError, match="one amax per batch entry"):
+        quantize_weight(torch.zeros(2, 3, 4), torch.ones(3))
 
 
 @pytest.mark.gpu
@@ -136,22 +160,28 @@ def test_bad_inputs_raise_value_error():
 @pytest.mark.parametrize(
     "shape, ends",
     [
-        ((1, 3000, 2048 + 48), [0, 512, 512, 1040, 2992]),  # groups within one strip tile, padding rows
-        ((1, 5000, 528), [1000, 4900]),  # a group longer than a tile: atomic scales, then FINISH
-        ((3, 768, 2048), None),  # a batch of expert weights, one launch
+        ((3000, 2048 + 48), [0, 512, 512, 1040, 2992]),  # groups, padding rows, a partial column block
+        ((16384, 528), None),  # one group
+        ((131072 // 8, 768), [1024 * (i + 1) for i in range(16)]),  # expert-sized groups, one launch
     ],
 )
 def test_fp8_bit_exact_on_gpu(dtype, shape, ends):
-    """The e4m3 casts of the compiled kernels (the interpreter's are wrong for some values), at tiles
-    of the real sizes: rows in one load (and looping past ROWS_MAX_K), column strips of 2048 rows."""
-    x_BMK = _data(shape, 1, dtype, "cuda")
-    for x_MK in (x_BMK.flatten(0, 1), x_BMK[0, :, :33].repeat(1, 300)):  # K = 9900 > ROWS_MAX_K
-        q, scale = quantize_rows(x_MK)
-        ref_q, ref_scale = quantize_rows_reference(x_MK)
+    """The e4m3 casts of the compiled kernels (the interpreter's are wrong for some values), at the
+    real tile sizes: rows, columns from rows (both launch paths), and a weight in both layouts."""
+    x_MK = _data(shape, 1, dtype, "cuda")
+    for x in (x_MK, x_MK[:, :33].repeat(1, 300)):  # K = 9900: several column steps
+        q, scale = quantize_rows(x)
+        ref_q, ref_scale = quantize_rows_reference(x)
         assert torch.equal(scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
-    ends_G = torch.tensor(ends or [shape[1]], dtype=torch.int32, device="cuda")
-    q, scale = quantize_cols(x_BMK, ends_G if ends else None)
-    ref_q, ref_scale = quantize_cols_reference(x_BMK, ends_G)
+    q, scale = quantize_rows(x_MK)
+    ends_G = torch.tensor(ends or [shape[0]], dtype=torch.int32, device="cuda")
+    qc, scale_c = cols_from_rows(q, scale, ends_G if ends else None)
+    ref_q, ref_scale = cols_from_rows_reference(q, scale, ends_G)
     used = int(ends_G[-1])
-    assert torch.equal(scale, ref_scale)
-    assert torch.equal(q[..., :used].view(torch.uint8), ref_q[..., :used].view(torch.uint8))
+    assert torch.equal(scale_c, ref_scale)
+    assert torch.equal(qc[:, :used].view(torch.uint8), ref_q[:, :used].view(torch.uint8))
+    w = _data((3, 768, 2048), 2, torch.float32, "cuda") * 2.0**-12
+    for amax in (None, w.abs().flatten(1).amax(1) / 3):
+        for got, want in zip(quantize_weight(w, amax), quantize_weight_reference(w, amax)):
+            assert torch.equal(got.view(torch.uint8) if got.dtype == FP8 else got,
+                               want.view(torch.uint8) if want.dtype == FP8 else want)  # fmt: skip

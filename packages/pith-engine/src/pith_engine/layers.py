@@ -30,9 +30,9 @@ from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm_weight
 from pith_ops.fp8_linear import backward as fp8_linear_backward
 from pith_ops.fp8_linear import forward as fp8_linear_forward
 from pith_ops.fp8_linear import fp8_linear_weight
+from pith_ops.fp8_quant import weight_amax
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
 
 from pith_engine import executor
 from pith_engine.contract import Positions, default_position_ids
@@ -76,8 +76,11 @@ class WeightGradQueue:
         """Run the oldest group of deferred work (a W action); the queue must not be empty."""
         tensors, grads = [], []
         for weights, wgrad in self._groups.popleft():
-            tensors += weights
-            grads += wgrad()
+            for w, g in zip(weights, wgrad()):
+                g = pith_ops.weight_grad(w, g)  # None: held by w (a kept gradient, pith_ops.cast)
+                if g is not None:
+                    tensors.append(w)
+                    grads.append(g)
         if tensors:  # through the weights' own graph (a dtype cast, FSDP's unsharded view) to .grad
             torch.autograd.backward(tensors, grads)
 
@@ -102,7 +105,7 @@ class _DeferWgrad(torch.autograd.Function):
     for the weights' grads by the closure (mm's backward computes only what is asked: no recompute)."""
 
     @staticmethod
-    def forward(ctx, queue: WeightGradQueue, forward: Callable, split: tuple | None, x, *weights):
+    def forward(ctx, queue: WeightGradQueue | None, forward: Callable, split: tuple | None, x, *weights):
         ctx.queue, ctx.split, ctx.weights = queue, split, weights
         if split is not None:
             y, saved = split[0](x, *weights)
@@ -126,18 +129,20 @@ class _DeferWgrad(torch.autograd.Function):
             dx = torch.autograd.grad(y, x_leaf, dy, retain_graph=bool(leaves))[0] if need_dx else None
             wgrad = lambda: torch.autograd.grad(y, leaves, dy) if leaves else ()
             del ctx.y, ctx.leaves
-        if weights and ctx.queue.defer(tuple(weights), wgrad):
+        if weights and ctx.queue is not None and ctx.queue.defer(tuple(weights), wgrad):
             return None, None, None, dx, *(None for _ in need_w)
-        grads = iter(wgrad())
+        grads = iter(pith_ops.weight_grad(w, g) for w, g in zip(weights, wgrad()))
         return None, None, None, dx, *(next(grads) if need else None for need in need_w)
 
 
 def defer_wgrad(
     queue: WeightGradQueue | None, forward: Callable, split: tuple | None, x: Tensor, *weights: Tensor
 ) -> Tensor:
-    """forward(x, *weights) (differentiable), its weight gradients deferrable to `queue` (None, or under
-    torch.compile, whose traced backward cannot push to a Python queue: the plain call)."""
-    if queue is None or torch.compiler.is_compiling():
+    """forward(x, *weights) (differentiable), its weight gradients deferrable to `queue` and handed to
+    the weights by pith_ops.weight_grad (a bf16 gradient of a weight that keeps its gradients stays
+    bf16, pith_ops.cast). Under torch.compile, whose traced backward cannot run Python: the plain call;
+    so too without a queue or a split backward."""
+    if torch.compiler.is_compiling() or (queue is None and split is None):
         return forward(x, *weights)
     return _DeferWgrad.apply(queue, forward, split, x, *weights)
 
@@ -168,40 +173,38 @@ class FP8Switch:
     fp8: bool = False
     wgrad_queue: WeightGradQueue | None = None
 
-    def fp8_weight(self, w: Tensor, quantize: Callable[[Tensor], tuple]) -> tuple:
-        """quantize(w) (the FP8 copies of a weight, pith_ops.fp8_*_weight), computed once per value of w:
-        kept while w's version counter stands still, so the micro-batches of an optimizer step (and
-        activation checkpointing's recompute) share one quantisation; the optimizer's in-place update
-        bumps the counter and the next call quantises again. Quantised on every call where use_fp8
-        found the module's weights FSDP-sharded (FSDP2 all-gathers into its unsharded weight keeping
-        that tensor's version counter, so the counter cannot tell a new step's values: measured) and
-        under torch.compile (a compiled graph keeps no Python state)."""
-        if torch.compiler.is_compiling():  # first: the graph does not trace the cache
+    @staticmethod
+    def fp8_weight(w: Tensor, quantize: Callable[[Tensor], tuple]) -> tuple:
+        """w's FP8 copies (quantize = pith_ops.fp8_*_weight, i.e. pith_ops.quantize_weight): its kept
+        copies while valid (pith_ops.cast.kept_copy), else quantize(w), kept when w is a weight the
+        optimizer steps and rewrites them for (pith_ops.adamw_, which marks them: keep_grads). So a
+        weight is quantised once, on its first forward; the micro-batches, recomputes and steps after
+        read what the update pass wrote. Under FSDP2 the forward sees the all-gathered weight, not the
+        optimizer's: quantised per call; under torch.compile too (a graph keeps no Python state)."""
+        if torch.compiler.is_compiling():
             return quantize(w)
-        cache = self.__dict__.get("_fp8_cache")
-        if cache is None:
-            return quantize(w)
-        key = (w.data_ptr(), w._version, w.shape, w.dtype)
-        hit = cache.get(id(w), (None, None))
-        if hit[0] != key:
-            hit = cache[id(w)] = key, quantize(w)
-        return hit[1]
+        kept = pith_ops.kept_copy(w, torch.float8_e4m3fn)
+        if kept is not None:
+            return kept
+        copies = quantize(w)
+        if (
+            w.__dict__.get("_pith_keep_grad")
+            and torch.is_grad_enabled()
+            and type(w) in (Tensor, nn.Parameter)
+        ):
+            pith_ops.keep(w, (*copies, weight_amax(w)), torch.float8_e4m3fn)
+        return copies
 
 
-def use_fp8(model: nn.Module, enabled: bool = True, cache: bool = True) -> None:
+def use_fp8(model: nn.Module, enabled: bool = True) -> None:
     """Run every projection (Linear) and expert GEMM of `model` in FP8 (train.fp8): e4m3 operands with
-    row-wise power-of-two scales, from the fp32 master weights (pith_ops.fp8_linear, fp8_grouped_gemm).
-    Embeddings, norms, routers, attention and lm_head + loss stay in higher precision. Call it after
-    sharding (pith_engine.parallel.parallelize): it decides per module whether the FP8 weight copies
-    can be cached (FP8Switch.fp8_weight). cache: whether to cache them at all. The cache holds both
-    e4m3 layouts of every cached weight (2 bytes per parameter) from its first forward until the
-    next update, past its last backward (where uncached copies are freed): worth it only when a
-    weight is quantised more than once per step (several micro-batches, recompute)."""
+    power-of-two scales (pith_ops.fp8_linear, fp8_grouped_gemm, the recipe in the pith-ops README),
+    the weights quantised from their fp32 master copies, once, then by the optimizer's update pass
+    (FP8Switch.fp8_weight). Embeddings, norms, routers, attention and lm_head + loss stay in higher
+    precision."""
     for m in model.modules():
         if isinstance(m, FP8Switch):
             m.fp8 = enabled
-            plain = not any(isinstance(p, DTensor) for p in m.parameters(recurse=False))
-            m.__dict__["_fp8_cache"] = {} if enabled and cache and plain else None
 
 
 class Linear(FP8Switch, nn.Linear):
@@ -214,7 +217,6 @@ class Linear(FP8Switch, nn.Linear):
         if not self.fp8:
             return defer_wgrad(self.wgrad_queue, nn.functional.linear, None, x, *weights)
         w8 = self.fp8_weight(self.weight, fp8_linear_weight)
-        dtypes = x.dtype, self.weight.dtype
         add_bias = lambda y, *bias: y + bias[0].to(y.dtype) if bias else y
 
         def split_forward(x_TD, w_OD, *bias):
@@ -222,7 +224,7 @@ class Linear(FP8Switch, nn.Linear):
             return add_bias(y, *bias), saved
 
         def split_backward(saved, dy_TO, need_dx):
-            dx, dw = fp8_linear_backward(saved, dy_TO, need_dx, dtypes)
+            dx, dw = fp8_linear_backward(saved, dy_TO, need_dx, x.dtype)
             return dx, lambda: (dw(), *(dy_TO.sum(0).to(b.dtype) for b in weights[1:]))
 
         plain = lambda x_TD, w_OD, *bias: add_bias(pith_ops.fp8_linear(x_TD, w_OD, w8), *bias)
@@ -237,22 +239,18 @@ def expert_gemm(
     group_ends_E: Tensor,
     fp8: bool,
     queue: WeightGradQueue | None = None,
-    owner: FP8Switch | None = None,
     x8: tuple = (None, None),
 ) -> Tensor:
-    """The experts' grouped GEMM: FP8 straight from the (fp32 master) weight (its FP8 copies cached on
-    `owner` per optimizer step: FP8Switch.fp8_weight; None: quantised per call; x8: the rows' FP8 copy
-    when the pass writing them made it, pith_ops.swiglu_fp8), or in the rows' dtype
+    """The experts' grouped GEMM: FP8 from the (fp32 master) weight's FP8 copies (FP8Switch.fp8_weight;
+    x8: the rows' FP8 copy when the pass writing them made it, pith_ops.swiglu_fp8), or in the rows' dtype
     (bf16 rows under autocast meet fp32 master weights; a no-op cast otherwise; pith_ops.cast for a
     vectorised cast of the gradient back, its docstring has the numbers), its weight gradient
     deferrable to `queue` either way."""
     if fp8:
-        quantize = fp8_grouped_gemm_weight
-        w8 = quantize(w_EIO) if owner is None else owner.fp8_weight(w_EIO, quantize)
-        dtypes = x_ND.dtype, w_EIO.dtype
+        w8 = FP8Switch.fp8_weight(w_EIO, fp8_grouped_gemm_weight)
 
         def split_backward(saved, dy_NO, need_dx):
-            dx, dw = fp8_grouped_backward(saved, dy_NO, need_dx, dtypes)
+            dx, dw = fp8_grouped_backward(saved, dy_NO, need_dx, x_ND.dtype)
             return dx, lambda: (dw(),)
 
         split = (lambda x, w: fp8_grouped_forward(x, w, group_ends_E, w8, x8), split_backward)
@@ -290,7 +288,7 @@ class Experts(FP8Switch, nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
 
     def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
-        gemm = lambda x, w, *x8: expert_gemm(x, w, group_ends_E, self.fp8, self.wgrad_queue, self, *x8)
+        gemm = lambda x, w, *x8: expert_gemm(x, w, group_ends_E, self.fp8, self.wgrad_queue, *x8)
         h_N2F = gemm(x_ND, self.w_gate_up)
         if self.fp8:  # SwiGLU writes the down projection's FP8 rows too (one pass less over them)
             a_NF, *x8 = pith_ops.swiglu_fp8(h_N2F)

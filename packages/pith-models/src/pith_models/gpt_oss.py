@@ -222,7 +222,7 @@ class Experts(FP8Switch, nn.Module):
         expert_N = torch.searchsorted(group_ends_E, rows_N, right=True).clamp(max=group_ends_E.shape[0] - 1)
         # Biases in the rows' dtype: bf16 rows under autocast meet fp32 master weights.
         b_gate_up, b_down = self.b_gate_up.to(x_ND.dtype), self.b_down.to(x_ND.dtype)
-        gemm = lambda x, w: expert_gemm(x, w, group_ends_E, self.fp8, self.wgrad_queue, self)
+        gemm = lambda x, w: expert_gemm(x, w, group_ends_E, self.fp8, self.wgrad_queue)
         h_N2F = gemm(x_ND, self.w_gate_up) + b_gate_up[expert_N]
         h_NF = pith_ops.swiglu_oss(h_N2F, self.alpha, self.limit)
         return gemm(h_NF, self.w_down) + b_down[expert_N]

@@ -5,11 +5,18 @@ and a plain-PyTorch `*_reference` that is its specification.
 """
 
 from pith_ops.adamw import adamw_, adamw_reference_
-from pith_ops.cast import cast, drop_grad, grad, keep_grads, kept_copy
+from pith_ops.cast import cast, drop_grad, grad, keep, keep_grads, kept_copy, weight_grad
 from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_reference
 from pith_ops.fp8_linear import fp8_linear, fp8_linear_reference
-from pith_ops.fp8_quant import quantize_cols, quantize_cols_reference, quantize_rows, quantize_rows_reference
+from pith_ops.fp8_quant import (
+    cols_from_rows,
+    cols_from_rows_reference,
+    quantize_rows,
+    quantize_rows_reference,
+    quantize_weight,
+    quantize_weight_reference,
+)
 from pith_ops.grouped_gemm import grouped_gemm, grouped_gemm_backward, grouped_gemm_reference
 from pith_ops.moe_permute import moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference
 from pith_ops.rmsnorm import rms_norm, rms_norm_reference
@@ -21,6 +28,8 @@ __all__ = [
     "adamw_reference_",
     "apply_rope",
     "cast",
+    "cols_from_rows",
+    "cols_from_rows_reference",
     "drop_grad",
     "apply_rope_reference",
     "fp8_grouped_gemm",
@@ -31,6 +40,7 @@ __all__ = [
     "grouped_gemm_backward",
     "grouped_gemm_reference",
     "grad",
+    "keep",
     "keep_grads",
     "kept_copy",
     "linear_cross_entropy",
@@ -39,10 +49,10 @@ __all__ = [
     "moe_permute_reference",
     "moe_unpermute",
     "moe_unpermute_reference",
-    "quantize_cols",
-    "quantize_cols_reference",
     "quantize_rows",
     "quantize_rows_reference",
+    "quantize_weight",
+    "quantize_weight_reference",
     "rms_norm",
     "rms_norm_reference",
     "swiglu",
@@ -50,4 +60,5 @@ __all__ = [
     "swiglu_oss",
     "swiglu_oss_reference",
     "swiglu_reference",
+    "weight_grad",
 ]

@@ -12,7 +12,12 @@ The math is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments,
 square root) in the operation order of its single-tensor path.
 
 `copy`: p's kept bf16 cast (pith_ops.cast's kept copies), rewritten in the same pass as the new p
-rounded to bf16 (2 bytes more per element), so the next forward casts nothing.
+rounded to bf16 (2 bytes more per element), so the next forward casts nothing. `fp8`: p's kept FP8
+copies (pith_ops.fp8_quant.quantize_weight's, in p's layout and transposed), likewise rewritten (2
+bytes more: one e4m3 byte each), so FP8 training quantises no weight in its steps. Their scale is the
+old p's (the amax of the new p is reduced by atomics as it is written, for the next update): the
+delayed scaling of TransformerEngine with a history of one step. With a p seen as [B, R, C] tiles
+(64 x 64) the kernel stores each tile's transpose too; a flat p goes in 1 x 4096 tiles.
 """
 
 import torch
@@ -22,17 +27,26 @@ from torch import Tensor
 
 from pith_ops._common import check, use_triton
 from pith_ops.cast import keep
+from pith_ops.fp8_quant import FP8, _cast, _pow2_scale, _store_transposed, quantize_weight_reference
+
+FP8_TILE = (64, 64)  # [rows, columns] of a tile of p when the FP8 copies are written
 
 
 @triton.jit
 def _adamw_kernel(
-    p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, copy_ptr, N, decay, rest1, beta2, rest2, step_size, bc2_sqrt,
-    eps, COPY: tl.constexpr, BLOCK: tl.constexpr,
+    p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, copy_ptr, q_ptr, qt_ptr, s_rows_ptr, s_cols_ptr, amax_ptr,
+    amax_new_ptr, R, C, s_qtb, s_qtc, decay, rest1, beta2, rest2, step_size, bc2_sqrt, eps,
+    COPY: tl.constexpr, FP8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
+    """One [BLOCK_R, BLOCK_C] tile of batch entry program_id(2) of p viewed as [B, R, C] (a flat p as
+    [1, 1, N] in 1 x 4096 tiles)."""
+    b = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # a flat p's blocks go in dimension 0
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)  # (up to 2^31 - 1, the others 65535)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    offs = b * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :]
     scale = tl.load(scale_ptr)
     if scale - scale == 0:  # finite (inf - inf and nan - nan are nan)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N
         g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * scale
         p = tl.load(p_ptr + offs, mask=mask) * decay
         m = tl.load(m_ptr + offs, mask=mask)
@@ -41,14 +55,25 @@ def _adamw_kernel(
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         p = p - step_size * tl.div_rn(m, denom)
         tl.store(p_ptr + offs, p, mask=mask)
-        if (
-            COPY
-        ):  # bf16 by round to nearest even on the bits, as torch's cast (Triton's interpreter truncates)
-            b = p.to(tl.uint32, bitcast=True)
-            b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-            tl.store(copy_ptr + offs, b.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        if COPY:  # bf16 by round to nearest even on the bits, as torch's cast (the interpreter truncates)
+            bits = p.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            tl.store(copy_ptr + offs, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
+        if FP8:  # pith_ops.fp8_quant.quantize_weight of the new p with the scale of the old amax
+            w_scale, inv = _pow2_scale(tl.load(amax_ptr + b))
+            q = _cast(p, inv)
+            tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+            _store_transposed(qt_ptr + b * s_qtb, rows, cols, s_qtc, q, mask)
+            tl.atomic_max(amax_new_ptr + b, tl.max(tl.max(tl.where(mask, tl.abs(p), 0.0), 1), 0))
+            if tl.program_id(0) == 0:
+                tl.store(s_rows_ptr + b * R + rows, tl.zeros([BLOCK_R], tl.float32) + w_scale, rows < R)
+            if tl.program_id(1) == 0:
+                tl.store(s_cols_ptr + b * C + cols, tl.zeros([BLOCK_C], tl.float32) + w_scale, cols < C)
+    elif FP8:  # noqa: SIM102 (a constexpr, then a tensor: Triton). Nothing changes: the copies stay, and so does the amax of p
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.atomic_max(amax_new_ptr + b, tl.load(amax_ptr + b))
 
 
 def _constants(lr: float, beta1: float, beta2: float, weight_decay: float, step: int):
@@ -61,13 +86,17 @@ def _constants(lr: float, beta1: float, beta2: float, weight_decay: float, step:
 def adamw_(
     p: Tensor, g: Tensor, m: Tensor, v: Tensor, scale: Tensor, *,
     lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, step: int,
-    copy: Tensor | None = None,
+    copy: Tensor | None = None, fp8: tuple | None = None,
 ) -> None:  # fmt: skip
     """In place: AdamW step number `step` (1-based) of parameter p with gradient g * scale and moments
     m, v (fp32, contiguous, one shape; g may be bf16: a kept gradient, pith_ops.cast); nothing is
     written when scale (a one-element fp32 tensor on p's device) is not finite. copy (bf16, p's shape,
-    contiguous): set to the new p in bf16 and kept as p's cast (pith_ops.cast). Triton on CUDA (and
-    under the interpreter), adamw_reference_ otherwise."""
+    contiguous): set to the new p in bf16 and kept as p's cast (pith_ops.cast). fp8: p's kept FP8
+    copies (pith_ops.cast.kept_copy(p, FP8): quantize_weight's four outputs and the amax of p) set to
+    quantize_weight(new p, old amax) in the same pass (delayed scaling: the scale of the values before
+    the update, a value grown past 448 * scale saturates) and kept with the amax of the new p. Any
+    other kept copy of p is dropped. Triton on CUDA (and under the interpreter), adamw_reference_
+    otherwise."""
     fp32, bf16 = (torch.float32,), (torch.bfloat16,)
     tensors = [("p", p, fp32), ("g", g, (*fp32, *bf16)), ("m", m, fp32), ("v", v, fp32), ("copy", copy, bf16)]
     for name, t, dtypes in tensors[:4] if copy is None else tensors:
@@ -79,43 +108,40 @@ def adamw_(
         raise ValueError(
             f"expected a one-element scale and step >= 1, got {scale.numel()} elements, step {step}"
         )
+    if fp8 is not None and (fp8[0].shape != p.shape or p.ndim not in (2, 3)):
+        raise ValueError(
+            f"fp8: expected copies of p's shape {tuple(p.shape)} (2-D or 3-D), got {tuple(fp8[0].shape)}"
+        )
     if not use_triton(p):
-        return adamw_reference_(p, g, m, v, scale, lr=lr, beta1=beta1, beta2=beta2,
-                                weight_decay=weight_decay, eps=eps, step=step, copy=copy)  # fmt: skip
+        kw = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, step=step)
+        return adamw_reference_(p, g, m, v, scale, **kw, copy=copy, fp8=fp8)
     decay, rest1, rest2, step_size, bc2_sqrt = _constants(lr, beta1, beta2, weight_decay, step)
-    # 4096 elements, 8 warps: 16 fp32 a thread, four 16-byte accesses per tensor.
-    BLOCK = 4096
-    _adamw_kernel[(triton.cdiv(p.numel(), BLOCK),)](
-        p,
-        g,
-        m,
-        v,
-        scale,
-        p if copy is None else copy,
-        p.numel(),
-        decay,
-        rest1,
-        beta2,
-        rest2,
-        step_size,
-        bc2_sqrt,
-        eps,
-        COPY=copy is not None,
-        BLOCK=BLOCK,
-        num_warps=8,
-    )
-    if copy is not None:
-        keep(p, copy)  # the kernel's writes leave p's version counter as it was: stamped consistent
+    if fp8 is None:  # flat: 4096 elements, 8 warps: 16 fp32 a thread, four 16-byte accesses per tensor
+        (B, R, C), (br, bc), q = (1, 1, p.numel()), (1, 4096), (p, p, p, p, p)
+        amax_new = None
+    else:  # [B, R, C] tiles, the transposed e4m3 copy stored from each (in 64-byte runs)
+        (B, R, C), (br, bc), q = (1, *p.shape) if p.ndim == 2 else p.shape, FP8_TILE, fp8
+        amax_new = torch.zeros_like(fp8[4])
+    qt_strides = (0, 0) if fp8 is None else ((0,) if q[2].ndim == 2 else ()) + q[2].stride()[:-1]
+    _adamw_kernel[(triton.cdiv(C, bc), triton.cdiv(R, br), B)](
+        p, g, m, v, scale, p if copy is None else copy, q[0], q[2], q[1], q[3], q[4],
+        p if amax_new is None else amax_new, R, C, *qt_strides,
+        decay, rest1, beta2, rest2, step_size, bc2_sqrt, eps,
+        COPY=copy is not None, FP8=fp8 is not None, BLOCK_R=br, BLOCK_C=bc, num_warps=8,
+    )  # fmt: skip
+    # The kernel's writes leave p's version counter as it was: the copies are stamped consistent.
+    _rekeep(p, copy, None if fp8 is None else (*fp8[:4], amax_new))
 
 
 @torch.no_grad()
 def adamw_reference_(
     p: Tensor, g: Tensor, m: Tensor, v: Tensor, scale: Tensor, *,
     lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, step: int,
-    copy: Tensor | None = None,
+    copy: Tensor | None = None, fp8: tuple | None = None,
 ) -> None:  # fmt: skip
     """adamw_ in plain PyTorch: torch.optim.AdamW's single-tensor path on g * scale (no host read of
-    scale: a non-finite one selects the old values); copy set to the new p cast to its dtype."""
+    scale: a non-finite one selects the old values); copy set to the new p cast to its dtype; fp8's
+    copies set to quantize_weight_reference(new p, old amax) where scale is finite."""
     decay, rest1, rest2, step_size, bc2_sqrt = _constants(lr, beta1, beta2, weight_decay, step)
     g = g.to(p.dtype) * scale
     p_new, m_new, v_new = p * decay, m.lerp(g, rest1), (v * beta2).addcmul_(g, g, value=rest2)
@@ -125,4 +151,20 @@ def adamw_reference_(
         t.copy_(torch.where(finite, new, t))
     if copy is not None:
         copy.copy_(p)
+    if fp8 is not None:
+        p3, old = (p if p.ndim == 3 else p[None]), fp8[4]
+        for t, new in zip(fp8[:4], quantize_weight_reference(p3, old, fp8[0].dtype)):
+            new = new if p.ndim == 3 else new[0]
+            t.copy_(torch.where(finite, new.float(), t.float()).to(t.dtype))
+        amax = torch.where(finite, p3.abs().flatten(1).amax(1), old)
+        fp8 = (*fp8[:4], amax)
+    _rekeep(p, copy, fp8)
+
+
+def _rekeep(p: Tensor, copy: Tensor | None, fp8: tuple | None) -> None:
+    """Keep the copies an update rewrote, drop any other (its values are of the old p)."""
+    p.__dict__.pop("_pith_copies", None)
+    if copy is not None:
         keep(p, copy)
+    if fp8 is not None:
+        keep(p, fp8, FP8)

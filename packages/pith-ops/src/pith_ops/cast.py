@@ -10,8 +10,8 @@ accesses. The forward is torch's cast (fp32 -> bf16 copies take its vectorised k
 The FP8 GEMMs (fp8_linear, fp8_grouped_gemm) widen their bf16 weight gradients with it too.
 
 Kept copies. A trainable weight cast to bf16 (a leaf that requires grad, a plain tensor: not FSDP's
-DTensor, whose mixed-precision policy casts on its own) cast while grad mode is on keeps its cast as
-`x._pith_copy`, stamped with x's version counter and storage; later casts, micro-batches and steps
+DTensor, whose mixed-precision policy casts on its own) cast while grad mode is on keeps its cast in
+`x._pith_copies`, stamped with x's version counter and storage; later casts, micro-batches and steps
 reuse it while the stamp holds (any in-place torch op on x bumps the counter, so a checkpoint load or
 another optimizer invalidates it). pith_ops.adamw_ rewrites the copy in its update pass, 2 bytes more
 per element instead of a 6-byte cast per use: on the pith-train bench (2.73B expert and lm_head
@@ -81,26 +81,42 @@ class _Cast(torch.autograd.Function):
     def backward(ctx, g):
         if g is None or ctx.holder is None:
             return None if g is None else _cast_back(g, ctx.dtype), None, None
-        x, held = ctx.holder, ctx.holder.__dict__.get("_pith_grad")
-        if held is None:
-            x._pith_grad = g
-        elif held.dtype == x.dtype:
-            held.add_(g)
-        else:  # the second micro-batch: fp32 from here on, as .grad accumulates
-            x._pith_grad = _cast_back(held, x.dtype).add_(g)
+        hold_grad(ctx.holder, g)
         return None, None, None
 
 
-def kept_copy(x: Tensor) -> Tensor | None:
-    """x's kept cast (module docstring) if it is still valid, else None."""
-    kept = x.__dict__.get("_pith_copy")
+def kept_copy(x: Tensor, kind: torch.dtype = torch.bfloat16):
+    """x's kept copy of this kind if it is still valid, else None: its cast (kind bf16, module
+    docstring) or its FP8 copies (kind float8_e4m3fn: pith_ops.fp8_quant.quantize_weight's four
+    outputs and the amax of x, which pith_ops.adamw_ rewrites)."""
+    kept = x.__dict__.get("_pith_copies", {}).get(kind)
     return kept[1] if kept is not None and kept[0] == (x._version, x.data_ptr()) else None
 
 
-def keep(x: Tensor, copy: Tensor) -> None:
-    """Record `copy` (x.to(copy.dtype), bit for bit) as x's kept cast, valid until x changes."""
+def keep(x: Tensor, copy, kind: torch.dtype = torch.bfloat16) -> None:
+    """Record `copy` as x's kept copy of this kind (its values x's as they are now), valid until x changes."""
     # The storage too: a copied tensor (deepcopy copies __dict__) starts its own version count.
-    x._pith_copy = ((x._version, x.data_ptr()), copy)
+    x.__dict__.setdefault("_pith_copies", {})[kind] = ((x._version, x.data_ptr()), copy)
+
+
+def hold_grad(x: Tensor, g: Tensor) -> None:
+    """Add g (bf16 or x's dtype) to the gradient x holds (module docstring: kept gradients)."""
+    held = x.__dict__.get("_pith_grad")
+    if held is None:
+        x._pith_grad = g
+    elif held.dtype == x.dtype:
+        held.add_(g)
+    else:  # the second micro-batch: fp32 from here on, as .grad accumulates
+        x._pith_grad = _cast_back(held, x.dtype).add_(g)
+
+
+def weight_grad(x: Tensor, g: Tensor) -> Tensor | None:
+    """g as x's gradient: held by x (None returned) when x keeps its gradients and g is x's kept cast's
+    dtype (a bf16 weight gradient of pith_ops' GEMMs), else widened to x's dtype for autograd."""
+    if x.__dict__.get("_pith_keep_grad") and g.dtype == torch.bfloat16 and x.dtype == torch.float32:
+        hold_grad(x, g)
+        return None
+    return _cast_back(g, x.dtype)
 
 
 def keep_grads(params) -> None:

@@ -1,20 +1,19 @@
-"""FP8 linear: y = x @ w.T with e4m3 operands scaled per row (pith_ops.fp8_quant), bf16 out.
+"""FP8 linear: y = x @ w.T with e4m3 operands (pith_ops.fp8_quant), bf16 out.
 
 Shape legend: T rows (tokens; leading dims are flattened), D input features, O output features.
 
-Every GEMM takes its left operand quantised along its rows and its right operand along the contracted
-axis too, each with one fp32 power-of-two scale per row or column (the recipe and its measurements:
-the pith-ops README):
-- forward  y  = x8 @ w8.T        x8: x by rows (over D), w8: w by rows (over D);
-- dgrad    dx = dy8 @ w8c        dy8: dy by rows (over O), w8c: w by columns (over O), stored [D, O];
-- wgrad    dw = dy8c.T @ x8c     dy8c, x8c: dy and x by columns (over T), stored transposed.
-The forward keeps x8c (fp8: half the bytes of the bf16 input autograd would keep) and w8c for the
-backward. w8 and w8c come from `fp8_linear_weight(w)`, a function of w alone, which a caller may
-compute once for several calls (pith_engine.layers caches it across an optimizer step's micro-batches).
-`forward` and `backward` are the op without autograd, its backward in two halves (dx now, dw when
-asked), so a schedule can run the weight gradient later. On CUDA the GEMMs are torch._scaled_mm,
-with fast accumulation except in the wgrad, which contracts over all the tokens; torch's CPU
-_scaled_mm serves CPU runs.
+Each GEMM's operands are scaled along the axis it contracts (the recipe and its measurements: the
+pith-ops README):
+- forward  y  = x8 @ w8.T       x8: x by rows (over D); w8: w with one scale (quantize_weight);
+- dgrad    dx = dy8 @ w8t.T     dy8: dy by rows (over O); w8t: w8 transposed, [D, O];
+- wgrad    dw = dy8c @ x8c.T    dy8c, x8c: dy8 and x8 requantised by columns (over T), transposed
+                                (cols_from_rows).
+The forward keeps x8 and its scales (one byte a value: half the bf16 input autograd would keep).
+w8 = fp8_linear_weight(w), a function of w alone, which a caller may compute once, or keep (the
+optimizer rewrites kept copies: pith_ops.adamw_, pith_engine.layers). `forward` and `backward` are
+the op without autograd, its backward in two halves (dx now, dw when asked, in bf16), so a schedule
+can run the weight gradient later. On CUDA the GEMMs are torch._scaled_mm, with fast accumulation
+except in the wgrad, which contracts over all the tokens; torch's CPU _scaled_mm serves CPU runs.
 """
 
 import functools
@@ -26,13 +25,15 @@ from pith_ops._common import FLOAT_DTYPES, check, eager_or_custom
 from pith_ops.cast import _cast_back
 from pith_ops.fp8_quant import (
     FP8,
+    cols_from_rows,
+    cols_from_rows_reference,
     dequantize_cols,
     dequantize_rows,
     empty_cols,
-    quantize_cols,
-    quantize_cols_reference,
     quantize_rows,
     quantize_rows_reference,
+    quantize_weight,
+    quantize_weight_reference,
 )
 
 
@@ -46,39 +47,39 @@ def _mm(a_q: Tensor, a_s: Tensor, bt_q: Tensor, bt_s: Tensor, fast: bool = True)
     )
 
 
-def dgrad(dy_TO: Tensor, w8c_DO: Tensor, w8c_scale_D: Tensor) -> Tensor:
-    """dx_TD = dy @ w through the column-quantised weight the forward kept."""
-    return _mm(*quantize_rows(dy_TO), w8c_DO, w8c_scale_D)
+def dgrad(dy8_TO: Tensor, dy8_scale_T: Tensor, w8t_DO: Tensor, w8t_scale_D: Tensor) -> Tensor:
+    """dx_TD = dy @ w through the transposed weight copy."""
+    return _mm(dy8_TO, dy8_scale_T, w8t_DO, w8t_scale_D)
 
 
-def wgrad(dy_TO: Tensor, x8c_DT: Tensor, x8c_scale_D: Tensor) -> Tensor:
-    """dw_OD = dy.T @ x through the column-quantised input the forward kept."""
-    dy8c_OT, dy8c_scale = quantize_cols(dy_TO)
+def wgrad(dy8_TO: Tensor, dy8_scale_T: Tensor, x8_TD: Tensor, x8_scale_T: Tensor) -> Tensor:
+    """dw_OD = dy.T @ x (bf16) from both e4m3 row copies, requantised by columns."""
+    dy8c_OT, dy8c_scale = cols_from_rows(dy8_TO, dy8_scale_T)
+    x8c_DT, x8c_scale = cols_from_rows(x8_TD, x8_scale_T)
     # Contracting over all the tokens (16,384 in the bench) fast accumulation doubled the error (3.5e-3
     # against 1.7e-3 relative, H200) for 6% more time (206 against 218 us at [2048, 16384] x [16384, 4096]).
-    return _mm(dy8c_OT, dy8c_scale[0], x8c_DT, x8c_scale_D, fast=False)
-
-
-def quantize_weight(w_OD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> (w8_OD, w8_scale_O: w by rows, the forward's operand; w8c_DO, w8c_scale_D: w by columns,
-    dgrad's). A function of w alone: a caller may compute it once and pass it to several calls
-    (pith_engine.layers caches it across the micro-batches of an optimizer step)."""
-    w8_OD, w8_scale_O = quantize_rows(w_OD)
-    w8c_DO, w8c_scale = quantize_cols(w_OD)
-    return w8_OD, w8_scale_O, w8c_DO, w8c_scale[0]
+    return _mm(dy8c_OT, dy8c_scale[0], x8c_DT, x8c_scale[0], fast=False)
 
 
 def _forward(
-    x_TD: Tensor, w_OD: Tensor, w8_OD: Tensor, w8_scale_O: Tensor, w8c_DO: Tensor, w8c_scale_D: Tensor
+    x_TD: Tensor, w_OD: Tensor, w8_OD: Tensor, w8_scale_O: Tensor, w8t_DO: Tensor, w8t_scale_D: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """w_OD is not read (quantize_weight's outputs are): it is the input the weight gradient is for."""
-    y_TO = _mm(*quantize_rows(x_TD), w8_OD, w8_scale_O).to(x_TD.dtype)
-    x8c_DT, x8c_scale = quantize_cols(x_TD)
-    return y_TO, x8c_DT, x8c_scale[0]
+    """w_OD is not read (w8's copies are): it is the input the weight gradient is for."""
+    x8, x8_scale = quantize_rows(x_TD)
+    return _mm(x8, x8_scale, w8_OD, w8_scale_O).to(x_TD.dtype), x8, x8_scale
+
+
+def _weight(w_OD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return quantize_weight(w_OD)
+
+
+def _rows(x_MK: Tensor) -> tuple[Tensor, Tensor]:
+    return quantize_rows(x_MK)
 
 
 _op = torch.library.custom_op("pith::fp8_linear", _forward, mutates_args=())
-_weight_op = torch.library.custom_op("pith::fp8_linear_weight", quantize_weight, mutates_args=())
+_weight_op = torch.library.custom_op("pith::fp8_linear_weight", _weight, mutates_args=())
+_rows_op = torch.library.custom_op("pith::fp8_linear_rows", _rows, mutates_args=())
 _dgrad_op = torch.library.custom_op("pith::fp8_linear_dgrad", dgrad, mutates_args=())
 _wgrad_op = torch.library.custom_op("pith::fp8_linear_wgrad", wgrad, mutates_args=())
 
@@ -90,26 +91,31 @@ def _(w_OD):
     return (
         w_OD.new_empty(O, D, dtype=FP8),
         w_OD.new_empty(O, **scale),
-        empty_cols(1, D, O, device=w_OD.device)[0],
+        empty_cols(D, O, device=w_OD.device),
         w_OD.new_empty(D, **scale),
     )
 
 
+@_rows_op.register_fake
+def _(x_MK):
+    return torch.empty_like(x_MK, dtype=FP8), x_MK.new_empty(x_MK.shape[0], dtype=torch.float32)
+
+
 @_dgrad_op.register_fake
-def _(dy_TO, w8c_DO, w8c_scale_D):
-    return dy_TO.new_empty(dy_TO.shape[0], w8c_DO.shape[0], dtype=torch.bfloat16)
+def _(dy8_TO, dy8_scale_T, w8t_DO, w8t_scale_D):
+    return dy8_TO.new_empty(dy8_TO.shape[0], w8t_DO.shape[0], dtype=torch.bfloat16)
 
 
 @_wgrad_op.register_fake
-def _(dy_TO, x8c_DT, x8c_scale_D):
-    return dy_TO.new_empty(dy_TO.shape[1], x8c_DT.shape[0], dtype=torch.bfloat16)
+def _(dy8_TO, dy8_scale_T, x8_TD, x8_scale_T):
+    return dy8_TO.new_empty(dy8_TO.shape[1], x8_TD.shape[1], dtype=torch.bfloat16)
 
 
 @_op.register_fake
-def _(x_TD, w_OD, w8_OD, w8_scale_O, w8c_DO, w8c_scale_D):
-    T, D = x_TD.shape
-    cols = empty_cols(1, D, T, device=x_TD.device)[0]
-    return x_TD.new_empty(T, w_OD.shape[0]), cols, x_TD.new_empty(D, dtype=torch.float32)
+def _(x_TD, w_OD, w8_OD, w8_scale_O, w8t_DO, w8t_scale_D):
+    T = x_TD.shape[0]
+    scale = x_TD.new_empty(T, dtype=torch.float32)
+    return x_TD.new_empty(T, w_OD.shape[0]), torch.empty_like(x_TD, dtype=FP8), scale
 
 
 def _setup(ctx, inputs, output):
@@ -120,30 +126,33 @@ def _setup(ctx, inputs, output):
     ctx.dtypes = inputs[0].dtype, inputs[1].dtype
 
 
-def backward(saved, dy_TO: Tensor, need_dx: bool, dtypes, dgrad=dgrad, wgrad=wgrad):
-    """The backward in two halves from the forward's `saved` (x8c_DT, x8c_scale_D, w8c_DO, w8c_scale_D)
-    -> (dx_TD now in dtypes[0], or None without need_dx; a closure computing dw_OD in dtypes[1]), so a
+def backward(saved, dy_TO: Tensor, need_dx: bool, x_dtype: torch.dtype, ops=(quantize_rows, dgrad, wgrad)):
+    """The backward in two halves from the forward's `saved` (x8_TD, x8_scale_T, w8t_DO, w8t_scale_D)
+    -> (dx_TD now in x_dtype, or None without need_dx; a closure computing dw_OD in bf16), so a
     schedule can run the weight gradient later (pith_engine.layers): the same kernels as a plain
-    backward, bit for bit."""
-    x8c_DT, x8c_scale, w8c_DO, w8c_scale = saved
-    dy_TO = dy_TO.contiguous()
-    dx = dgrad(dy_TO, w8c_DO, w8c_scale).to(dtypes[0]) if need_dx else None
-    return dx, lambda: _cast_back(wgrad(dy_TO, x8c_DT, x8c_scale), dtypes[1])
+    backward, bit for bit. ops: the three functions, or their custom ops (compiled graphs)."""
+    rows, dgrad_fn, wgrad_fn = ops
+    x8, x8_scale, w8t, w8t_scale = saved
+    dy8, dy8_scale = rows(dy_TO.contiguous())
+    dx = dgrad_fn(dy8, dy8_scale, w8t, w8t_scale).to(x_dtype) if need_dx else None
+    return dx, lambda: wgrad_fn(dy8, dy8_scale, x8, x8_scale)
 
 
-def _backward(ctx, dy_TO, *_, dgrad=dgrad, wgrad=wgrad):
+def _backward(ctx, dy_TO, *_, ops=(quantize_rows, dgrad, wgrad)):
     """Eager: the functions; the registered autograd (compiled graphs): their custom ops."""
-    dx, dw = backward(ctx.saved_tensors, dy_TO, ctx.needs_input_grad[0], ctx.dtypes, dgrad, wgrad)
-    return dx, dw() if ctx.needs_input_grad[1] else None, None, None, None, None
+    dx, dw = backward(ctx.saved_tensors, dy_TO, ctx.needs_input_grad[0], ctx.dtypes[0], ops)
+    return dx, _cast_back(dw(), ctx.dtypes[1]) if ctx.needs_input_grad[1] else None, None, None, None, None
 
 
-_op.register_autograd(functools.partial(_backward, dgrad=_dgrad_op, wgrad=_wgrad_op), setup_context=_setup)
+_op.register_autograd(
+    functools.partial(_backward, ops=(_rows_op, _dgrad_op, _wgrad_op)), setup_context=_setup
+)
 _fp8_linear = eager_or_custom(_op, _setup, _forward, _backward)
 
 
 def fp8_linear_weight(w_OD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """quantize_weight(w) as one graph node under torch.compile, without autograd (its outputs are
-    fp8 and scales: the gradient reaches w through fp8_linear's own w argument)."""
+    """quantize_weight(w): (w8_OD, w8_scale_O, w8t_DO, w8t_scale_D), as one graph node under
+    torch.compile, without autograd (the gradient reaches w through fp8_linear's own w argument)."""
     if torch.compiler.is_compiling():
         return _weight_op(w_OD.detach())
     with torch.no_grad():
@@ -152,21 +161,21 @@ def fp8_linear_weight(w_OD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 def forward(x_TD: Tensor, w_OD: Tensor, w8=None) -> tuple[Tensor, tuple[Tensor, ...]]:
     """fp8_linear's forward on 2-D x without autograd, for a caller running the backward itself
-    (`backward`): -> (y_TO, saved). w8: fp8_linear_weight(w), or None to compute it here."""
+    (`backward`): -> (y_TO, saved). w8: fp8_linear_weight(w) (or w's kept copies), or None."""
     _check(x_TD, w_OD, w_OD.requires_grad)
     w8 = fp8_linear_weight(w_OD) if w8 is None else w8
-    y, *saved = _forward(x_TD.contiguous(), w_OD, *w8)
-    return y, (*saved, *w8[2:])
+    y, *saved = _forward(x_TD.contiguous(), w_OD, *w8[:4])
+    return y, (*saved, *w8[2:4])
 
 
 def fp8_linear(x_TD: Tensor, w_OD: Tensor, w8=None) -> Tensor:
-    """x @ w.T (nn.Linear's layout: w is [out, in]) through FP8 GEMMs, in x's dtype; x may have leading dims.
-    w8: fp8_linear_weight(w) computed beforehand (it must be of w's current values), or None.
-    On CUDA the feature sizes, and when w needs a gradient the rows, must be multiples of 16 (the FP8
-    GEMM's alignment along the contracted axis)."""
+    """x @ w.T (nn.Linear's layout: w is [out, in]) through FP8 GEMMs, in x's dtype; x may have leading
+    dims. w8: fp8_linear_weight(w) computed beforehand (of w's current values, or the optimizer's kept
+    copies), or None. On CUDA the feature sizes, and when w needs a gradient the rows, must be
+    multiples of 16 (the FP8 GEMM's alignment along the contracted axis)."""
     _check(x_TD, w_OD, torch.is_grad_enabled() and w_OD.requires_grad)
     w8 = fp8_linear_weight(w_OD) if w8 is None else w8
-    y = _fp8_linear(x_TD.reshape(-1, w_OD.shape[1]).contiguous(), w_OD, *w8)[0]
+    y = _fp8_linear(x_TD.reshape(-1, w_OD.shape[1]).contiguous(), w_OD, *w8[:4])[0]
     return y.view(*x_TD.shape[:-1], w_OD.shape[0])
 
 
@@ -189,13 +198,10 @@ def _check(x_TD: Tensor, w_OD: Tensor, training: bool) -> None:
 
 def fp8_linear_reference(x_TD: Tensor, w_OD: Tensor, dy_TO: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The specification in float64 from the dequantised operands (x8 etc. of the module docstring,
-    quantised by the fp8_quant references): -> (y = x8 @ w8.T, dx = dy8 @ w8c, dw = dy8c.T @ x8c)."""
-
-    def rows(t):
-        return dequantize_rows(*quantize_rows_reference(t))
-
-    def cols_t(t):  # t's columns quantised, transposed: [K, M]
-        ends = torch.full((1,), t.shape[0], dtype=torch.int32)
-        return dequantize_cols(*quantize_cols_reference(t[None], ends), ends)[0]
-
-    return rows(x_TD) @ rows(w_OD).T, rows(dy_TO) @ cols_t(w_OD).T, cols_t(dy_TO) @ cols_t(x_TD).T
+    made by the fp8_quant references): -> (y = x8 @ w8.T, dx = dy8 @ w8, dw = dy8c @ x8c.T)."""
+    x8, dy8 = quantize_rows_reference(x_TD), quantize_rows_reference(dy_TO)
+    q, scale_O, _, _ = quantize_weight_reference(w_OD[None])
+    w8 = dequantize_rows(q[0], scale_O[0])
+    one = torch.full((1,), x_TD.shape[0], dtype=torch.int32)
+    cols = lambda t8: dequantize_cols(*cols_from_rows_reference(*t8, one), one)  # noqa: E731
+    return dequantize_rows(*x8) @ w8.T, dequantize_rows(*dy8) @ w8, cols(dy8) @ cols(x8).T

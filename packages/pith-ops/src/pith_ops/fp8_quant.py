@@ -1,18 +1,34 @@
-"""FP8 (e4m3) quantisation with power-of-two scales: along rows, or along columns with a transposed copy.
+"""FP8 (e4m3) quantisation with power-of-two scales, in the three forms the FP8 GEMMs take.
 
-Shape legend: B batch (experts of a stacked weight; 1 otherwise), M rows, K columns, G row groups
-(contiguous row segments ending at group_ends, as the grouped GEMM's experts; 1 otherwise).
+Shape legend: M rows, K columns, G row groups (contiguous row segments ending at group_ends, as the
+grouped GEMM's experts; 1 otherwise), B batch entries (the experts of a stacked weight; 1 otherwise),
+R and C a weight's rows and columns.
 
-A row-wise scaled GEMM multiplies a [M, K] operand whose every row has one scale (the amax over the
-contracted K) by a column-major [K, N] operand whose every column has one. The backward GEMMs contract
-over other axes, so an operand needs a second copy scaled along its columns and stored transposed:
-- quantize_rows(x_MK) -> q_MK, scale_M: amax over each row;
-- quantize_cols(x_BMK, group_ends_G) -> q_BKM (transposed), scale_BGK: amax over each column of each
-  row group (the wgrad of a grouped GEMM contracts over one expert's rows).
-scale = the smallest power of two with amax / scale <= 448 (e4m3's largest finite value), so
-x / scale is exact in fp32, dequantisation (q * scale) is exact, and kernel and reference agree bit
-for bit; an all-zero row gets scale 2^-126. The power of two costs at most one bit of range against
-amax / 448 (DeepSeek-V3 and torchao round scales the same way).
+A row-wise scaled GEMM multiplies a [M, K] operand whose every row has one scale by a column-major
+[K, N] operand whose every column has one, both scaled along the contracted K:
+- quantize_rows(x_MK) -> q_MK, scale_M: one scale per row (amax over the row). Activations and output
+  gradients, for the forward and the input-gradient GEMMs.
+- cols_from_rows(q_MK, scale_M, group_ends_G) -> qc_KM, scale_GK: those rows' values with one scale per
+  row group (the largest of its rows' scales), stored transposed: the weight gradient's operands,
+  contracting over the rows (one expert's rows in the grouped GEMM). Made from the e4m3 rows in one
+  pass (1 byte read and 1 written per element; the row and group scales are powers of two, so a
+  value is rescaled exactly unless it becomes an e4m3 subnormal), every tile in parallel. Not one
+  scale per column (the amax of each column over the group's rows): that needs a second pass over
+  the rows, which measured 21% of copy bandwidth in one launch per column strip (H200, 627 us at
+  [132992, 2048] against ~150 us for this). The cost is range: a row whose scale is 2^-k of the
+  group's loses k binades at the bottom of e4m3's (17 binades in all, 14 normal), as under
+  TransformerEngine's per-tensor scaling; the weight gradient is a sum over the group's rows, in
+  which the rows of large scale dominate.
+- quantize_weight(w_BRC, amax_B) -> q_BRC, scale_BR, qT_BCR, scale_BC: one scale per batch entry (the
+  whole matrix, or one expert), in the weight's layout and transposed: the forward's and the input
+  gradient's operands. Tensor-wise, so the transposed copy needs no second amax and the optimizer
+  can write both copies in its update pass (pith_ops.adamw_): the scales are repeated per row and per
+  column, the vectors the row-wise GEMMs take.
+scale = the smallest power of two with amax / scale <= 448 (e4m3's largest finite value), so x / scale
+is exact in fp32, dequantisation (q * scale) is exact, and kernels and references agree bit for bit;
+an all-zero row gets scale 2^-126. The power of two costs at most one bit of range against amax / 448
+(DeepSeek-V3 and torchao round scales the same way). Values past 448 * scale (a weight whose amax grew
+since its scale was set) saturate at +-448.
 """
 
 import torch
@@ -21,16 +37,17 @@ import triton.language as tl
 from torch import Tensor
 
 from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, INTERPRET, check, use_triton
-from pith_ops.grouped_gemm import _group_of_tile
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Rows kernel: BLOCK_M rows per program, BLOCK_K columns per loop step (82% of copy bandwidth on an
-# H200 at [131072, 2048] bf16). The column kernel's tile is autotuned per shape (both passes can rerun:
-# an atomic max and a store of the same values); the interpreter (CPU tests) gets one small tile.
+# H200 at [131072, 2048] bf16). The interpreter (CPU tests) gets small tiles.
 ROWS_TILE = (4, 128) if INTERPRET else (16, 1024)
-_COLS_TILES = ((16, 32, 1),) if INTERPRET else ((64, 128, 4), (128, 64, 4), (128, 128, 8), (256, 64, 8))
-_COLS_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_K": k}, num_warps=w) for m, k, w in _COLS_TILES]
+# Columns kernel: [BLOCK_M rows, BLOCK_K columns] e4m3 tiles, 4 warps (H200, [132992, 2048] e4m3 rows:
+# 64 x 128 149 us, 88% of copy; 128 x 128 149 us; 64 x 64 187 us; 128 x 64 186 us; 8 warps slower);
+# weight kernel: [BLOCK_R, BLOCK_C] fp32 tiles.
+COLS_TILE = (16, 32) if INTERPRET else (64, 128)
+WEIGHT_TILE = (16, 16) if INTERPRET else (64, 64)
 
 
 @triton.jit
@@ -46,6 +63,16 @@ def _pow2_scale(amax):
 @triton.jit
 def _cast(x, inv):
     return tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
+
+
+@triton.jit
+def _store_transposed(out_ptr, rows, cols, s_out, y, mask):
+    """out[cols, rows] = y[rows, cols] in out's dtype (its rows s_out apart). y in fp32, cast after the
+    transpose: an e4m3 tile stored in two layouts (a weight's copies) lost a quarter of its transposed
+    values on an H200 (torch 2.11, Triton 3.6), with tl.trans and with the compiler's own layout
+    change alike; transposing in fp32 then casting costs the same (measured, one layout)."""
+    out = out_ptr + cols.to(tl.int64)[:, None] * s_out + rows[None, :]
+    tl.store(out, tl.trans(y).to(out_ptr.dtype.element_ty), mask=tl.trans(mask))
 
 
 @triton.jit
@@ -66,34 +93,67 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K
         tl.store(q_ptr + base + k0 + ks[None, :], _cast(x, inv[:, None]).to(q_ptr.dtype.element_ty), mask=m)
 
 
-@triton.autotune(_COLS_CONFIGS, key=["M", "K", "G", "WRITE"])
 @triton.jit
-def _quant_cols_kernel(
-    x_ptr, q_ptr, amax_ptr, ends_ptr, G, M, K, s_qb, s_qk,
-    G_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WRITE: tl.constexpr,
-):  # fmt: skip
-    """One [BLOCK_M, BLOCK_K] tile of one row group of batch entry program_id(2). Pass 1 (not WRITE):
-    atomic max of the tile's column amaxes into amax[b, g, :]. Pass 2: q[b, cols, rows] = x / scale."""
-    g, row0, row_end = _group_of_tile(ends_ptr, tl.program_id(0), G, BLOCK_M, G_P2)
-    if g >= G:  # the grid has room for the worst case; the spare programs leave at once
-        return
-    b = tl.program_id(2).to(tl.int64)
-    rows = row0 + tl.arange(0, BLOCK_M)
+def _group_scale_kernel(s_ptr, ends_ptr, scale_ptr, f_ptr, M, K, G, BLOCK: tl.constexpr):
+    """Group program_id(0): S = its largest row scale (2^-126 for an empty group), scale[g, :] = S and,
+    for each of its rows, f = s / S (a power of two, exact); the last group's program sets f = 0 for
+    the rows past it."""
+    g = tl.program_id(0)
+    end = tl.load(ends_ptr + g)
+    start = tl.minimum(tl.load(ends_ptr + g - 1, mask=g > 0, other=0), end)
+    offs = tl.arange(0, BLOCK)
+    top = tl.full([BLOCK], 2.0**-126, tl.float32)
+    for r0 in range(start, end, BLOCK):
+        top = tl.maximum(top, tl.load(s_ptr + r0 + offs, mask=r0 + offs < end, other=0.0))
+    S = tl.max(top, 0)
+    for r0 in range(start, end, BLOCK):
+        m = r0 + offs < end
+        tl.store(f_ptr + r0 + offs, tl.div_rn(tl.load(s_ptr + r0 + offs, mask=m, other=0.0), S), mask=m)
+    for k0 in range(0, K, BLOCK):
+        tl.store(scale_ptr + g * K + k0 + offs, tl.zeros([BLOCK], tl.float32) + S, mask=k0 + offs < K)
+    if g == G - 1:
+        for r0 in range(end, M, BLOCK):
+            tl.store(f_ptr + r0 + offs, tl.zeros([BLOCK], tl.float32), mask=r0 + offs < M)
+
+
+@triton.jit
+def _cols_kernel(q_ptr, f_ptr, out_ptr, M, K, s_out, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_M rows, BLOCK_K columns] tile: the rows rescaled by f (their scale over their group's)
+    and stored transposed. The masks use M and K, not the group ends: bounds the compiler knows the
+    alignment of (multiples of 16) let it vectorise the loads and stores: with the last group end
+    (read from memory) as the row bound this kernel ran at 9% of copy bandwidth (H200)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    m = (rows[:, None] < row_end) & (cols[None, :] < K)
-    x = tl.load(x_ptr + b * M * K + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=m, other=0.0)
-    x = x.to(tl.float32)
-    a_p = amax_ptr + (b * G + g) * K + cols
-    if WRITE:
-        _, inv = _pow2_scale(tl.load(a_p, mask=cols < K, other=0.0))
-        q_p = q_ptr + b * s_qb + cols.to(tl.int64)[:, None] * s_qk + rows[None, :]
-        tl.store(q_p, tl.trans(_cast(x, inv[None, :]).to(q_ptr.dtype.element_ty)), mask=tl.trans(m))
-    else:
-        tl.atomic_max(a_p, tl.max(tl.abs(x), 0), mask=cols < K)
+    m = (rows < M)[:, None] & (cols < K)[None, :]
+    x = tl.load(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    f = tl.load(f_ptr + rows, mask=rows < M, other=0.0)
+    _store_transposed(out_ptr, rows, cols, s_out, _cast(x, f[:, None]), m)
+
+
+@triton.jit
+def _weight_kernel(
+    w_ptr, q_ptr, qt_ptr, amax_ptr, s_rows_ptr, s_cols_ptr, R, C, s_qtb, s_qtc,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_R, BLOCK_C] tile of batch entry program_id(2): q = w / scale in w's layout and
+    transposed, scale from amax[b]; the first tile row and column also write the repeated scales."""
+    b = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    scale, inv = _pow2_scale(tl.load(amax_ptr + b))
+    m = (rows < R)[:, None] & (cols < C)[None, :]
+    offs = b * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :]
+    q = _cast(tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32), inv)
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+    _store_transposed(qt_ptr + b * s_qtb, rows, cols, s_qtc, q, m)
+    if tl.program_id(1) == 0:
+        tl.store(s_rows_ptr + b * R + rows, tl.zeros([BLOCK_R], tl.float32) + scale, mask=rows < R)
+    if tl.program_id(0) == 0:
+        tl.store(s_cols_ptr + b * C + cols, tl.zeros([BLOCK_C], tl.float32) + scale, mask=cols < C)
 
 
 def pow2_scale(amax: Tensor) -> Tensor:
-    """The scale of _pow2_scale, in torch (the references and the column kernel's last step use it)."""
+    """The scale of _pow2_scale, in torch (the references use it)."""
     bits = amax.float().view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
     return (e.clamp(1, 253) << 23).view(torch.float32)
@@ -107,6 +167,12 @@ def _interpreted_cast(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     """Triton's CPU interpreter drops the carry when e4m3 rounding crosses into the next binade (127.85
     -> 64, not 128); interpreted kernels write the exact fp32 quotients and torch casts them."""
     return q.to(FP8), scale
+
+
+def empty_cols(K: int, M: int, dtype: torch.dtype = FP8, device=None, batch: tuple = ()) -> Tensor:
+    """A transposed copy q_KM (or [*batch, K, M]): rows of M padded in storage to a multiple of 16
+    elements, so it is a valid FP8 GEMM operand (16-byte row strides) for any M."""
+    return torch.empty(*batch, K, (M + 15) // 16 * 16, dtype=dtype, device=device)[..., :M]
 
 
 def quantize_rows(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, Tensor]:
@@ -126,51 +192,85 @@ def quantize_rows(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, T
     return q, scale
 
 
-def empty_cols(B: int, K: int, M: int, dtype: torch.dtype = FP8, device=None) -> Tensor:
-    """quantize_cols' output q_BKM: rows of M padded in storage to a multiple of 16 elements, so the
-    transposed copy is a valid FP8 GEMM operand (16-byte row strides) for any M."""
-    return torch.empty(B, K, (M + 15) // 16 * 16, dtype=dtype, device=device)[..., :M]
-
-
-def quantize_cols(
-    x_BMK: Tensor, group_ends_G: Tensor | None = None, out_dtype: torch.dtype = FP8
+def cols_from_rows(
+    q_MK: Tensor, scale_M: Tensor, group_ends_G: Tensor | None = None, out_dtype: torch.dtype = FP8
 ) -> tuple[Tensor, Tensor]:
-    """-> q_BKM (x transposed, / scale; laid out by empty_cols), scale_BGK (fp32, amax of each column
-    over each row group; group_ends_G: int32 ends, non-decreasing, last <= M; None: one group of all
-    M rows). Rows past the last end are not read, and their columns of q are left unwritten. A 2-D x
-    is a batch of one."""
-    check("x_BMK", x_BMK, dtypes=FLOAT_DTYPES, contiguous=True)
-    if x_BMK.ndim not in (2, 3):
-        raise ValueError(f"x_BMK: expected 2 or 3 dimensions, got shape {tuple(x_BMK.shape)}")
-    x3 = x_BMK if x_BMK.ndim == 3 else x_BMK[None]
-    B, M, K = x3.shape
+    """-> qc_KM (laid out by empty_cols), scale_GK (fp32): the rows q_MK * scale_M (quantize_rows'
+    output) with one scale per row group, the largest of its rows' (repeated per column: the vector
+    a row-wise GEMM takes), stored transposed (module docstring). group_ends_G: int32 ends,
+    non-decreasing, last <= M; None: one group of all M rows. Rows past the last end are not read,
+    and their columns of qc are zero."""
+    check("q_MK", q_MK, ndim=2, dtypes=(FP8, torch.float32), contiguous=True)
+    M, K = q_MK.shape
+    check("scale_M", scale_M, ndim=1, dtypes=(torch.float32,), device=q_MK.device, contiguous=True)
+    if scale_M.shape[0] != M:
+        raise ValueError(f"scale_M: expected one scale per row of q_MK ({M}), got {scale_M.shape[0]}")
     if group_ends_G is None:
-        group_ends_G = torch.full((1,), M, dtype=torch.int32, device=x3.device)
-    check("group_ends_G", group_ends_G, ndim=1, dtypes=INDEX_DTYPES, device=x3.device)
-    q = empty_cols(B, K, M, out_dtype, x3.device)
-    if not use_triton(x3):
-        ref_q, scale = quantize_cols_reference(x3, group_ends_G, out_dtype)
-        q.copy_(ref_q)
+        group_ends_G = torch.full((1,), M, dtype=torch.int32, device=q_MK.device)
+    check("group_ends_G", group_ends_G, ndim=1, dtypes=INDEX_DTYPES, device=q_MK.device)
+    G = group_ends_G.shape[0]
+    out = empty_cols(K, M, out_dtype, q_MK.device)
+    if not use_triton(q_MK):
+        ref, scale = cols_from_rows_reference(q_MK, scale_M, group_ends_G, out_dtype)
+        out.copy_(ref)
+        return out, scale
+    if INTERPRET and out_dtype == FP8:  # see _interpreted_cast
+        q32, scale = cols_from_rows(q_MK, scale_M, group_ends_G, torch.float32)
+        return out.copy_(q32), scale
+    ends = group_ends_G.to(torch.int32).contiguous()
+    scale, f = q_MK.new_empty(G, K, dtype=torch.float32), torch.empty_like(scale_M)
+    if G:
+        _group_scale_kernel[(G,)](
+            scale_M, ends, scale, f, M, K, G, BLOCK=64 if INTERPRET else 1024, num_warps=4
+        )
+    bm, bk = COLS_TILE
+    if M and K and G:
+        _cols_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
+            q_MK, f, out, M, K, out.stride(0), BLOCK_M=bm, BLOCK_K=bk, num_warps=4
+        )
+    return out, scale
+
+
+def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torch.dtype = FP8):
+    """-> (q_BRC, scale_BR, qT_BCR, scale_BC): w / scale in w's layout and transposed (qT laid out by
+    empty_cols), with one scale per batch entry repeated along the rows and along the columns. A 2-D
+    w is a batch of one (and gets 2-D outputs and 1-D scales). amax_B (fp32 [B]): the amax the scale
+    comes from (the optimizer's, of the values before its update: pith_ops.adamw_); None: w's own."""
+    check("w_BRC", w_BRC, dtypes=FLOAT_DTYPES, contiguous=True)
+    if w_BRC.ndim not in (2, 3):
+        raise ValueError(f"w_BRC: expected 2 or 3 dimensions, got shape {tuple(w_BRC.shape)}")
+    w3 = w_BRC if w_BRC.ndim == 3 else w_BRC[None]
+    B, R, C = w3.shape
+    if amax_B is None:
+        amax_B = weight_amax(w3)
+    check("amax_B", amax_B, ndim=1, dtypes=(torch.float32,), device=w3.device, contiguous=True)
+    if amax_B.shape[0] != B:
+        raise ValueError(f"amax_B: expected one amax per batch entry ({B}), got {amax_B.shape[0]}")
+    if not use_triton(w3):
+        out = quantize_weight_reference(w3, amax_B, out_dtype)
     elif INTERPRET and out_dtype == FP8:  # see _interpreted_cast
-        q32, scale = quantize_cols(x3, group_ends_G, torch.float32)
-        q.copy_(q32)  # torch's cast
+        q, s_rows, qt, s_cols = quantize_weight(w3, amax_B, torch.float32)
+        qt8 = empty_cols(C, R, FP8, w3.device, (B,))
+        out = q.to(FP8), s_rows, qt8.copy_(qt), s_cols
     else:
-        G = group_ends_G.shape[0]
-        ends = group_ends_G.to(torch.int32).contiguous()
-        amax = torch.zeros(B, G, K, dtype=torch.float32, device=x3.device)
-        if M * K and G:
-            for write in (False, True):
-                grid = lambda meta: (
-                    triton.cdiv(M, meta["BLOCK_M"]) + min(G, M),
-                    triton.cdiv(K, meta["BLOCK_K"]),
-                    B,
-                )
-                _quant_cols_kernel[grid](
-                    x3, q, amax, ends, G, M, K, q.stride(0), q.stride(1),
-                    G_P2=triton.next_power_of_2(G), WRITE=write,
-                )  # fmt: skip
-        scale = pow2_scale(amax)
-    return (q, scale) if x_BMK.ndim == 3 else (q[0], scale[0])
+        q = torch.empty(B, R, C, dtype=out_dtype, device=w3.device)
+        qt = empty_cols(C, R, out_dtype, w3.device, (B,))
+        s_rows, s_cols = w3.new_empty(B, R, dtype=torch.float32), w3.new_empty(B, C, dtype=torch.float32)
+        br, bc = WEIGHT_TILE
+        if w3.numel():
+            grid = (triton.cdiv(R, br), triton.cdiv(C, bc), B)
+            _weight_kernel[grid](w3, q, qt, amax_B, s_rows, s_cols, R, C, qt.stride(0), qt.stride(1),
+                                 BLOCK_R=br, BLOCK_C=bc, num_warps=4)  # fmt: skip
+        out = q, s_rows, qt, s_cols
+    return out if w_BRC.ndim == 3 else tuple(t[0] for t in out)
+
+
+def weight_amax(w_BRC: Tensor) -> Tensor:
+    """amax_B (fp32) of a 3-D weight's batch entries, or [1] of a 2-D one: one read, nothing written."""
+    w3 = w_BRC.detach().flatten(1) if w_BRC.ndim == 3 else w_BRC.detach().reshape(1, -1)
+    if not w3.numel():
+        return w3.new_zeros(w3.shape[0], dtype=torch.float32)
+    return torch.linalg.vector_norm(w3, float("inf"), dim=1).float()
 
 
 def quantize_rows_reference(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, Tensor]:
@@ -179,20 +279,33 @@ def quantize_rows_reference(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple
     return _quantize(x_MK, scale[:, None], out_dtype), scale
 
 
-def quantize_cols_reference(x_BMK: Tensor, group_ends_G: Tensor, out_dtype: torch.dtype = FP8):
-    """Per batch entry and row group g (rows group_ends[g-1]:group_ends[g]): scale[b, g, k] =
-    pow2_scale(amax over the group's rows of column k), q[b, k, rows of g] = x[b, rows, k] / scale.
-    Rows past the last end are zero in q."""
-    B, M, K = x_BMK.shape
-    q = torch.zeros(B, K, M, dtype=out_dtype, device=x_BMK.device)
-    amax = x_BMK.new_zeros(B, group_ends_G.shape[0], K, dtype=torch.float32)
+def cols_from_rows_reference(
+    q_MK: Tensor, scale_M: Tensor, group_ends_G: Tensor, out_dtype: torch.dtype = FP8
+) -> tuple[Tensor, Tensor]:
+    """Per row group g (rows group_ends[g-1]:group_ends[g]): S = the largest scale_M of its rows
+    (2^-126 for none), qc[:, rows of g] = clamp(q * scale_M / S, +-448) in out_dtype, transposed;
+    scale[g, :] = S. Rows past the last end are zero in qc."""
+    M, K = q_MK.shape
+    qc = torch.zeros(K, M, dtype=out_dtype, device=q_MK.device)
+    scale = torch.full((group_ends_G.shape[0], K), 2.0**-126, device=q_MK.device)
     start = 0
     for g, end in enumerate(group_ends_G.tolist()):
         if end > start:
-            amax[:, g] = x_BMK[:, start:end].float().abs().amax(1)
-            q[:, :, start:end] = _quantize(x_BMK[:, start:end], pow2_scale(amax[:, g])[:, None], out_dtype).mT
+            scale[g] = scale_M[start:end].max()
+            x = q_MK[start:end].double() * scale_M[start:end, None].double()
+            qc[:, start:end] = _quantize(x, scale[g, 0], out_dtype).T
         start = max(start, end)
-    return q, pow2_scale(amax)
+    return qc, scale
+
+
+def quantize_weight_reference(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torch.dtype = FP8):
+    """quantize_weight in torch: scale_B = pow2_scale(amax_B, default each entry's amax), q = clamp(w /
+    scale, +-448), qT its transpose, the scales repeated [B, R] and [B, C]."""
+    B, R, C = w_BRC.shape
+    amax = w_BRC.float().abs().flatten(1).amax(1) if amax_B is None and w_BRC.numel() else amax_B
+    scale = pow2_scale(w_BRC.new_zeros(B) if amax is None else amax)
+    q = _quantize(w_BRC, scale[:, None, None], out_dtype)
+    return q, scale[:, None].expand(B, R).contiguous(), q.mT, scale[:, None].expand(B, C).contiguous()
 
 
 def dequantize_rows(q_MK: Tensor, scale_M: Tensor) -> Tensor:
@@ -200,12 +313,12 @@ def dequantize_rows(q_MK: Tensor, scale_M: Tensor) -> Tensor:
     return q_MK.double() * scale_M.double()[:, None]
 
 
-def dequantize_cols(q_BKM: Tensor, scale_BGK: Tensor, group_ends_G: Tensor) -> Tensor:
-    """The inverse of quantize_cols in float64, still transposed: [B, K, M]; rows past the last end 0."""
+def dequantize_cols(qc_KM: Tensor, scale_GK: Tensor, group_ends_G: Tensor) -> Tensor:
+    """The inverse of cols_from_rows in float64, still transposed: [K, M]; rows past the last end 0."""
     ends = group_ends_G.long().cpu()
     sizes = torch.diff(ends, prepend=ends.new_zeros(1)).clamp(min=0)
-    scale_BKM = scale_BGK.double().transpose(1, 2).repeat_interleave(sizes.to(scale_BGK.device), dim=2)
-    out = torch.zeros(q_BKM.shape, dtype=torch.float64, device=q_BKM.device)
-    n = scale_BKM.shape[2]
-    out[..., :n] = q_BKM[..., :n].double() * scale_BKM
+    scale_KM = scale_GK.double().T.repeat_interleave(sizes.to(scale_GK.device), dim=1)
+    out = torch.zeros(qc_KM.shape, dtype=torch.float64, device=qc_KM.device)
+    n = scale_KM.shape[1]
+    out[:, :n] = qc_KM[:, :n].double() * scale_KM
     return out

@@ -19,7 +19,8 @@ class AdamW(torch.optim.AdamW):
     gradient by the device scalar coef inside the update (gradient clipping without a pass of its
     own, measured in the pith-train README), and skips the update where coef is not finite. The step
     count stays on the host, so the bias corrections need no sync. A weight with a kept bf16 cast
-    (pith_ops.cast: the expert and lm_head weights) gets it rewritten in the same pass, and its
+    (pith_ops.cast: the expert and lm_head weights), or kept FP8 copies (train.fp8:
+    pith_engine.layers.FP8Switch.fp8_weight), gets them rewritten in the same pass, and its
     gradient read in bf16 from that cast (pith_ops.grad: the kept gradients, bit for bit the widened
     ones), so zero_grad drops those too."""
 
@@ -57,6 +58,7 @@ class AdamW(torch.optim.AdamW):
                     w, *(local(t) for t in (grad, state["exp_avg"], state["exp_avg_sq"])), grad_scale,
                     lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                     eps=group["eps"], step=int(state["step"]), copy=pith_ops.kept_copy(w),
+                    fp8=pith_ops.kept_copy(w, torch.float8_e4m3fn),
                 )  # fmt: skip
 
 

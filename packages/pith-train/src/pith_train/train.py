@@ -58,10 +58,8 @@ def step_settings(cfg: Config, model: nn.Module) -> tuple[Aux, float, float]:
 
 
 def apply_fp8(cfg: Config, model: nn.Module) -> None:
-    """train.fp8 on the (sharded) model; the FP8 weight copies cached per step only where a step
-    quantises a weight more than once (several micro-batches or recompute): the cache costs 2 bytes
-    per parameter held to the step's end, which with one micro-batch buys nothing (layers.use_fp8)."""
-    use_fp8(model, cfg.train.fp8, cache=cfg.micro_batches > 1 or cfg.train.ac != "none")
+    """train.fp8 on the (sharded) model (pith_engine.layers.use_fp8)."""
+    use_fp8(model, cfg.train.fp8)
 
 
 def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages:
