@@ -13,6 +13,15 @@ addmm (fp32 inside each matmul, one rounding per chunk): an fp32 accumulator wou
 traffic per chunk, ~1.2 ms against ~10 ms of matmuls at the sizes above (estimated, not measured).
 Labels outside [0, V) other than ignore_index are checked only for CPU tensors in eager mode (a
 host sync on CUDA); on CUDA such a row reads no logit, so its loss is its log-sum-exp.
+
+FP8 (w8 = quantize_weight(w), pith_ops.fp8_quant, which a caller may keep while w is unchanged): the
+logits and dh GEMMs take e4m3 operands with row-wise power-of-two scales (torch._scaled_mm, bf16
+out). h is quantised by rows once; the kernel also writes the gradient rows in e4m3 with one scale
+per row, quantize_rows of its fp32 gradient bit for bit, the row's amax known after the
+log-sum-exp pass (no third read of the logits; the rows take half the chunk's bf16 logits again in
+memory). dw stays a bf16 GEMM of the bf16 gradient and h: an FP8 wgrad contracts over the chunk's
+tokens, so it needs the gradient requantised by columns (transposed) and then a bf16 accumulate
+pass, measured by us on an H200 at ~2.7 ms a chunk against 2.6 ms for the bf16 GEMM: no gain.
 """
 
 import torch
@@ -22,17 +31,34 @@ import triton.language as tl
 from torch import Tensor
 
 from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, INTERPRET, check, use_triton
+from pith_ops.fp8_linear import _mm
+from pith_ops.fp8_quant import (
+    FP8,
+    _cast,
+    _interpreted_cast,
+    _pow2_scale,
+    dequantize_rows,
+    quantize_rows,
+    quantize_rows_reference,
+    quantize_weight_reference,
+)
 
 CHUNK_LOGITS = 2**29  # logits per chunk: 1 GiB in bf16; C = 3533 rows at V = 151,936
 BLOCK_V = 256 if INTERPRET else 4096
+# dh's FP8 GEMM with fast accumulation. Measured by us on an H200 at [3536, 151936] x [151936, 2048]:
+# fast 1539 us, relative error 2.9e-3 against the dequantised float64 product; fp32 promotion 1926 us,
+# 1.6e-3; bf16 3101 us. Off to start with: over the whole vocabulary fast accumulation nearly doubles
+# the error for a fifth of this GEMM's time.
+FAST = False
 
 
 @triton.jit
 def _ce_rows_kernel(
-    logits_CV_ptr, labels_ptr, loss_ptr, scale_ptr, V, ignore_index,
-    WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_CV_ptr, labels_ptr, loss_ptr, scale_ptr, g8_ptr, g8_scale_ptr, V, ignore_index,
+    WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """Per row: loss = lse - logit[label] (0 if ignored); WRITE_GRAD: row <- (softmax - onehot) * scale."""
+    """Per row: loss = lse - logit[label] (0 if ignored); WRITE_GRAD: row <- g = (softmax - onehot) *
+    scale; WRITE_G8: g8 row, g8 scale <- quantize_rows(g) of the fp32 g (e4m3 or fp32 quotients)."""
     row = tl.program_id(0)
     base = logits_CV_ptr + row.to(tl.int64) * V
     label = tl.load(labels_ptr + row).to(tl.int32)
@@ -40,12 +66,15 @@ def _ce_rows_kernel(
     # Online log-sum-exp kept per lane, merged once at the end.
     # Lanes start at the lowest finite fp32, not -inf, so m - m_new is never inf - inf.
     m = tl.full([BLOCK_V], -3.4e38, tl.float32)
+    m_excl = m  # WRITE_G8: per lane, the largest logit other than the label's
     s = tl.zeros([BLOCK_V], tl.float32)
     for v0 in range(0, V, BLOCK_V):
         x = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, x)
         s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
         m = m_new
+        if WRITE_G8:
+            m_excl = tl.maximum(m_excl, tl.where(v0 + cols == label, -3.4e38, x))
     row_max = tl.max(m, 0)
     lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), 0))
     valid = label != ignore_index
@@ -54,11 +83,49 @@ def _ce_rows_kernel(
     tl.store(loss_ptr + row, tl.where(valid, lse - target, 0.0))
     if WRITE_GRAD:
         scale = tl.where(valid, tl.load(scale_ptr), 0.0)
+        if WRITE_G8:
+            # The row's largest |g| below, from the same fp32 expressions on the same inputs: exp is
+            # monotone and scale >= 0, so it is at the largest logit other than the label's, or at the
+            # label. Hence the scale is quantize_rows' own.
+            at_label = tl.where(in_vocab, tl.abs((tl.exp(target - lse) - 1.0) * scale), 0.0)
+            g8_scale, inv = _pow2_scale(tl.maximum(tl.exp(tl.max(m_excl, 0) - lse) * scale, at_label))
+            tl.store(g8_scale_ptr + row, g8_scale)
         for v0 in range(0, V, BLOCK_V):
             c = v0 + cols
             x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
             g = (tl.exp(x - lse) - (c == label).to(tl.float32)) * scale
             tl.store(base + c, g.to(logits_CV_ptr.dtype.element_ty), mask=c < V)
+            if WRITE_G8:  # from the fp32 g, not the bf16 stored: rounding twice can land elsewhere
+                g8 = g8_ptr + row.to(tl.int64) * V + c
+                tl.store(g8, _cast(g, inv).to(g8_ptr.dtype.element_ty), mask=c < V)
+
+
+def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=None):
+    """The kernel over a chunk's rows, or its math in torch (CPU without the interpreter; float64 logits
+    stay float64). g8: (g8_CV, g8_scale_C) buffers for the gradient's quantize_rows, or None."""
+    if use_triton(logits_CV) and logits_CV.dtype != torch.float64:  # g8 None: loss_C stands in, unread
+        _ce_rows_kernel[(logits_CV.shape[0],)](
+            logits_CV, labels_C, loss_C, scale, *(g8 or (loss_C, loss_C)), logits_CV.shape[1], ignore_index,
+            WRITE_GRAD=write_grad, WRITE_G8=g8 is not None, BLOCK_V=BLOCK_V, num_warps=1 if INTERPRET else 8,
+        )  # fmt: skip
+        return
+    x = logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32))
+    valid = labels_C != ignore_index
+    onehot = F.one_hot(torch.where(valid, labels_C, 0).long(), x.shape[1]) * valid[:, None]
+    lse = x.logsumexp(1)
+    loss_C.copy_(torch.where(valid, lse - (x * onehot).sum(1), 0.0))
+    if write_grad:
+        g = (torch.exp(x - lse[:, None]) - onehot) * torch.where(valid, scale, 0.0)[:, None]
+        logits_CV.copy_(g)
+        if g8 is not None:
+            for out, t in zip(g8, quantize_rows_reference(g, g8[0].dtype)):
+                out.copy_(t)
+
+
+def _grad_scale(labels_T: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
+    """-> (n_valid, the gradient scale): 1 / n_valid for the mean, on the device (no host sync)."""
+    n_valid = (labels_T != ignore_index).sum(dtype=torch.float32)
+    return n_valid, 1.0 / n_valid.clamp(min=1.0) if reduction == "mean" else torch.ones_like(n_valid)
 
 
 @torch.library.custom_op("pith::linear_cross_entropy", mutates_args=())
@@ -70,26 +137,36 @@ def _lce_op(
     reduction: str,
     grad_h: bool,
     grad_w: bool,
+    w8_VD: Tensor | None = None,
+    w8_scale_V: Tensor | None = None,
+    w8t_DV: Tensor | None = None,
+    w8t_scale_D: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """w8_*: quantize_weight(w_VD) for the FP8 GEMMs, or None (module docstring)."""
     T, V = h_TD.shape[0], w_VD.shape[0]
-    valid = labels_T != ignore_index
-    n_valid = valid.sum(dtype=torch.float32)
-    # The gradient scale stays on the device: 1 / n_valid for the mean (no host sync to read n_valid).
-    scale = 1.0 / n_valid.clamp(min=1.0) if reduction == "mean" else torch.ones((), device=h_TD.device)
+    n_valid, scale = _grad_scale(labels_T, ignore_index, reduction)
     loss_T = torch.empty(T, dtype=torch.float32, device=h_TD.device)
     dh = torch.empty_like(h_TD) if grad_h else h_TD.new_empty(0)
     dw = torch.zeros_like(w_VD) if grad_w else w_VD.new_empty(0)
-    write_grad = grad_h or grad_w
+    fp8 = w8_VD is not None
+    if fp8:
+        h8_TD, h8_scale_T = quantize_rows(h_TD)
     C = max(1, CHUNK_LOGITS // max(V, 1))
     for c0 in range(0, T, C):
-        h_CD = h_TD[c0 : c0 + C]
-        logits_CV = h_CD @ w_VD.T
-        _ce_rows_kernel[(h_CD.shape[0],)](
-            logits_CV, labels_T[c0 : c0 + C], loss_T[c0 : c0 + C], scale, V, ignore_index,
-            WRITE_GRAD=write_grad, BLOCK_V=BLOCK_V, num_warps=1 if INTERPRET else 8,
-        )  # fmt: skip
-        if grad_h:
-            torch.mm(logits_CV, w_VD, out=dh[c0 : c0 + C])
+        h_CD, rows = h_TD[c0 : c0 + C], slice(c0, c0 + C)
+        g8 = None
+        if fp8:
+            logits_CV = _mm(h8_TD[rows], h8_scale_T[rows], w8_VD, w8_scale_V).to(h_TD.dtype)
+            if grad_h:  # the interpreter writes fp32 quotients (fp8_quant._interpreted_cast)
+                g8_dtype = torch.float32 if INTERPRET else FP8
+                g8 = torch.empty_like(logits_CV, dtype=g8_dtype), loss_T.new_empty(h_CD.shape[0])
+        else:
+            logits_CV = h_CD @ w_VD.T
+        _ce_rows(logits_CV, labels_T[rows], loss_T[rows], scale, ignore_index, grad_h or grad_w, g8)
+        if g8 is not None:
+            dh[rows] = _mm(*(_interpreted_cast(*g8) if INTERPRET else g8), w8t_DV, w8t_scale_D, FAST)
+        elif grad_h:
+            torch.mm(logits_CV, w_VD, out=dh[rows])
         if grad_w:
             dw.addmm_(logits_CV.T, h_CD)
     loss = loss_T.sum()
@@ -97,7 +174,7 @@ def _lce_op(
 
 
 @_lce_op.register_fake
-def _(h_TD, w_VD, labels_T, ignore_index, reduction, grad_h, grad_w):
+def _(h_TD, w_VD, labels_T, ignore_index, reduction, grad_h, grad_w, *w8):
     return (
         h_TD.new_empty((), dtype=torch.float32),
         torch.empty_like(h_TD) if grad_h else h_TD.new_empty(0),
@@ -117,49 +194,54 @@ def _backward(ctx, dloss, _ddh, _ddw):
     return (
         dh * dloss.to(dh.dtype) if ctx.grad_h else None,
         dw * dloss.to(dw.dtype) if ctx.grad_w else None,
-        None, None, None, None, None,
-    )  # fmt: skip
+        *[None] * 9,
+    )
 
 
 _lce_op.register_autograd(_backward, setup_context=_setup)
 
 
 def linear_cross_entropy(
-    h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, ignore_index: int = -100, reduction: str = "mean"
+    h_TD: Tensor,
+    w_VD: Tensor,
+    labels_T: Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    w8: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """cross_entropy(h @ w.T, labels) as an fp32 scalar: "mean" over non-ignored tokens, or "sum"."""
+    """cross_entropy(h @ w.T, labels) as an fp32 scalar: "mean" over non-ignored tokens, or "sum".
+    w8: quantize_weight(w_VD) (of w's current values), for FP8 logits and dh GEMMs; on CUDA D and V
+    must then be multiples of 16. The gradient still reaches w through w_VD."""
     check("h_TD", h_TD, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check("w_VD", w_VD, ndim=2, dtypes=(h_TD.dtype,), device=h_TD.device, contiguous=True)
     check("labels_T", labels_T, ndim=1, dtypes=INDEX_DTYPES, device=h_TD.device, contiguous=True)
-    if w_VD.shape[1] != h_TD.shape[1]:
-        raise ValueError(
-            f"w_VD: expected {h_TD.shape[1]} columns (h_TD's model dim), got shape {tuple(w_VD.shape)}"
-        )
+    V, D = w_VD.shape
+    if h_TD.shape[1] != D:
+        raise ValueError(f"w_VD: expected {h_TD.shape[1]} columns (h_TD's model dim), got shape {(V, D)}")
     if labels_T.shape[0] != h_TD.shape[0]:
         raise ValueError(
             f"labels_T: expected {h_TD.shape[0]} labels (one per row of h_TD), got {labels_T.shape[0]}"
         )
     if reduction not in ("mean", "sum"):
         raise ValueError(f'reduction: expected "mean" or "sum", got {reduction!r}')
+    if w8 is not None:
+        if len(w8) != 4:
+            raise ValueError(f"w8: expected the 4 tensors of quantize_weight(w_VD), got {len(w8)}")
+        for i, (t, shape) in enumerate(zip(w8, ((V, D), (V,), (D, V), (D,)))):
+            check(f"w8[{i}]", t, dtypes=((FP8, torch.float32)[i % 2],), device=h_TD.device)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"w8[{i}]: expected shape {shape} (quantize_weight(w_VD)), got {t.shape}")
+        if h_TD.is_cuda and (D % 16 or V % 16):
+            raise ValueError(f"w8 on CUDA: D and V must be multiples of 16 (the FP8 GEMMs), got {D}, {V}")
     if not labels_T.is_cuda and not torch.compiler.is_compiling():  # a data-dependent check: eager CPU only
-        bad = (labels_T != ignore_index) & ((labels_T < 0) | (labels_T >= w_VD.shape[0]))
+        bad = (labels_T != ignore_index) & ((labels_T < 0) | (labels_T >= V))
         if bad.any():
-            raise ValueError(
-                f"labels_T: expected ids in [0, {w_VD.shape[0]}) or {ignore_index}, got {labels_T[bad][0]}"
-            )
-    if not use_triton(h_TD):
+            raise ValueError(f"labels_T: expected ids in [0, {V}) or {ignore_index}, got {labels_T[bad][0]}")
+    if not use_triton(h_TD) and w8 is None:
         return linear_cross_entropy_reference(h_TD, w_VD, labels_T, ignore_index, reduction)
     grad = torch.is_grad_enabled()
-    out = _lce_op(
-        h_TD,
-        w_VD,
-        labels_T,
-        ignore_index,
-        reduction,
-        grad and h_TD.requires_grad,
-        grad and w_VD.requires_grad,
-    )
-    return out[0]
+    grads = (grad and h_TD.requires_grad, grad and w_VD.requires_grad)
+    return _lce_op(h_TD, w_VD, labels_T, ignore_index, reduction, *grads, *(w8 or (None,) * 4))[0]
 
 
 def linear_cross_entropy_reference(
@@ -169,3 +251,28 @@ def linear_cross_entropy_reference(
     acc = torch.promote_types(h_TD.dtype, torch.float32)
     logits = h_TD.to(acc) @ w_VD.to(acc).T
     return F.cross_entropy(logits, labels_T, ignore_index=ignore_index, reduction=reduction)
+
+
+def dequantized(h_TD: Tensor, w_VD: Tensor) -> tuple[Tensor, Tensor]:
+    """The FP8 operands in float64: h by rows (quantize_rows_reference), w by quantize_weight_reference."""
+    q, scale_V, _, _ = quantize_weight_reference(w_VD[None])
+    return dequantize_rows(*quantize_rows_reference(h_TD)), dequantize_rows(q[0], scale_V[0])
+
+
+def linear_cross_entropy_fp8_reference(
+    h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, ignore_index: int = -100, reduction: str = "mean", dloss=1.0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The FP8 path's specification in float64 -> (loss, dh_TD, dw_VD) for an upstream gradient dloss.
+    x = h8 @ w8.T (dequantized); loss = cross_entropy(x, labels), reduced as linear_cross_entropy's;
+    g = d loss / d x exactly (0 when no token is kept); dh = dloss * g8 @ w8 with g8 =
+    quantize_rows_reference(g rounded to fp32), dequantised (the op quantises before the backward
+    applies dloss); dw = dloss * g.T @ h, with the exact g and the unquantised h (the op's dw is a
+    bf16 GEMM). Not modelled: the op's bf16 (h's dtype) logits, gradient and GEMM outputs."""
+    h8_TD, w8_VD = dequantized(h_TD, w_VD)
+    g_TV = h8_TD @ w8_VD.T  # the logits, overwritten with their gradient
+    loss_T = g_TV.new_empty(g_TV.shape[0])
+    n_valid, scale = _grad_scale(labels_T, ignore_index, reduction)
+    _ce_rows(g_TV, labels_T, loss_T, scale.double(), ignore_index, True)
+    g8_TV = dequantize_rows(*quantize_rows_reference(g_TV.float()))
+    loss = loss_T.sum() / n_valid if reduction == "mean" else loss_T.sum()
+    return loss, dloss * g8_TV @ w8_VD, dloss * g_TV.T @ h_TD.double()
