@@ -199,3 +199,27 @@ def test_a_kept_copy_not_rewritten_is_dropped():
         adamw_(p, torch.randn(8, 16), torch.zeros(8, 16), torch.zeros(8, 16), torch.ones(1), lr=0.1,
                beta1=0.9, beta2=0.95, weight_decay=0.0, eps=1e-8, step=1)  # fmt: skip
     assert kept_copy(p, FP8) is None
+
+
+@pytest.mark.gpu
+def test_fp8_copies_on_gpu_are_the_kernels_new_parameter_quantised():
+    """The compiled kernels' e4m3 casts (the interpreter's are wrong for some values): adamw_'s copies
+    equal quantize_weight_reference of the p it wrote with the old amax, bit for bit, at expert size."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    for shape in ((8, 2048, 1536), (4096, 2048), (3, 40, 24)):
+        p = (torch.randn(shape, device="cuda", generator=gen) * 0.02).requires_grad_()
+        m, v = torch.zeros_like(p), torch.zeros_like(p)
+        keep(p, (*quantize_weight(p.detach()), weight_amax(p)), FP8)
+        for step in (1, 2):
+            old = kept_copy(p, FP8)
+            g = torch.randn(shape, device="cuda", generator=gen).bfloat16()
+            with torch.no_grad():
+                adamw_(p, g, m, v, torch.ones(1, device="cuda"), lr=1e-2, beta1=0.9, beta2=0.95,
+                       weight_decay=0.1, eps=1e-8, step=step, fp8=old)  # fmt: skip
+            new = kept_copy(p, FP8)
+            p3 = p.detach().reshape(-1, *shape[-2:])
+            for got, want in zip(new[:4], quantize_weight_reference(p3, old[4])):
+                want = want.reshape(got.shape)
+                same = got.view(torch.uint8) == want.view(torch.uint8) if got.dtype == FP8 else got == want
+                assert same.all(), (shape, step, (~same).sum().item())
+            assert torch.equal(new[4], weight_amax(p3))

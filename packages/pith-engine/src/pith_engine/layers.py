@@ -185,7 +185,7 @@ class FP8Switch:
             return quantize(w)
         kept = pith_ops.kept_copy(w, torch.float8_e4m3fn)
         if kept is not None:
-            return kept
+            return kept[:4]
         copies = quantize(w)
         if (
             w.__dict__.get("_pith_keep_grad")
@@ -196,15 +196,15 @@ class FP8Switch:
         return copies
 
 
-def use_fp8(model: nn.Module, enabled: bool = True) -> None:
+def use_fp8(model: nn.Module, enabled: bool = True, lm_head: bool = False) -> None:
     """Run every projection (Linear) and expert GEMM of `model` in FP8 (train.fp8): e4m3 operands with
     power-of-two scales (pith_ops.fp8_linear, fp8_grouped_gemm, the recipe in the pith-ops README),
     the weights quantised from their fp32 master copies, once, then by the optimizer's update pass
-    (FP8Switch.fp8_weight). Embeddings, norms, routers, attention and lm_head + loss stay in higher
-    precision."""
-    for m in model.modules():
+    (FP8Switch.fp8_weight). lm_head (a Linear the loss fuses: pith_engine.step.loss_sum) by its own
+    switch (train.fp8_lm_head). Embeddings, norms, routers and attention stay in higher precision."""
+    for name, m in model.named_modules():
         if isinstance(m, FP8Switch):
-            m.fp8 = enabled
+            m.fp8 = lm_head if name == "lm_head" else enabled
 
 
 class Linear(FP8Switch, nn.Linear):
@@ -393,7 +393,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): make_layer(i) for i in ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

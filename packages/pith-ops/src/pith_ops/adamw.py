@@ -13,11 +13,11 @@ square root) in the operation order of its single-tensor path.
 
 `copy`: p's kept bf16 cast (pith_ops.cast's kept copies), rewritten in the same pass as the new p
 rounded to bf16 (2 bytes more per element), so the next forward casts nothing. `fp8`: p's kept FP8
-copies (pith_ops.fp8_quant.quantize_weight's, in p's layout and transposed), likewise rewritten (2
-bytes more: one e4m3 byte each), so FP8 training quantises no weight in its steps. Their scale is the
-old p's (the amax of the new p is reduced by atomics as it is written, for the next update): the
-delayed scaling of TransformerEngine with a history of one step. With a p seen as [B, R, C] tiles
-(64 x 64) the kernel stores each tile's transpose too; a flat p goes in 1 x 4096 tiles.
+copies (pith_ops.fp8_quant.quantize_weight's, in p's layout and transposed), likewise rewritten: the
+copy in p's layout by the update's pass (1 byte more per element), the transposed one and the scales
+after it (fp8_quant.weight_copies: 2 bytes), so FP8 training quantises no weight in its steps. Their
+scale is the old p's (the amax of the new p is reduced by atomics as it is written, for the next
+update): the delayed scaling of TransformerEngine with a history of one step.
 """
 
 import torch
@@ -27,24 +27,17 @@ from torch import Tensor
 
 from pith_ops._common import check, use_triton
 from pith_ops.cast import keep
-from pith_ops.fp8_quant import FP8, _cast, _pow2_scale, _store_transposed, quantize_weight_reference
-
-FP8_TILE = (64, 64)  # [rows, columns] of a tile of p when the FP8 copies are written
+from pith_ops.fp8_quant import FP8, _cast, _pow2_scale, quantize_weight_reference, weight_copies
 
 
 @triton.jit
 def _adamw_kernel(
-    p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, copy_ptr, q_ptr, qt_ptr, s_rows_ptr, s_cols_ptr, amax_ptr,
-    amax_new_ptr, R, C, s_qtb, s_qtc, decay, rest1, beta2, rest2, step_size, bc2_sqrt, eps,
-    COPY: tl.constexpr, FP8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, copy_ptr, q_ptr, amax_ptr, amax_new_ptr, N, RC, decay, rest1,
+    beta2, rest2, step_size, bc2_sqrt, eps, COPY: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One [BLOCK_R, BLOCK_C] tile of batch entry program_id(2) of p viewed as [B, R, C] (a flat p as
-    [1, 1, N] in 1 x 4096 tiles)."""
-    b = tl.program_id(2).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # a flat p's blocks go in dimension 0
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)  # (up to 2^31 - 1, the others 65535)
-    mask = (rows < R)[:, None] & (cols < C)[None, :]
-    offs = b * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :]
+    """BLOCK elements of p (flat); with FP8, p is [B, R, C] flat and element i of batch entry i // RC."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
     scale = tl.load(scale_ptr)
     if scale - scale == 0:  # finite (inf - inf and nan - nan are nan)
         g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * scale
@@ -61,19 +54,25 @@ def _adamw_kernel(
             tl.store(copy_ptr + offs, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
-        if FP8:  # pith_ops.fp8_quant.quantize_weight of the new p with the scale of the old amax
-            w_scale, inv = _pow2_scale(tl.load(amax_ptr + b))
-            q = _cast(p, inv)
-            tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-            _store_transposed(qt_ptr + b * s_qtb, rows, cols, s_qtc, q, mask)
-            tl.atomic_max(amax_new_ptr + b, tl.max(tl.max(tl.where(mask, tl.abs(p), 0.0), 1), 0))
-            if tl.program_id(0) == 0:
-                tl.store(s_rows_ptr + b * R + rows, tl.zeros([BLOCK_R], tl.float32) + w_scale, rows < R)
-            if tl.program_id(1) == 0:
-                tl.store(s_cols_ptr + b * C + cols, tl.zeros([BLOCK_C], tl.float32) + w_scale, cols < C)
-    elif FP8:  # noqa: SIM102 (a constexpr, then a tensor: Triton). Nothing changes: the copies stay, and so does the amax of p
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.atomic_max(amax_new_ptr + b, tl.load(amax_ptr + b))
+        if FP8:  # quantize_weight's copy in p's layout, of the new p with the scale of the old amax
+            b = offs // RC
+            _, inv = _pow2_scale(tl.load(amax_ptr + b, mask=mask, other=0.0))
+            tl.store(q_ptr + offs, _cast(p, inv).to(q_ptr.dtype.element_ty), mask=mask)
+            _amax_into(amax_new_ptr, b, tl.abs(p), mask, RC, BLOCK)
+    elif FP8:  # nothing changes, nor do the copies: the amax stays the old one
+        b = offs // RC
+        _amax_into(amax_new_ptr, b, tl.load(amax_ptr + b, mask=mask, other=0.0), mask, RC, BLOCK)
+
+
+@triton.jit
+def _amax_into(amax_ptr, b, values, mask, RC, BLOCK: tl.constexpr):
+    """amax[b] = max(amax[b], values) for a block's elements of batch entries b: one atomic when the
+    block lies in one entry (RC a multiple of BLOCK: every expert and matrix of the bench), else one
+    per element (small tensors)."""
+    if RC % BLOCK == 0:
+        tl.atomic_max(amax_ptr + tl.min(b, 0), tl.max(tl.where(mask, values, 0.0), 0))
+    else:
+        tl.atomic_max(amax_ptr + b, values, mask=mask)
 
 
 def _constants(lr: float, beta1: float, beta2: float, weight_decay: float, step: int):
@@ -110,25 +109,26 @@ def adamw_(
         )
     if fp8 is not None and (fp8[0].shape != p.shape or p.ndim not in (2, 3)):
         raise ValueError(
-            f"fp8: expected copies of p's shape {tuple(p.shape)} (2-D or 3-D), got {tuple(fp8[0].shape)}"
+            f"fp8: expected copies of p's shape {tuple(p.shape)} (2-D or 3-D), got {fp8[0].shape}"
         )
     if not use_triton(p):
         kw = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, step=step)
         return adamw_reference_(p, g, m, v, scale, **kw, copy=copy, fp8=fp8)
     decay, rest1, rest2, step_size, bc2_sqrt = _constants(lr, beta1, beta2, weight_decay, step)
-    if fp8 is None:  # flat: 4096 elements, 8 warps: 16 fp32 a thread, four 16-byte accesses per tensor
-        (B, R, C), (br, bc), q = (1, 1, p.numel()), (1, 4096), (p, p, p, p, p)
-        amax_new = None
-    else:  # [B, R, C] tiles, the transposed e4m3 copy stored from each (in 64-byte runs)
-        (B, R, C), (br, bc), q = (1, *p.shape) if p.ndim == 2 else p.shape, FP8_TILE, fp8
-        amax_new = torch.zeros_like(fp8[4])
-    qt_strides = (0, 0) if fp8 is None else ((0,) if q[2].ndim == 2 else ()) + q[2].stride()[:-1]
-    _adamw_kernel[(triton.cdiv(C, bc), triton.cdiv(R, br), B)](
-        p, g, m, v, scale, p if copy is None else copy, q[0], q[2], q[1], q[3], q[4],
-        p if amax_new is None else amax_new, R, C, *qt_strides,
+    amax_new = None if fp8 is None else torch.zeros_like(fp8[4])
+    # 4096 elements, 8 warps: 16 fp32 a thread, four 16-byte accesses per tensor.
+    BLOCK = 4096
+    q, amax, per_entry = (
+        (p, p, 1) if fp8 is None else (fp8[0], fp8[4], p[0].numel() if p.ndim == 3 else p.numel())
+    )
+    _adamw_kernel[(triton.cdiv(p.numel(), BLOCK),)](
+        p, g, m, v, scale, p if copy is None else copy, q, amax, p if amax_new is None else amax_new,
+        p.numel(), per_entry,
         decay, rest1, beta2, rest2, step_size, bc2_sqrt, eps,
-        COPY=copy is not None, FP8=fp8 is not None, BLOCK_R=br, BLOCK_C=bc, num_warps=8,
+        COPY=copy is not None, FP8=fp8 is not None, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
+    if fp8 is not None:  # the scales and the transposed copy of what the kernel wrote (fp8_quant)
+        weight_copies(fp8[0], fp8[4], fp8[1], fp8[2], fp8[3], gate=scale)
     # The kernel's writes leave p's version counter as it was: the copies are stamped consistent.
     _rekeep(p, copy, None if fp8 is None else (*fp8[:4], amax_new))
 

@@ -152,6 +152,8 @@ def _lce_op(
     if fp8:
         h8_TD, h8_scale_T = quantize_rows(h_TD)
     C = max(1, CHUNK_LOGITS // max(V, 1))
+    if fp8:  # cuBLAS's FP8 GEMMs take token counts that are multiples of 16 (3533 failed on an H200)
+        C = max(16, C // 16 * 16)
     for c0 in range(0, T, C):
         h_CD, rows = h_TD[c0 : c0 + C], slice(c0, c0 + C)
         g8 = None
@@ -231,8 +233,11 @@ def linear_cross_entropy(
             check(f"w8[{i}]", t, dtypes=((FP8, torch.float32)[i % 2],), device=h_TD.device)
             if tuple(t.shape) != shape:
                 raise ValueError(f"w8[{i}]: expected shape {shape} (quantize_weight(w_VD)), got {t.shape}")
-        if h_TD.is_cuda and (D % 16 or V % 16):
-            raise ValueError(f"w8 on CUDA: D and V must be multiples of 16 (the FP8 GEMMs), got {D}, {V}")
+        if h_TD.is_cuda and (D % 16 or V % 16 or h_TD.shape[0] % 16):
+            T = h_TD.shape[0]
+            raise ValueError(
+                f"w8 on CUDA: tokens, D and V must be multiples of 16 (FP8 GEMMs), got {T}, {D}, {V}"
+            )
     if not labels_T.is_cuda and not torch.compiler.is_compiling():  # a data-dependent check: eager CPU only
         bad = (labels_T != ignore_index) & ((labels_T < 0) | (labels_T >= V))
         if bad.any():

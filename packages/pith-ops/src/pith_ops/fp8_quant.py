@@ -45,9 +45,8 @@ FP8_MAX = 448.0
 ROWS_TILE = (4, 128) if INTERPRET else (16, 1024)
 # Columns kernel: [BLOCK_M rows, BLOCK_K columns] e4m3 tiles, 4 warps (H200, [132992, 2048] e4m3 rows:
 # 64 x 128 149 us, 88% of copy; 128 x 128 149 us; 64 x 64 187 us; 128 x 64 186 us; 8 warps slower);
-# weight kernel: [BLOCK_R, BLOCK_C] fp32 tiles.
+# the weights' transposed copies take it too.
 COLS_TILE = (16, 32) if INTERPRET else (64, 128)
-WEIGHT_TILE = (16, 16) if INTERPRET else (64, 64)
 
 
 @triton.jit
@@ -67,10 +66,9 @@ def _cast(x, inv):
 
 @triton.jit
 def _store_transposed(out_ptr, rows, cols, s_out, y, mask):
-    """out[cols, rows] = y[rows, cols] in out's dtype (its rows s_out apart). y in fp32, cast after the
-    transpose: an e4m3 tile stored in two layouts (a weight's copies) lost a quarter of its transposed
-    values on an H200 (torch 2.11, Triton 3.6), with tl.trans and with the compiler's own layout
-    change alike; transposing in fp32 then casting costs the same (measured, one layout)."""
+    """out[cols, rows] = y[rows, cols] (fp32) in out's dtype (its rows s_out apart). Whether the tile is
+    transposed before or after the cast, through tl.trans or by the compiler's own layout change,
+    measured the same (H200, [132992, 2048] e4m3: 149 us, 88% of copy, at 64 x 128 and 4 warps)."""
     out = out_ptr + cols.to(tl.int64)[:, None] * s_out + rows[None, :]
     tl.store(out, tl.trans(y).to(out_ptr.dtype.element_ty), mask=tl.trans(mask))
 
@@ -117,39 +115,45 @@ def _group_scale_kernel(s_ptr, ends_ptr, scale_ptr, f_ptr, M, K, G, BLOCK: tl.co
 
 
 @triton.jit
-def _cols_kernel(q_ptr, f_ptr, out_ptr, M, K, s_out, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One [BLOCK_M rows, BLOCK_K columns] tile: the rows rescaled by f (their scale over their group's)
-    and stored transposed. The masks use M and K, not the group ends: bounds the compiler knows the
-    alignment of (multiples of 16) let it vectorise the loads and stores: with the last group end
-    (read from memory) as the row bound this kernel ran at 9% of copy bandwidth (H200)."""
+def _cols_kernel(
+    q_ptr, f_ptr, out_ptr, M, K, s_qb, s_ob, s_out, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
+):  # fmt: skip
+    """One [BLOCK_M rows, BLOCK_K columns] tile of batch entry program_id(2): the rows rescaled by f
+    (their scale over their group's; None: 1) and stored transposed. The masks use M and K, not the
+    group ends: bounds the compiler knows the alignment of (multiples of 16) let it vectorise the
+    loads and stores: with the last group end (read from memory) as the row bound this kernel ran at
+    9% of copy bandwidth (H200)."""
+    b = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     m = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    f = tl.load(f_ptr + rows, mask=rows < M, other=0.0)
-    _store_transposed(out_ptr, rows, cols, s_out, _cast(x, f[:, None]), m)
+    x = tl.load(q_ptr + b * s_qb + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=m, other=0.0)
+    f = 1.0 if f_ptr is None else tl.load(f_ptr + rows, mask=rows < M, other=0.0)[:, None]
+    _store_transposed(out_ptr + b * s_ob, rows, cols, s_out, _cast(x.to(tl.float32), f), m)
 
 
 @triton.jit
-def _weight_kernel(
-    w_ptr, q_ptr, qt_ptr, amax_ptr, s_rows_ptr, s_cols_ptr, R, C, s_qtb, s_qtc,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """One [BLOCK_R, BLOCK_C] tile of batch entry program_id(2): q = w / scale in w's layout and
-    transposed, scale from amax[b]; the first tile row and column also write the repeated scales."""
-    b = tl.program_id(2).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    scale, inv = _pow2_scale(tl.load(amax_ptr + b))
-    m = (rows < R)[:, None] & (cols < C)[None, :]
-    offs = b * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :]
-    q = _cast(tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32), inv)
-    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
-    _store_transposed(qt_ptr + b * s_qtb, rows, cols, s_qtc, q, m)
-    if tl.program_id(1) == 0:
-        tl.store(s_rows_ptr + b * R + rows, tl.zeros([BLOCK_R], tl.float32) + scale, mask=rows < R)
-    if tl.program_id(0) == 0:
-        tl.store(s_cols_ptr + b * C + cols, tl.zeros([BLOCK_C], tl.float32) + scale, mask=cols < C)
+def _weight_rows_kernel(w_ptr, q_ptr, amax_ptr, N, RC, BLOCK: tl.constexpr):
+    """q = w / scale in w's layout, elementwise over [B, R, C] flat, scale from amax[b]."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    _, inv = _pow2_scale(tl.load(amax_ptr + offs // RC, mask=mask, other=0.0))
+    q = _cast(tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv)
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weight_scales_kernel(amax_ptr, s_rows_ptr, s_cols_ptr, gate_ptr, R, C, BLOCK: tl.constexpr):
+    """Batch entry program_id(0)'s scale, pow2 of its amax, repeated along its R rows and C columns;
+    nothing when the value at gate_ptr (if given) is not finite (an update that wrote nothing)."""
+    b = tl.program_id(0).to(tl.int64)
+    scale, _ = _pow2_scale(tl.load(amax_ptr + b))
+    gate = 0.0 if gate_ptr is None else tl.load(gate_ptr)
+    if gate - gate == 0:
+        offs = tl.arange(0, BLOCK)
+        for i in range(0, tl.maximum(R, C), BLOCK):
+            tl.store(s_rows_ptr + b * R + i + offs, tl.zeros([BLOCK], tl.float32) + scale, mask=i + offs < R)
+            tl.store(s_cols_ptr + b * C + i + offs, tl.zeros([BLOCK], tl.float32) + scale, mask=i + offs < C)
 
 
 def pow2_scale(amax: Tensor) -> Tensor:
@@ -219,14 +223,14 @@ def cols_from_rows(
         return out.copy_(q32), scale
     ends = group_ends_G.to(torch.int32).contiguous()
     scale, f = q_MK.new_empty(G, K, dtype=torch.float32), torch.empty_like(scale_M)
-    if G:
-        _group_scale_kernel[(G,)](
-            scale_M, ends, scale, f, M, K, G, BLOCK=64 if INTERPRET else 1024, num_warps=4
-        )
+    if G:  # a block holds a group's rows (one program per group; 8192 at most: a dense layer's 16384 in 2)
+        block = 64 if INTERPRET else min(8192, max(1024, triton.next_power_of_2(triton.cdiv(M, G))))
+        warps = 4 if block <= 1024 else 8
+        _group_scale_kernel[(G,)](scale_M, ends, scale, f, M, K, G, BLOCK=block, num_warps=warps)
     bm, bk = COLS_TILE
     if M and K and G:
-        _cols_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
-            q_MK, f, out, M, K, out.stride(0), BLOCK_M=bm, BLOCK_K=bk, num_warps=4
+        _cols_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk), 1)](
+            q_MK, f, out, M, K, 0, 0, out.stride(0), BLOCK_M=bm, BLOCK_K=bk, num_warps=4
         )
     return out, scale
 
@@ -256,13 +260,35 @@ def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torc
         q = torch.empty(B, R, C, dtype=out_dtype, device=w3.device)
         qt = empty_cols(C, R, out_dtype, w3.device, (B,))
         s_rows, s_cols = w3.new_empty(B, R, dtype=torch.float32), w3.new_empty(B, C, dtype=torch.float32)
-        br, bc = WEIGHT_TILE
         if w3.numel():
-            grid = (triton.cdiv(R, br), triton.cdiv(C, bc), B)
-            _weight_kernel[grid](w3, q, qt, amax_B, s_rows, s_cols, R, C, qt.stride(0), qt.stride(1),
-                                 BLOCK_R=br, BLOCK_C=bc, num_warps=4)  # fmt: skip
+            _weight_rows_kernel[(triton.cdiv(w3.numel(), 4096),)](
+                w3, q, amax_B, w3.numel(), R * C, BLOCK=4096
+            )
+        weight_copies(q, amax_B, s_rows, qt, s_cols)
         out = q, s_rows, qt, s_cols
     return out if w_BRC.ndim == 3 else tuple(t[0] for t in out)
+
+
+def weight_copies(
+    q_BRC: Tensor, amax_B: Tensor, s_rows: Tensor, qt_BCR: Tensor, s_cols: Tensor, gate: Tensor | None = None
+) -> None:
+    """From a weight's e4m3 copy in its layout (q_BRC, of scale pow2_scale(amax_B)): its scales repeated
+    along rows and columns, and the transposed copy qt_BCR (in place; 2-D arguments are a batch of one).
+    gate: a one-element device tensor (pith_ops.adamw_'s clip scale); the scales are left as they
+    are where it is not finite (the update wrote no new q).
+    Two kernels that each write one layout: an e4m3 tile stored in two layouts by one kernel lost a
+    quarter of its transposed values on an H200 (torch 2.11, Triton 3.6; tl.trans or not, fp32 or
+    e4m3 transposed), a tile stored once transposed did not."""
+    q3, qt3 = (q_BRC, qt_BCR) if q_BRC.ndim == 3 else (q_BRC[None], qt_BCR[None])
+    B, R, C = q3.shape
+    if B:
+        block = 16 if INTERPRET else 1024
+        _weight_scales_kernel[(B,)](amax_B, s_rows, s_cols, gate, R, C, BLOCK=block, num_warps=4)
+    bm, bk = COLS_TILE
+    if q3.numel():
+        grid = (triton.cdiv(R, bm), triton.cdiv(C, bk), B)
+        strides = q3.stride(0), qt3.stride(0), qt3.stride(1)
+        _cols_kernel[grid](q3, None, qt3, R, C, *strides, BLOCK_M=bm, BLOCK_K=bk, num_warps=4)
 
 
 def weight_amax(w_BRC: Tensor) -> Tensor:

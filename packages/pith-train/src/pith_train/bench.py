@@ -217,6 +217,7 @@ def run(
     ac: str = "none",
     grouped_gemm: str = "torch",
     fp8: bool = False,
+    fp8_lm_head: bool = False,
     profile_steps: int = 0,
     data: str | None = None,
     device: str = "auto",
@@ -270,7 +271,8 @@ def run(
         None,
         [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={mb}", f"train.device={device}",
          f"train.compile={str(compile).lower()}", f"train.ac={ac}", f"train.seed={seed}",
-         f"train.fp8={str(fp8).lower()}", f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
+         f"train.fp8={str(fp8).lower()}", f"train.fp8_lm_head={str(fp8_lm_head).lower()}",
+         f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
          f"parallel.overlap={str(overlap).lower()}", f"parallel.wgrad_delay={str(wgrad_delay).lower()}"],
     )  # fmt: skip
     # Expandable segments, as TorchTitan runs: freed blocks coalesce, so the reserved peak stays near
@@ -363,6 +365,7 @@ def run(
             "ac": ac,
             "grouped_gemm": grouped_gemm,
             "fp8": fp8,
+            "fp8_lm_head": fp8_lm_head,
             "micro_batches": Bl // mb,
             "overlap": overlap,
             "wgrad_delay": wgrad_delay,
@@ -408,7 +411,8 @@ def summary(r: dict) -> str:
     s = r["settings"]
     lines = [
         f"{r['card']}: {r['workload']['tokens_per_step']:,} tokens/step, compile={s['compile']} ac={s['ac']}"
-        f" grouped_gemm={s['grouped_gemm']} fp8={s['fp8']} micro-batches={s['micro_batches']}"
+        f" grouped_gemm={s['grouped_gemm']} fp8={s['fp8']} fp8_lm_head={s['fp8_lm_head']}"
+        f" micro-batches={s['micro_batches']}"
         f" overlap={s['overlap']} wgrad_delay={s['wgrad_delay']}, layout {r['layout']}",
         f"  {r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms (median of {s['steps']})",
         f"  MFU {r['mfu_measured']:.1%}: causal FLOPs over the measured"

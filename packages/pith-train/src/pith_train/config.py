@@ -42,7 +42,8 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda when there is one) | cpu | cuda
     compile: bool = True  # torch.compile(fullgraph=True) the non-expert stages; used on CUDA only
     ac: str = "none"  # activation checkpointing: none | selective (expert MLPs) | full (every stage)
-    fp8: bool = False  # projections and expert GEMMs in FP8 (e4m3, row-wise; pith_engine.layers.use_fp8)
+    fp8: bool = False  # projections and expert GEMMs in FP8 (e4m3; pith_engine.layers.use_fp8)
+    fp8_lm_head: bool = False  # lm_head's logits and input-gradient GEMMs in FP8 too (its wgrad stays bf16)
     lbl_coef: float = 1e-3  # global-batch load-balancing loss coefficient (0 = off)
     z_loss_coef: float = 0.0  # router z-loss coefficient (0 = off)
     # Aux-loss-free balancing: expert-bias step after each update (0 = off). DeepSeek-V3 uses 1e-3 over

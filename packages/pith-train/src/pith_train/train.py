@@ -58,8 +58,8 @@ def step_settings(cfg: Config, model: nn.Module) -> tuple[Aux, float, float]:
 
 
 def apply_fp8(cfg: Config, model: nn.Module) -> None:
-    """train.fp8 on the (sharded) model (pith_engine.layers.use_fp8)."""
-    use_fp8(model, cfg.train.fp8)
+    """train.fp8 and train.fp8_lm_head on the (sharded) model (pith_engine.layers.use_fp8)."""
+    use_fp8(model, cfg.train.fp8, lm_head=cfg.train.fp8_lm_head)
 
 
 def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages:
