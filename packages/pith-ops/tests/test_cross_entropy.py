@@ -117,7 +117,11 @@ def check_fp8(T, D, V, reduction, ignored, seed, dtype=torch.float32, device="cp
         no_grad = linear_cross_entropy(h, w, labels_T, ignore_index, reduction, w8=w8)
     torch.testing.assert_close(no_grad, loss.detach(), rtol=0, atol=0, equal_nan=True)  # nan: none kept
     only_w = linear_cross_entropy(h, w_VD, labels_T, ignore_index, reduction, w8=w8)
-    assert torch.equal(torch.autograd.grad(3 * only_w, w_VD)[0], dw)
+    only_dw = torch.autograd.grad(3 * only_w, w_VD)[0]
+    if device == "cpu":
+        assert torch.equal(only_dw, dw)
+    else:  # not bit-equal on an H200 (cuBLAS's addmm_ over the chunks): within a bf16 rounding
+        torch.testing.assert_close(only_dw, dw, rtol=2**-7, atol=2**-7 * dw.abs().max().item())
     ref = linear_cross_entropy_fp8_reference(h, w, labels_T, ignore_index, reduction, dloss=3.0)
     *bounds, exact_bound = fp8_bounds(h, w, labels_T, ignore_index, reduction, 3.0)
     for got, want, bound in zip((loss, dh, dw), ref, bounds):

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from pith_ops._common import check, use_triton
 from pith_ops.cast import keep
-from pith_ops.fp8_quant import FP8, _cast, _pow2_scale, quantize_weight_reference, weight_copies
+from pith_ops.fp8_quant import FP8, _cast, _pow2_scale, batch_of, quantize_weight_reference, weight_copies
 
 
 @triton.jit
@@ -55,12 +55,12 @@ def _adamw_kernel(
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         if FP8:  # quantize_weight's copy in p's layout, of the new p with the scale of the old amax
-            b = offs // RC
+            b = batch_of(offs, RC, BLOCK)
             _, inv = _pow2_scale(tl.load(amax_ptr + b, mask=mask, other=0.0))
             tl.store(q_ptr + offs, _cast(p, inv).to(q_ptr.dtype.element_ty), mask=mask)
             _amax_into(amax_new_ptr, b, tl.abs(p), mask, RC, BLOCK)
     elif FP8:  # nothing changes, nor do the copies: the amax stays the old one
-        b = offs // RC
+        b = batch_of(offs, RC, BLOCK)
         _amax_into(amax_new_ptr, b, tl.load(amax_ptr + b, mask=mask, other=0.0), mask, RC, BLOCK)
 
 

@@ -133,11 +133,23 @@ def _cols_kernel(
 
 
 @triton.jit
+def batch_of(offs, RC, BLOCK: tl.constexpr):
+    """The batch entry of each of a block's flat offsets into [B, R, C] (RC = R * C elements an entry).
+    One division per block when a block lies in one entry: with an int64 division per element the
+    pith-train bench's AdamW kernel took 31.9 ms a step writing the FP8 copies, 21.7 without (H200)."""
+    if RC % BLOCK == 0:
+        b = tl.zeros([BLOCK], tl.int64) + (tl.program_id(0).to(tl.int64) * BLOCK) // RC
+    else:
+        b = offs // RC
+    return b
+
+
+@triton.jit
 def _weight_rows_kernel(w_ptr, q_ptr, amax_ptr, N, RC, BLOCK: tl.constexpr):
     """q = w / scale in w's layout, elementwise over [B, R, C] flat, scale from amax[b]."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    _, inv = _pow2_scale(tl.load(amax_ptr + offs // RC, mask=mask, other=0.0))
+    _, inv = _pow2_scale(tl.load(amax_ptr + batch_of(offs, RC, BLOCK), mask=mask, other=0.0))
     q = _cast(tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
