@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from pith_engine import parallel
 from pith_engine.contract import Routing, default_position_ids
 from pith_engine.executor import DIRECT, Steps, Tape, drain, interleave, run_layer
-from pith_engine.layers import Linear, WeightGradQueue, set_wgrad_queue
+from pith_engine.layers import FP8Switch, WeightGradQueue, set_wgrad_queue
 from pith_engine.parallel import held_layers
 from pith_engine.ring_attention import zigzag_positions, zigzag_split
 from pith_engine.schedule import (
@@ -168,11 +168,13 @@ def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh):
     return zigzag_split(inputs_BS, cp, r), zigzag_split(labels_BS, cp, r), pos_BS
 
 
-def loss_sum(h_BSD: Tensor, lm_head: Linear, labels_T: Tensor) -> Tensor:
+def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
     """Cross-entropy summed over the label tokens, lm_head fused, in h's dtype (the weight cast to it),
-    its logits and input-gradient GEMMs in FP8 while lm_head.fp8 is set (use_fp8's lm_head)."""
+    its logits and input-gradient GEMMs in FP8 while a layers.Linear lm_head has fp8 set (use_fp8's
+    lm_head; the contract's lm_head may be any nn.Linear)."""
     w = lm_head.weight
-    w8 = lm_head.fp8_weight(w, fp8_linear_weight) if lm_head.fp8 else None
+    fp8 = isinstance(lm_head, FP8Switch) and lm_head.fp8
+    w8 = FP8Switch.fp8_weight(w, fp8_linear_weight) if fp8 else None
     w_VD = pith_ops.cast(w, h_BSD.dtype)
     return pith_ops.linear_cross_entropy(h_BSD.flatten(0, 1), w_VD, labels_T, IGNORE_INDEX, "sum", w8)
 
