@@ -152,7 +152,7 @@ def test_a_bf16_gradient_updates_exactly_as_its_widened_copy(n, steps, seed):
 
 
 @given(
-    shape=st.sampled_from([(70, 90), (3, 40, 24), (1, 1, 5), (2, 65, 130)]),
+    shape=st.sampled_from([(40, 50), (3, 20, 24), (1, 1, 5), (2, 33, 70)]),
     steps=st.integers(1, 3),
     seed=st.integers(0, 2**16),
 )
