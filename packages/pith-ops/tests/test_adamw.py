@@ -223,3 +223,12 @@ def test_fp8_copies_on_gpu_are_the_kernels_new_parameter_quantised():
                 same = got.view(torch.uint8) == want.view(torch.uint8) if got.dtype == FP8 else got == want
                 assert same.all(), (shape, step, (~same).sum().item())
             assert torch.equal(new[4], weight_amax(p3))
+
+
+def test_bad_fp8_copies_are_a_value_error_before_any_write():
+    p, copies = torch.ones(4, 6), (*quantize_weight(torch.ones(4, 6)), weight_amax(torch.ones(4, 6)))
+    for bad, match in ((copies[:4], "the 5 FP8Weight tensors"), ((*copies[:4], torch.ones(2)), "one amax")):
+        with pytest.raises(ValueError, match=match):
+            adamw_(p, torch.ones(4, 6), torch.zeros(4, 6), torch.zeros(4, 6), torch.ones(1), lr=0.1,
+                   beta1=0.9, beta2=0.95, weight_decay=0.0, eps=1e-8, step=1, fp8=bad)  # fmt: skip
+        assert torch.equal(p, torch.ones(4, 6))

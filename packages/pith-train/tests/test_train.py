@@ -19,9 +19,9 @@ from pith_engine.step import Stages, train_step
 from pith_models import qwen3_moe
 from pith_train import train
 from pith_train.cli import main
-from pith_train.config import load_config
+from pith_train.config import load_config, model_config
 from pith_train.optim import build_optimizer, lr_at
-from pith_train.train import flops_per_token, parallel_layout, pretrain, step_settings
+from pith_train.train import flops_per_token, fp8_size_problems, parallel_layout, pretrain, step_settings
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -410,3 +410,22 @@ def test_fp8_pretrain_runs_the_fp8_gemms_and_the_loss_falls(micro_config, refere
     losses = _losses(tmp_path)
     assert out["step"] == 12 and losses[12] < losses[1] - 1.0
     assert losses[1] != reference[1] and abs(losses[1] - reference[1]) < 0.05
+
+
+def test_fp8_sizes_the_gpu_gemms_refuse_are_named_before_anything_is_built():
+    """On CUDA the FP8 GEMMs take multiples of 16: the default tiny MoE's 260-word vocabulary fails only
+    with the FP8 lm_head, a padded one passes, and a micro-batch's token count is checked too."""
+    cfg = load_config(None, ["train.fp8=true"])
+    model_cfg = model_config(cfg.model)
+    assert fp8_size_problems(cfg, model_cfg) == []
+    lm = load_config(None, ["train.fp8=true", "train.fp8_lm_head=true"])
+    assert fp8_size_problems(lm, model_cfg) == [
+        f"lm_head.weight ({model_cfg.vocab_size}, {model_cfg.hidden_size})"
+    ]
+    padded = load_config(None, ["train.fp8_lm_head=true", "model.vocab_size=272"])
+    assert fp8_size_problems(padded, model_config(padded.model)) == []
+    odd = load_config(
+        None, ["train.fp8=true", "data.seq_len=100", "train.micro_batch=1", "train.global_batch=1"]
+    )
+    assert fp8_size_problems(odd, model_config(odd.model)) == ["100 tokens a micro-batch"]
+    assert fp8_size_problems(load_config(None, []), model_cfg) == []

@@ -30,7 +30,7 @@ from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm_weight
 from pith_ops.fp8_linear import backward as fp8_linear_backward
 from pith_ops.fp8_linear import forward as fp8_linear_forward
 from pith_ops.fp8_linear import fp8_linear_weight
-from pith_ops.fp8_quant import weight_amax
+from pith_ops.fp8_quant import FP8Weight, weight_amax
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -176,11 +176,12 @@ class FP8Switch:
     @staticmethod
     def fp8_weight(w: Tensor, quantize: Callable[[Tensor], tuple]) -> tuple:
         """w's FP8 copies (quantize = pith_ops.fp8_*_weight, i.e. pith_ops.quantize_weight): its kept
-        copies while valid (pith_ops.cast.kept_copy), else quantize(w), kept when w is a weight the
-        optimizer steps and rewrites them for (pith_ops.adamw_, which marks them: keep_grads). So a
-        weight is quantised once, on its first forward; the micro-batches, recomputes and steps after
-        read what the update pass wrote. Under FSDP2 the forward sees the all-gathered weight, not the
-        optimizer's: quantised per call; under torch.compile too (a graph keeps no Python state)."""
+        copies while valid (pith_ops.kept_copy), else quantize(w), kept (an fp8_quant.FP8Weight with
+        w's amax) when w is a weight whose optimizer marks it (pith_ops.keep_grads: pith-train's AdamW,
+        whose update pass rewrites them, pith_ops.adamw_). So a weight is quantised once, on its first
+        forward; the micro-batches, recomputes and steps after read what the update pass wrote. Under
+        FSDP2 the forward sees the all-gathered weight, not the optimizer's: quantised per call; under
+        torch.compile too (a graph keeps no Python state)."""
         if torch.compiler.is_compiling():
             return quantize(w)
         kept = pith_ops.kept_copy(w, torch.float8_e4m3fn)
@@ -192,7 +193,7 @@ class FP8Switch:
             and torch.is_grad_enabled()
             and type(w) in (Tensor, nn.Parameter)
         ):
-            pith_ops.keep(w, (*copies, weight_amax(w)), torch.float8_e4m3fn)
+            pith_ops.keep(w, FP8Weight(*copies, weight_amax(w)), torch.float8_e4m3fn)
         return copies
 
 

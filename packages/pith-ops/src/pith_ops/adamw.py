@@ -27,7 +27,15 @@ from torch import Tensor
 
 from pith_ops._common import check, use_triton
 from pith_ops.cast import keep
-from pith_ops.fp8_quant import FP8, _cast, _pow2_scale, batch_of, quantize_weight_reference, weight_copies
+from pith_ops.fp8_quant import (
+    FP8,
+    FP8Weight,
+    _batch_of,
+    _cast,
+    _pow2_scale,
+    quantize_weight_reference,
+    weight_copies,
+)
 
 
 @triton.jit
@@ -55,12 +63,12 @@ def _adamw_kernel(
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         if FP8:  # quantize_weight's copy in p's layout, of the new p with the scale of the old amax
-            b = batch_of(offs, RC, BLOCK)
+            b = _batch_of(offs, RC, BLOCK)
             _, inv = _pow2_scale(tl.load(amax_ptr + b, mask=mask, other=0.0))
             tl.store(q_ptr + offs, _cast(p, inv).to(q_ptr.dtype.element_ty), mask=mask)
             _amax_into(amax_new_ptr, b, tl.abs(p), mask, RC, BLOCK)
     elif FP8:  # nothing changes, nor do the copies: the amax stays the old one
-        b = batch_of(offs, RC, BLOCK)
+        b = _batch_of(offs, RC, BLOCK)
         _amax_into(amax_new_ptr, b, tl.load(amax_ptr + b, mask=mask, other=0.0), mask, RC, BLOCK)
 
 
@@ -85,13 +93,13 @@ def _constants(lr: float, beta1: float, beta2: float, weight_decay: float, step:
 def adamw_(
     p: Tensor, g: Tensor, m: Tensor, v: Tensor, scale: Tensor, *,
     lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, step: int,
-    copy: Tensor | None = None, fp8: tuple | None = None,
+    copy: Tensor | None = None, fp8: FP8Weight | None = None,
 ) -> None:  # fmt: skip
     """In place: AdamW step number `step` (1-based) of parameter p with gradient g * scale and moments
     m, v (fp32, contiguous, one shape; g may be bf16: a kept gradient, pith_ops.cast); nothing is
     written when scale (a one-element fp32 tensor on p's device) is not finite. copy (bf16, p's shape,
     contiguous): set to the new p in bf16 and kept as p's cast (pith_ops.cast). fp8: p's kept FP8
-    copies (pith_ops.cast.kept_copy(p, FP8): quantize_weight's four outputs and the amax of p) set to
+    copies (pith_ops.kept_copy(p, FP8): an fp8_quant.FP8Weight, or a tuple of its fields) set to
     quantize_weight(new p, old amax) in the same pass (delayed scaling: the scale of the values before
     the update, a value grown past 448 * scale saturates) and kept with the amax of the new p. Any
     other kept copy of p is dropped. Triton on CUDA (and under the interpreter), adamw_reference_
@@ -107,19 +115,21 @@ def adamw_(
         raise ValueError(
             f"expected a one-element scale and step >= 1, got {scale.numel()} elements, step {step}"
         )
-    if fp8 is not None and (fp8[0].shape != p.shape or p.ndim not in (2, 3)):
-        raise ValueError(
-            f"fp8: expected copies of p's shape {tuple(p.shape)} (2-D or 3-D), got {fp8[0].shape}"
-        )
+    if fp8 is not None:
+        if len(fp8) != 5 or p.ndim not in (2, 3) or fp8[0].shape != p.shape:
+            raise ValueError(f"fp8: expected the 5 FP8Weight tensors of a 2-D or 3-D p {tuple(p.shape)}")
+        fp8 = FP8Weight(*fp8)
+        if fp8.amax.shape != (p.shape[0] if p.ndim == 3 else 1,):
+            raise ValueError(f"fp8.amax: expected one amax per expert (or one), got {tuple(fp8.amax.shape)}")
     if not use_triton(p):
         kw = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, step=step)
         return adamw_reference_(p, g, m, v, scale, **kw, copy=copy, fp8=fp8)
     decay, rest1, rest2, step_size, bc2_sqrt = _constants(lr, beta1, beta2, weight_decay, step)
-    amax_new = None if fp8 is None else torch.zeros_like(fp8[4])
+    amax_new = None if fp8 is None else torch.zeros_like(fp8.amax)
     # 4096 elements, 8 warps: 16 fp32 a thread, four 16-byte accesses per tensor.
     BLOCK = 4096
     q, amax, per_entry = (
-        (p, p, 1) if fp8 is None else (fp8[0], fp8[4], p[0].numel() if p.ndim == 3 else p.numel())
+        (p, p, 1) if fp8 is None else (fp8.q, fp8.amax, p[0].numel() if p.ndim == 3 else p.numel())
     )
     _adamw_kernel[(triton.cdiv(p.numel(), BLOCK),)](
         p, g, m, v, scale, p if copy is None else copy, q, amax, p if amax_new is None else amax_new,
@@ -128,16 +138,16 @@ def adamw_(
         COPY=copy is not None, FP8=fp8 is not None, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
     if fp8 is not None:  # the scales and the transposed copy of what the kernel wrote (fp8_quant)
-        weight_copies(fp8[0], fp8[4], fp8[1], fp8[2], fp8[3], gate=scale)
+        weight_copies(fp8, gate=scale)
     # The kernel's writes leave p's version counter as it was: the copies are stamped consistent.
-    _rekeep(p, copy, None if fp8 is None else (*fp8[:4], amax_new))
+    _rekeep(p, copy, None if fp8 is None else fp8._replace(amax=amax_new))
 
 
 @torch.no_grad()
 def adamw_reference_(
     p: Tensor, g: Tensor, m: Tensor, v: Tensor, scale: Tensor, *,
     lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, step: int,
-    copy: Tensor | None = None, fp8: tuple | None = None,
+    copy: Tensor | None = None, fp8: FP8Weight | None = None,
 ) -> None:  # fmt: skip
     """adamw_ in plain PyTorch: torch.optim.AdamW's single-tensor path on g * scale (no host read of
     scale: a non-finite one selects the old values); copy set to the new p cast to its dtype; fp8's
@@ -152,16 +162,15 @@ def adamw_reference_(
     if copy is not None:
         copy.copy_(p)
     if fp8 is not None:
-        p3, old = (p if p.ndim == 3 else p[None]), fp8[4]
-        for t, new in zip(fp8[:4], quantize_weight_reference(p3, old, fp8[0].dtype)):
+        fp8, p3 = FP8Weight(*fp8), (p if p.ndim == 3 else p[None])
+        for t, new in zip(fp8[:4], quantize_weight_reference(p3, fp8.amax, fp8.q.dtype)):
             new = new if p.ndim == 3 else new[0]
             t.copy_(torch.where(finite, new.float(), t.float()).to(t.dtype))
-        amax = torch.where(finite, p3.abs().flatten(1).amax(1), old)
-        fp8 = (*fp8[:4], amax)
+        fp8 = fp8._replace(amax=torch.where(finite, p3.abs().flatten(1).amax(1), fp8.amax))
     _rekeep(p, copy, fp8)
 
 
-def _rekeep(p: Tensor, copy: Tensor | None, fp8: tuple | None) -> None:
+def _rekeep(p: Tensor, copy: Tensor | None, fp8: FP8Weight | None) -> None:
     """Keep the copies an update rewrote, drop any other (its values are of the old p)."""
     p.__dict__.pop("_pith_copies", None)
     if copy is not None:

@@ -47,8 +47,8 @@ CHUNK_LOGITS = 2**29  # logits per chunk: 1 GiB in bf16; C = 3533 rows at V = 15
 BLOCK_V = 256 if INTERPRET else 4096
 # dh's FP8 GEMM with fast accumulation. Measured by us on an H200 at [3536, 151936] x [151936, 2048]:
 # fast 1539 us, relative error 2.9e-3 against the dequantised float64 product; fp32 promotion 1926 us,
-# 1.6e-3; bf16 3101 us. Off to start with: over the whole vocabulary fast accumulation nearly doubles
-# the error for a fifth of this GEMM's time.
+# 1.6e-3; bf16 3101 us. Off: over the whole vocabulary fast accumulation nearly doubles the error for
+# a fifth of this GEMM's time.
 FAST = False
 
 

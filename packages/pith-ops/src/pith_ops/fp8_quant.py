@@ -15,7 +15,7 @@ A row-wise scaled GEMM multiplies a [M, K] operand whose every row has one scale
   value is rescaled exactly unless it becomes an e4m3 subnormal), every tile in parallel. Not one
   scale per column (the amax of each column over the group's rows): that needs a second pass over
   the rows, which measured 21% of copy bandwidth in one launch per column strip (H200, 627 us at
-  [132992, 2048] against ~150 us for this). The cost is range: a row whose scale is 2^-k of the
+  [132992, 2048] against 154 us, 85%, for this). The cost is range: a row whose scale is 2^-k of the
   group's loses k binades at the bottom of e4m3's (17 binades in all, 14 normal), as under
   TransformerEngine's per-tensor scaling; the weight gradient is a sum over the group's rows, in
   which the rows of large scale dominate.
@@ -31,6 +31,8 @@ an all-zero row gets scale 2^-126. The power of two costs at most one bit of ran
 since its scale was set) saturate at +-448.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -40,12 +42,27 @@ from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, INTERPRET, check, use_t
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+
+
+class FP8Weight(NamedTuple):
+    """A weight's kept FP8 copies: quantize_weight's four outputs (their first four fields, what the
+    FP8 GEMMs take as w8) and the amax of the weight's values, which the next update's scale comes
+    from (pith_ops.adamw_ rewrites them all; pith_ops.kept_copy(w, FP8) finds them)."""
+
+    q: Tensor  # [B, R, C] or [R, C], e4m3
+    scale_rows: Tensor  # [B, R] or [R]
+    qt: Tensor  # [B, C, R] or [C, R], e4m3, 16-byte row strides (empty_cols)
+    scale_cols: Tensor  # [B, C] or [C]
+    amax: Tensor  # [B] (a 2-D weight: [1]), fp32
+
+
 # Rows kernel: BLOCK_M rows per program, BLOCK_K columns per loop step (82% of copy bandwidth on an
 # H200 at [131072, 2048] bf16). The interpreter (CPU tests) gets small tiles.
 ROWS_TILE = (4, 128) if INTERPRET else (16, 1024)
-# Columns kernel: [BLOCK_M rows, BLOCK_K columns] e4m3 tiles, 4 warps (H200, [132992, 2048] e4m3 rows:
-# 64 x 128 149 us, 88% of copy; 128 x 128 149 us; 64 x 64 187 us; 128 x 64 186 us; 8 warps slower);
-# the weights' transposed copies take it too.
+# Columns kernel: [BLOCK_M rows, BLOCK_K columns] e4m3 tiles, 4 warps. A transposing kernel of this
+# shape on an H200, [132992, 2048] e4m3: 64 x 128 149 us (88% of copy), 128 x 128 149 us, 64 x 64 187
+# us, 128 x 64 186 us, 8 warps slower; cols_from_rows at 64 x 128: 154 us. The weights' transposed
+# copies take it too.
 COLS_TILE = (16, 32) if INTERPRET else (64, 128)
 
 
@@ -133,7 +150,7 @@ def _cols_kernel(
 
 
 @triton.jit
-def batch_of(offs, RC, BLOCK: tl.constexpr):
+def _batch_of(offs, RC, BLOCK: tl.constexpr):
     """The batch entry of each of a block's flat offsets into [B, R, C] (RC = R * C elements an entry).
     One division per block when a block lies in one entry: with an int64 division per element the
     pith-train bench's AdamW kernel took 31.9 ms a step writing the FP8 copies, 21.7 without (H200)."""
@@ -149,7 +166,7 @@ def _weight_rows_kernel(w_ptr, q_ptr, amax_ptr, N, RC, BLOCK: tl.constexpr):
     """q = w / scale in w's layout, elementwise over [B, R, C] flat, scale from amax[b]."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    _, inv = _pow2_scale(tl.load(amax_ptr + batch_of(offs, RC, BLOCK), mask=mask, other=0.0))
+    _, inv = _pow2_scale(tl.load(amax_ptr + _batch_of(offs, RC, BLOCK), mask=mask, other=0.0))
     q = _cast(tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -214,8 +231,8 @@ def cols_from_rows(
     """-> qc_KM (laid out by empty_cols), scale_GK (fp32): the rows q_MK * scale_M (quantize_rows'
     output) with one scale per row group, the largest of its rows' (repeated per column: the vector
     a row-wise GEMM takes), stored transposed (module docstring). group_ends_G: int32 ends,
-    non-decreasing, last <= M; None: one group of all M rows. Rows past the last end are not read,
-    and their columns of qc are zero."""
+    non-decreasing, last <= M; None: one group of all M rows. Rows past the last end give zero
+    columns of qc."""
     check("q_MK", q_MK, ndim=2, dtypes=(FP8, torch.float32), contiguous=True)
     M, K = q_MK.shape
     check("scale_M", scale_M, ndim=1, dtypes=(torch.float32,), device=q_MK.device, contiguous=True)
@@ -276,26 +293,26 @@ def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torc
             _weight_rows_kernel[(triton.cdiv(w3.numel(), 4096),)](
                 w3, q, amax_B, w3.numel(), R * C, BLOCK=4096
             )
-        weight_copies(q, amax_B, s_rows, qt, s_cols)
+        weight_copies(FP8Weight(q, s_rows, qt, s_cols, amax_B))
         out = q, s_rows, qt, s_cols
     return out if w_BRC.ndim == 3 else tuple(t[0] for t in out)
 
 
-def weight_copies(
-    q_BRC: Tensor, amax_B: Tensor, s_rows: Tensor, qt_BCR: Tensor, s_cols: Tensor, gate: Tensor | None = None
-) -> None:
-    """From a weight's e4m3 copy in its layout (q_BRC, of scale pow2_scale(amax_B)): its scales repeated
-    along rows and columns, and the transposed copy qt_BCR (in place; 2-D arguments are a batch of one).
-    gate: a one-element device tensor (pith_ops.adamw_'s clip scale); the scales are left as they
-    are where it is not finite (the update wrote no new q).
+def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
+    """From copies.q, a weight's e4m3 copy in its layout of scale pow2_scale(copies.amax): its scales
+    repeated along rows and columns and its transposed copy, written in place. gate: a one-element
+    device tensor (pith_ops.adamw_'s clip scale); the scales are left as they are where it is not
+    finite (the update wrote no new q).
     Two kernels that each write one layout: an e4m3 tile stored in two layouts by one kernel lost a
     quarter of its transposed values on an H200 (torch 2.11, Triton 3.6; tl.trans or not, fp32 or
     e4m3 transposed), a tile stored once transposed did not."""
-    q3, qt3 = (q_BRC, qt_BCR) if q_BRC.ndim == 3 else (q_BRC[None], qt_BCR[None])
+    q3, qt3 = (copies.q, copies.qt) if copies.q.ndim == 3 else (copies.q[None], copies.qt[None])
     B, R, C = q3.shape
     if B:
         block = 16 if INTERPRET else 1024
-        _weight_scales_kernel[(B,)](amax_B, s_rows, s_cols, gate, R, C, BLOCK=block, num_warps=4)
+        _weight_scales_kernel[(B,)](
+            copies.amax, copies.scale_rows, copies.scale_cols, gate, R, C, BLOCK=block, num_warps=4
+        )
     bm, bk = COLS_TILE
     if q3.numel():
         grid = (triton.cdiv(R, bm), triton.cdiv(C, bk), B)

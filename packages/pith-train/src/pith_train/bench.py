@@ -76,7 +76,9 @@ NAME_FRAGMENTS = (
     ("other GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm")),
 )
 # Found by kernel name before the ranges: the FP8 quantisation kernels run inside the FP8 GEMM ops.
-FIRST_NAME_FRAGMENTS = (("FP8 quantisation", ("_quant_rows", "_cols_kernel", "_weight_kernel")),)
+FIRST_NAME_FRAGMENTS = (
+    ("FP8 quantisation", ("_quant_rows", "_cols_kernel", "_group_scale", "_weight_rows", "_weight_scales")),
+)
 COMPONENTS = (*[c for c, _ in NAME_FRAGMENTS], "FP8 GEMMs", "FP8 quantisation", "other")
 
 

@@ -14,7 +14,7 @@ import pith_models
 import torch
 import torch.distributed as dist
 from pith_engine import checkpoint, parallel, schedule
-from pith_engine.layers import use_fp8
+from pith_engine.layers import FP8Switch, Linear, use_fp8
 from pith_engine.parallel import held_layers
 from pith_engine.step import Aux, Stages, evaluate, step_values, train_step
 from pith_models import deepseek_v2
@@ -60,6 +60,25 @@ def step_settings(cfg: Config, model: nn.Module) -> tuple[Aux, float, float]:
 def apply_fp8(cfg: Config, model: nn.Module) -> None:
     """train.fp8 and train.fp8_lm_head on the (sharded) model (pith_engine.layers.use_fp8)."""
     use_fp8(model, cfg.train.fp8, lm_head=cfg.train.fp8_lm_head)
+
+
+def fp8_size_problems(cfg: Config, model_cfg) -> list[str]:
+    """What the FP8 GEMMs would refuse on CUDA at their first call (cuBLAS's and CUTLASS's e4m3 GEMMs
+    take multiples of 16): an FP8 weight matrix with a dimension that is not one, or a micro-batch's
+    tokens (per CP rank) that are not. Checked on the meta device, before anything is built."""
+    if not (cfg.train.fp8 or cfg.train.fp8_lm_head):
+        return []
+    model = pith_models.build(model_cfg)
+    use_fp8(model, cfg.train.fp8, lm_head=cfg.train.fp8_lm_head)
+    bad = [
+        f"{prefix}.{name} {tuple(p.shape)}".lstrip(".")
+        for prefix, m in model.named_modules()
+        if isinstance(m, FP8Switch) and m.fp8
+        for name, p in m.named_parameters(recurse=False)
+        if p.ndim == (2 if isinstance(m, Linear) else 3) and any(n % 16 for n in p.shape[-2:])
+    ]
+    tokens = cfg.train.micro_batch * cfg.data.seq_len // cfg.parallel.cp
+    return bad + ([f"{tokens} tokens a micro-batch"] if tokens % 16 else [])
 
 
 def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages:
@@ -165,6 +184,12 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
         run_dir.mkdir(parents=True, exist_ok=True)
     ds = open_data(cfg, run_dir, main)
     ds.check_vocab(model_cfg.vocab_size)
+    bad = fp8_size_problems(cfg, model_cfg) if device.type == "cuda" else []
+    if bad:
+        raise ValueError(
+            f"train.fp8 / train.fp8_lm_head on CUDA need multiples of 16, got {', '.join(bad)}: pad the"
+            " model (e.g. --model.vocab_size), change data.seq_len or train.micro_batch, or turn FP8 off"
+        )
     loader = WindowLoader(ds, cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed)
     if main:
         rundir.write_config(run_dir, cfg)
