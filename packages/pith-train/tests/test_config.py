@@ -37,6 +37,7 @@ def test_printed_config_reads_back_equal(tmp_path):
         ("", ["--train.global_batch=6", "--train.micro_batch=4"], "global_batch=6 must be a multiple"),
         ("", ["--optim.schedule=linear"], "'cosine' or 'wsd'"),
         ("", ["--train.steps=0"], "train.steps must be >= 1"),
+        ("", ["--train.cuda_graph=true", "--parallel.cp=2"], "train.cuda_graph runs on one process"),
     ],
 )
 def test_bad_config_raises_naming_the_problem(tmp_path, toml, overrides, message):

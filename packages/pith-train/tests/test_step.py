@@ -1,5 +1,6 @@
 """The optimizer step of train_step against the path it replaced (fp32, CPU), its device-side skip of
-a non-finite step, its host syncs (counted), and the kept bf16 weight casts against a cast per use."""
+a non-finite step, its host syncs (counted), the kept bf16 weight casts against a cast per use, and
+the step as a CUDA graph (StepGraph) against the eager step."""
 
 import copy
 import inspect
@@ -169,3 +170,32 @@ def test_kept_bf16_casts_train_bit_for_bit_like_a_cast_per_use(monkeypatch, micr
     old_losses, old_params = _bf16_steps(False, monkeypatch, micro)
     assert all(torch.equal(a, b) for a, b in zip(losses + params, old_losses + old_params))
     assert not torch.equal(losses[0], losses[-1])
+
+
+def test_a_cuda_graph_step_needs_one_cuda_process(micro_hf):
+    with pytest.raises(ValueError, match="one CUDA process.*train.cuda_graph"):
+        Stages(pith_models.from_pretrained(micro_hf), CPU, cuda_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graph_steps_train_like_eager_steps(micro_config, micro_hf, byte_data, compile):
+    """StepGraph (eager first step, captured second, replayed after) against eager steps: the same
+    kernels on the same data, so the same losses and weights (two micro-batches: an overlapped pair)."""
+    cfg, dev = micro_config(), torch.device("cuda")
+    loader = WindowLoader(PackedDataset(str(byte_data)), cfg.data.seq_len, cfg.data.val_windows, 0)
+    G, mb = cfg.train.global_batch, cfg.train.micro_batch
+    runs = []
+    for graph in (False, True):
+        model = pith_models.from_pretrained(micro_hf).to(dev)
+        stages = Stages(model, parallel_layout(cfg, dev), compile, dtype=torch.bfloat16, cuda_graph=graph)
+        optimizer, settings = build_optimizer(model, cfg), step_settings(cfg, model)
+        batches = [loader.step_batch(i * G, G, mb, 0, 1) for i in range(5)]
+        losses = [step_values(*train_step(stages, optimizer, b, 1e-2, *settings)) for b in batches]
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (eager, eager_params), (graphed, graphed_params) = runs
+    for a, b in zip(eager, graphed):
+        torch.testing.assert_close(a[:3], b[:3], rtol=1e-5, atol=1e-6)
+    for a, b in zip(eager_params, graphed_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert eager[0][0] != eager[-1][0]

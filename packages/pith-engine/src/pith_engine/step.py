@@ -91,6 +91,7 @@ class Stages:
     WeightGradQueue in the schedule's input-gradient backwards (I) and its W actions run them
     (under compile, the compiled stages' projections cannot defer: only the eager expert GEMMs do).
     Off, I is a full backward and W nothing.
+    cuda_graph: the step's forward and backward work as one CUDA graph (StepGraph): one CUDA process.
     """
 
     class Layer:
@@ -113,7 +114,13 @@ class Stages:
         align: int = 1,
         overlap: bool = True,
         wgrad: bool = True,
+        cuda_graph: bool = False,
     ):
+        if cuda_graph and (mesh.layout.world > 1 or mesh.device.type != "cuda"):
+            raise ValueError(
+                f"a CUDA graph step runs on one CUDA process, got {mesh.layout.world} process(es) on"
+                f" {mesh.device.type}: turn train.cuda_graph off"
+            )
         # Under FSDP a stage method is FSDP's wrapper, whose unshard/reshard hooks dynamo runs eagerly:
         # the graph breaks exactly there and the body between is one graph (TorchTitan's per-block
         # compile keeps the hooks outside the same way); fullgraph is off for that reason only.
@@ -140,6 +147,7 @@ class Stages:
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.overlap, self.queue = overlap, WeightGradQueue() if wgrad else None
         self.trace: list | None = None  # a list: (tag, stage piece) in the order run (tests, debugging)
+        self.graph = StepGraph() if cuda_graph else None
         set_wgrad_queue(model, self.queue)
 
         def prologue(ids_BS: Tensor) -> Tensor:
@@ -376,17 +384,10 @@ def train_step(
     raises FloatingPointError."""
     mesh, model = stages.mesh, stages.model
     micro = _micro_on_device(micro, mesh)
-    label_tokens = parallel.all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y, _ in micro), mesh)
+    aux = aux._replace(micro_batches=len(micro))
+    sums, counts, label_tokens = (stages.graph or _schedule_work)(stages, micro, aux)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    for unit in stages.units:  # reduced in each unit's last backward segment (module docstring)
-        unit.set_requires_gradient_sync(False, recurse=False)
-    run = _Run(stages, micro, label_tokens, aux._replace(micro_batches=len(micro)), True)
-    run.run(schedule(mesh.layout.pp, mesh.pp_rank, len(micro), stages.overlap, stages.queue is not None))
-    assert stages.queue is None or not len(stages.queue), "a W for every I of the schedule"
-    for unit in stages.units:  # what stayed gathered through the step (Stages)
-        unit.reshard()
-    sums = parallel.all_reduce_sum(run.sums[:2].clone(), mesh, pp=True)
     loss, aux_loss = sums[0] / label_tokens, sums[1]
     with record_function("optimizer"):
         grad_norm = parallel.grad_norm(list(model.parameters()), mesh)
@@ -394,8 +395,96 @@ def train_step(
         coef = parallel.clip_coef(grad_norm, grad_clip)
         optimizer.step(grad_scale=torch.where(finite, coef, torch.nan).reshape(1))
         optimizer.zero_grad(set_to_none=True)
-        update_expert_bias(stages.biases, run.counts, finite * bias_rate)
-    return StepResult(loss, aux_loss, grad_norm, _all_counts(run.counts, stages))
+        update_expert_bias(stages.biases, counts, finite * bias_rate)
+    return StepResult(loss, aux_loss, grad_norm, _all_counts(counts, stages))
+
+
+def _schedule_work(stages: Stages, micro: list, aux: Aux) -> tuple[Tensor, dict[int, Tensor], Tensor]:
+    """The step's forward and backward work (the gradients, left in the parameters) -> (the
+    cross-entropy and aux sums over the pipeline and data ranks [2], the expert counts per MoE layer,
+    the label tokens of the global batch)."""
+    mesh = stages.mesh
+    label_tokens = parallel.all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y, _ in micro), mesh)
+    for unit in stages.units:  # reduced in each unit's last backward segment (module docstring)
+        unit.set_requires_gradient_sync(False, recurse=False)
+    run = _Run(stages, micro, label_tokens, aux, True)
+    run.run(schedule(mesh.layout.pp, mesh.pp_rank, len(micro), stages.overlap, stages.queue is not None))
+    assert stages.queue is None or not len(stages.queue), "a W for every I of the schedule"
+    for unit in stages.units:  # what stayed gathered through the step (Stages)
+        unit.reshard()
+    return parallel.all_reduce_sum(run.sums[:2].clone(), mesh, pp=True), run.counts, label_tokens
+
+
+class StepGraph:
+    """The schedule's forward and backward work of train_step (_schedule_work) as one CUDA graph: run
+    eagerly at the first call, captured at the second and replayed from then on, so the host launches
+    one graph instead of the step's thousands of kernels (and their Python) and a step whose launches
+    outrun its kernels (FP8's) runs at the GPU's pace. The gradient norm, the optimizer and the
+    expert-bias update stay eager: their few hundred launches queue while the graph runs.
+
+    What makes a replay the step: the step has no host sync (tested), so no value of one step steers
+    its Python, and its kernels read and write the same addresses every step: the micro-batches are
+    copied into the graph's own input tensors, the gradients land in the tensors the capture made
+    (set back on the parameters after each replay, as the optimizer's zero_grad drops them), and the
+    weights' kept copies (pith_ops.cast, FP8Switch.fp8_weight) are rewritten in place by the
+    optimizer. The eager first call runs on the capture stream, so lazy library state, compilation
+    and autotuning happen outside the capture, and the capture sees the optimizer's state in memory
+    (peak memory measured after it is the step's). One process (an expert, context or data exchange
+    needs host-side sizes from its peers; FSDP runs Python hooks inside the step), CUDA, one shape of
+    micro-batches (another is a ValueError)."""
+
+    def __init__(self):
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.stream: torch.cuda.Stream | None = None
+        self.inputs: list[Tensor] = []
+        self.out = None
+        self.grads: list[tuple[nn.Parameter, Tensor | None, Tensor | None]] = []
+        self.calls = 0
+
+    def __call__(self, stages: Stages, micro: list, aux: Aux) -> tuple[Tensor, dict[int, Tensor], Tensor]:
+        flat = [t for m in micro for t in m if t is not None]
+        if self.stream is None:  # the eager step, on the inputs (their strides) the graph will read
+            self.stream = torch.cuda.Stream(stages.mesh.device)
+            self.inputs = [t.contiguous().clone() for t in flat]
+        shapes = [(t.shape, t.dtype) for t in flat]
+        if shapes != [(t.shape, t.dtype) for t in self.inputs]:
+            raise ValueError(
+                f"a CUDA graph step takes one shape of micro-batches: captured {len(self.inputs)} tensors"
+                f" {[tuple(t.shape) for t in self.inputs[:2]]}..., got {[tuple(t) for t, _ in shapes[:2]]}"
+            )
+        for static, t in zip(self.inputs, flat):
+            static.copy_(t)
+        static = iter(self.inputs)
+        static_micro = [tuple(None if t is None else next(static) for t in m) for m in micro]
+        self.calls += 1
+        if self.calls == 1:
+            return self._on_stream(_schedule_work, stages, static_micro, aux)
+        if self.graph is None:
+            self._on_stream(self._capture, stages, static_micro, aux)
+        self.graph.replay()
+        for p, g, held in self.grads:
+            p.grad = g
+            if held is not None:
+                p._pith_grad = held
+        return self.out
+
+    def _on_stream(self, fn, *args):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = fn(*args)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
+
+    def _capture(self, stages: Stages, micro: list, aux: Aux) -> None:
+        params = list(stages.model.parameters())
+        if any(p.grad is not None or "_pith_grad" in p.__dict__ for p in params):
+            raise ValueError("StepGraph: the capture starts from no gradients (the optimizer's zero_grad)")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the eager step's cached blocks: the graph allocates from its own pool
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=self.stream):
+            self.out = _schedule_work(stages, micro, aux)
+        self.grads = [(p, p.grad, p.__dict__.get("_pith_grad")) for p in params]
 
 
 def step_values(loss: Tensor, aux: Tensor, grad_norm: Tensor, counts_LE: Tensor | None):

@@ -22,7 +22,8 @@ step time is the median. Then the same number of steps back to back with one syn
 end: the CPU queues the next step while the GPU runs this one, what a loop reading each step's values
 a step later would reach (`step_ms_back_to_back`; the gap between the two is the cost of the per-step
 read). Peak memory is the allocator's peak over the timed steps (allocated, and reserved: what the
-process holds from the card).
+process holds from the card); with cuda_graph from the second warm-up step on, which captures the
+graph (a replay allocates nothing: the graph's memory is what its capture allocated).
 
 Shape legend: B sequences, S sequence length.
 """
@@ -220,6 +221,7 @@ def run(
     grouped_gemm: str = "torch",
     fp8: bool = False,
     fp8_lm_head: bool = False,
+    cuda_graph: bool = False,
     profile_steps: int = 0,
     data: str | None = None,
     device: str = "auto",
@@ -274,6 +276,7 @@ def run(
         [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={mb}", f"train.device={device}",
          f"train.compile={str(compile).lower()}", f"train.ac={ac}", f"train.seed={seed}",
          f"train.fp8={str(fp8).lower()}", f"train.fp8_lm_head={str(fp8_lm_head).lower()}",
+         f"train.cuda_graph={str(cuda_graph).lower()}",
          f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
          f"parallel.overlap={str(overlap).lower()}", f"parallel.wgrad_delay={str(wgrad_delay).lower()}"],
     )  # fmt: skip
@@ -318,10 +321,14 @@ def run(
         return train_step(stages, optimizer, micro, LR, *settings).loss
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(warmup):
+    graph = cuda_graph and cuda
+    for i in range(warmup):
         step()
+        if graph and i == 0:  # the graph allocates at its capture (the next step), not at its replays
+            sync()
+            torch.cuda.reset_peak_memory_stats()
     sync()
-    if cuda:
+    if cuda and not graph:
         torch.cuda.reset_peak_memory_stats()
     seconds, losses = [], []
     for _ in range(steps):
@@ -368,6 +375,7 @@ def run(
             "grouped_gemm": grouped_gemm,
             "fp8": fp8,
             "fp8_lm_head": fp8_lm_head,
+            "cuda_graph": cuda_graph and cuda,
             "micro_batches": Bl // mb,
             "overlap": overlap,
             "wgrad_delay": wgrad_delay,
@@ -414,6 +422,7 @@ def summary(r: dict) -> str:
     lines = [
         f"{r['card']}: {r['workload']['tokens_per_step']:,} tokens/step, compile={s['compile']} ac={s['ac']}"
         f" grouped_gemm={s['grouped_gemm']} fp8={s['fp8']} fp8_lm_head={s['fp8_lm_head']}"
+        f" cuda_graph={s['cuda_graph']}"
         f" micro-batches={s['micro_batches']}"
         f" overlap={s['overlap']} wgrad_delay={s['wgrad_delay']}, layout {r['layout']}",
         f"  {r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms (median of {s['steps']})",

@@ -203,7 +203,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     result = run(
         tiny=args.tiny, layers=args.layers, seq_len=args.seq_len, batch=args.batch, steps=args.steps,
         warmup=args.warmup, compile=args.compile == "on", ac=args.ac, grouped_gemm=args.grouped_gemm,
-        fp8=args.fp8, fp8_lm_head=args.fp8_lm_head,
+        fp8=args.fp8, fp8_lm_head=args.fp8_lm_head, cuda_graph=args.cuda_graph,
         profile_steps=args.profile, data=args.data, device=args.device, dp=args.dp, cp=args.cp,
         ep=args.ep, micro_batch=args.micro_batch, overlap=args.overlap == "on",
         wgrad_delay=args.wgrad_delay == "on",
@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grouped-gemm", choices=["torch", "triton"], default="torch", help="expert GEMM kernel")
     p.add_argument("--fp8", action="store_true", help="projections and expert GEMMs in FP8 (train.fp8)")
     p.add_argument("--fp8-lm-head", action="store_true", help="lm_head's GEMMs in FP8 (train.fp8_lm_head)")
+    p.add_argument("--cuda-graph", action="store_true", help="the step as a CUDA graph (train.cuda_graph)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="profile STEPS more steps")
     p.add_argument("--layers", type=int, help="decoder layers (default 4)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 4096)")

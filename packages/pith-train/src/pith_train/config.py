@@ -44,6 +44,9 @@ class TrainConfig:
     ac: str = "none"  # activation checkpointing: none | selective (expert MLPs) | full (every stage)
     fp8: bool = False  # projections and expert GEMMs in FP8 (e4m3; pith_engine.layers.use_fp8)
     fp8_lm_head: bool = False  # lm_head's logits and input-gradient GEMMs in FP8 too (its wgrad stays bf16)
+    # The step's forward and backward as one CUDA graph, captured at the first step (one CUDA process;
+    # pith_engine.step.StepGraph): the host launches one graph, not the step's kernels one by one.
+    cuda_graph: bool = False
     lbl_coef: float = 1e-3  # global-batch load-balancing loss coefficient (0 = off)
     z_loss_coef: float = 0.0  # router z-loss coefficient (0 = off)
     # Aux-loss-free balancing: expert-bias step after each update (0 = off). DeepSeek-V3 uses 1e-3 over
@@ -289,6 +292,9 @@ def validate(cfg: Config) -> None:
             f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch={t.micro_batch}"
             f" x data ranks (dp*ep={cfg.data_ranks}) = {per_step}"
         )
+    world = p.pp * p.dp * p.cp * p.ep
+    if t.cuda_graph and world > 1:
+        raise ValueError(f"train.cuda_graph runs on one process, got pp*dp*cp*ep = {world}: turn it off")
     if o.schedule not in ("cosine", "wsd"):
         raise ValueError(f"optim.schedule: expected 'cosine' or 'wsd', got {o.schedule!r}")
     if o.name not in ("adamw", "muon"):

@@ -83,15 +83,17 @@ def fp8_size_problems(cfg: Config, model_cfg) -> list[str]:
 
 def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages:
     """The model as the trainer runs it: compiled on CUDA (under FSDP too, its hooks outside the
-    compiled bodies: pith_engine.step.Stages), cfg's recompute, a bf16 residual stream on CUDA, and under
-    FP8 expert groups padded to the 16 rows its GEMMs need."""
+    compiled bodies: pith_engine.step.Stages), cfg's recompute, a bf16 residual stream on CUDA, under
+    FP8 expert groups padded to the 16 rows its GEMMs need, and on CUDA the step as a CUDA graph when
+    train.cuda_graph is set."""
     cuda = mesh.device.type == "cuda"
     compile = cfg.train.compile and cuda
     dtype, align = torch.bfloat16 if cuda else None, GROUP_ALIGN if cfg.train.fp8 else 1
     # Weight-gradient delay only where the schedule has bubbles to fill (pp > 1): under pp = 1 each W
     # would follow its backward and only hold the GEMM inputs longer (config.py has the numbers).
     overlap, wgrad = cfg.parallel.overlap, cfg.parallel.wgrad_delay and mesh.layout.pp > 1
-    return Stages(model, mesh, compile, cfg.train.ac, dtype, align, overlap, wgrad)
+    graph = cfg.train.cuda_graph and cuda
+    return Stages(model, mesh, compile, cfg.train.ac, dtype, align, overlap, wgrad, graph)
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
