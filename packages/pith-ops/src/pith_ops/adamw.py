@@ -30,8 +30,8 @@ from pith_ops.cast import keep
 from pith_ops.fp8_quant import (
     FP8,
     FP8Weight,
-    _batch_of,
     _cast,
+    _entry_amax,
     _pow2_scale,
     quantize_weight_reference,
     weight_copies,
@@ -41,7 +41,8 @@ from pith_ops.fp8_quant import (
 @triton.jit
 def _adamw_kernel(
     p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, copy_ptr, q_ptr, amax_ptr, amax_new_ptr, N, RC, decay, rest1,
-    beta2, rest2, step_size, bc2_sqrt, eps, COPY: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr,
+    beta2, rest2, step_size, bc2_sqrt, eps, COPY: tl.constexpr, FP8: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """BLOCK elements of p (flat); with FP8, p is [B, R, C] flat and element i of batch entry i // RC."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -63,22 +64,22 @@ def _adamw_kernel(
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         if FP8:  # quantize_weight's copy in p's layout, of the new p with the scale of the old amax
-            b = _batch_of(offs, RC, BLOCK)
-            _, inv = _pow2_scale(tl.load(amax_ptr + b, mask=mask, other=0.0))
+            b, amax = _entry_amax(amax_ptr, offs, mask, RC, ALIGNED, BLOCK)
+            _, inv = _pow2_scale(amax)
             tl.store(q_ptr + offs, _cast(p, inv).to(q_ptr.dtype.element_ty), mask=mask)
-            _amax_into(amax_new_ptr, b, tl.abs(p), mask, RC, BLOCK)
+            _amax_into(amax_new_ptr, b, tl.abs(p), mask, ALIGNED)
     elif FP8:  # nothing changes, nor do the copies: the amax stays the old one
-        b = _batch_of(offs, RC, BLOCK)
-        _amax_into(amax_new_ptr, b, tl.load(amax_ptr + b, mask=mask, other=0.0), mask, RC, BLOCK)
+        b, amax = _entry_amax(amax_ptr, offs, mask, RC, ALIGNED, BLOCK)
+        _amax_into(amax_new_ptr, b, amax, mask, ALIGNED)
 
 
 @triton.jit
-def _amax_into(amax_ptr, b, values, mask, RC, BLOCK: tl.constexpr):
+def _amax_into(amax_ptr, b, values, mask, ALIGNED: tl.constexpr):
     """amax[b] = max(amax[b], values) for a block's elements of batch entries b: one atomic when the
-    block lies in one entry (RC a multiple of BLOCK: every expert and matrix of the bench), else one
-    per element (small tensors)."""
-    if RC % BLOCK == 0:
-        tl.atomic_max(amax_ptr + tl.min(b, 0), tl.max(tl.where(mask, values, 0.0), 0))
+    block lies in one entry (ALIGNED, b a scalar: every expert and matrix of the bench), else one per
+    element (small tensors)."""
+    if ALIGNED:
+        tl.atomic_max(amax_ptr + b, tl.max(tl.where(mask, values, 0.0), 0))
     else:
         tl.atomic_max(amax_ptr + b, values, mask=mask)
 
@@ -135,7 +136,7 @@ def adamw_(
         p, g, m, v, scale, p if copy is None else copy, q, amax, p if amax_new is None else amax_new,
         p.numel(), per_entry,
         decay, rest1, beta2, rest2, step_size, bc2_sqrt, eps,
-        COPY=copy is not None, FP8=fp8 is not None, BLOCK=BLOCK, num_warps=8,
+        COPY=copy is not None, FP8=fp8 is not None, ALIGNED=per_entry % BLOCK == 0, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
     if fp8 is not None:  # the scales and the transposed copy of what the kernel wrote (fp8_quant)
         weight_copies(fp8, gate=scale)

@@ -14,14 +14,17 @@ traffic per chunk, ~1.2 ms against ~10 ms of matmuls at the sizes above (estimat
 Labels outside [0, V) other than ignore_index are checked only for CPU tensors in eager mode (a
 host sync on CUDA); on CUDA such a row reads no logit, so its loss is its log-sum-exp.
 
-FP8 (w8 = quantize_weight(w), pith_ops.fp8_quant, which a caller may keep while w is unchanged): the
-logits and dh GEMMs take e4m3 operands with row-wise power-of-two scales (torch._scaled_mm, bf16
-out). h is quantised by rows once; the kernel also writes the gradient rows in e4m3 with one scale
-per row, quantize_rows of its fp32 gradient bit for bit, the row's amax known after the
-log-sum-exp pass (no third read of the logits; the rows take half the chunk's bf16 logits again in
-memory). dw stays a bf16 GEMM of the bf16 gradient and h: an FP8 wgrad contracts over the chunk's
-tokens, so it needs the gradient requantised by columns (transposed) and then a bf16 accumulate
-pass, measured by us on an H200 at ~2.7 ms a chunk against 2.6 ms for the bf16 GEMM: no gain.
+FP8 (w8 = quantize_weight(w), pith_ops.fp8_quant, which a caller may keep while w is unchanged): all
+three GEMMs take e4m3 operands with power-of-two scales (torch._scaled_mm, bf16 out), the recipe of
+pith_ops.fp8_linear. h is quantised by rows once. The logits GEMM runs per chunk of a power of two
+rows (the note at FAST); the kernel writes no bf16 gradient but its e4m3 rows, one scale per row,
+quantize_rows of its fp32 gradient bit for bit (the row's amax is known after the log-sum-exp pass:
+no third read of the logits), into a [T, V] buffer (a byte a logit: 2.3 GiB at the bench's 16,384 x
+151,936), and dh's GEMM reads each chunk's rows. dw is one FP8 GEMM over all the tokens per
+FP8_WGRAD_ROWS vocabulary rows, from the gradient rows and h8 requantised by columns (cols_from_rows,
+as fp8_linear's wgrad): a GEMM per token chunk would need a bf16 accumulation pass per chunk
+(measured ~2.7 ms a chunk against 2.6 ms for its bf16 GEMM, H200). The buffer lives within the op's
+forward, where the chunk logits take half the bf16 path's memory.
 """
 
 import torch
@@ -37,6 +40,9 @@ from pith_ops.fp8_quant import (
     _cast,
     _interpreted_cast,
     _pow2_scale,
+    cols_from_rows,
+    cols_from_rows_reference,
+    dequantize_cols,
     dequantize_rows,
     quantize_rows,
     quantize_rows_reference,
@@ -45,20 +51,27 @@ from pith_ops.fp8_quant import (
 
 CHUNK_LOGITS = 2**29  # logits per chunk: 1 GiB in bf16; C = 3533 rows at V = 151,936
 BLOCK_V = 256 if INTERPRET else 4096
-# dh's FP8 GEMM with fast accumulation. Measured by us on an H200 at [3536, 151936] x [151936, 2048]:
-# fast 1539 us, relative error 2.9e-3 against the dequantised float64 product; fp32 promotion 1926 us,
-# 1.6e-3; bf16 3101 us. Off: over the whole vocabulary fast accumulation nearly doubles the error for
-# a fifth of this GEMM's time.
-FAST = False
+# dh's FP8 GEMM with fast accumulation. Measured on an H200 at [3536, 151936] x [151936, 2048]: fast
+# 1539 us, relative error 2.9e-3 against the dequantised float64 product; fp32 promotion 1926 us,
+# 1.6e-3; bf16 3101 us; at 2048 rows fast 818 us, promotion 883 (random e4m3 data). On: the error
+# added is a tenth of the e4m3 gradient rows' own (~3e-2 relative, test_cross_entropy).
+FAST = True
+# FP8 takes chunks of a power of two rows (at least 16, the FP8 GEMMs' multiple): 2048 at V = 151,936.
+# Measured on an H200 (random e4m3 data, [C, 2048] x [2048, 151936] and back): C = 2048 runs the logits
+# GEMM at 1511 TFLOP/s and dh's at 1557, C = 3520 at 1457 and 1174.
+# The FP8 weight gradient's GEMMs take this many vocabulary rows each (its transposed gradient rows:
+# 128 MiB at 16,384 tokens).
+FP8_WGRAD_ROWS = 8192
 
 
 @triton.jit
 def _ce_rows_kernel(
     logits_CV_ptr, labels_ptr, loss_ptr, scale_ptr, g8_ptr, g8_scale_ptr, V, ignore_index,
-    WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr, BLOCK_V: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr, BLOCK_V: tl.constexpr, STEPS: tl.constexpr,
 ):  # fmt: skip
     """Per row: loss = lse - logit[label] (0 if ignored); WRITE_GRAD: row <- g = (softmax - onehot) *
-    scale; WRITE_G8: g8 row, g8 scale <- quantize_rows(g) of the fp32 g (e4m3 or fp32 quotients)."""
+    scale; WRITE_G8: g8 row, g8 scale <- quantize_rows(g) of the fp32 g (e4m3 or fp32 quotients),
+    with or without WRITE_GRAD."""
     row = tl.program_id(0)
     base = logits_CV_ptr + row.to(tl.int64) * V
     label = tl.load(labels_ptr + row).to(tl.int32)
@@ -66,35 +79,41 @@ def _ce_rows_kernel(
     # Online log-sum-exp kept per lane, merged once at the end.
     # Lanes start at the lowest finite fp32, not -inf, so m - m_new is never inf - inf.
     m = tl.full([BLOCK_V], -3.4e38, tl.float32)
-    m_excl = m  # WRITE_G8: per lane, the largest logit other than the label's
     s = tl.zeros([BLOCK_V], tl.float32)
     for v0 in range(0, V, BLOCK_V):
         x = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, x)
         s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
         m = m_new
-        if WRITE_G8:
-            m_excl = tl.maximum(m_excl, tl.where(v0 + cols == label, -3.4e38, x))
     row_max = tl.max(m, 0)
     lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), 0))
     valid = label != ignore_index
     in_vocab = valid & (label >= 0) & (label < V)
     target = tl.load(base + label, mask=in_vocab, other=0.0).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - target, 0.0))
-    if WRITE_GRAD:
+    if WRITE_GRAD or WRITE_G8:
         scale = tl.where(valid, tl.load(scale_ptr), 0.0)
         if WRITE_G8:
             # The row's largest |g| below, from the same fp32 expressions on the same inputs: exp is
             # monotone and scale >= 0, so it is at the largest logit other than the label's, or at the
-            # label. Hence the scale is quantize_rows' own.
+            # label. Hence the scale is quantize_rows' own. The largest other logit: every lane's max
+            # but the label's lane, whose other STEPS - 1 values are read again (tracking it in the
+            # loop above cost a compare and a select per logit).
+            lane = tl.where(in_vocab, label % BLOCK_V, -1)
+            others = tl.max(tl.where(cols == lane, -3.4e38, m), 0)
+            at = lane + tl.arange(0, STEPS).to(tl.int64) * BLOCK_V
+            keep = (at >= 0) & (at < V) & (at != label)
+            lane_values = tl.load(base + at, mask=keep, other=-3.4e38).to(tl.float32)
+            others = tl.maximum(others, tl.max(lane_values, 0))
             at_label = tl.where(in_vocab, tl.abs((tl.exp(target - lse) - 1.0) * scale), 0.0)
-            g8_scale, inv = _pow2_scale(tl.maximum(tl.exp(tl.max(m_excl, 0) - lse) * scale, at_label))
+            g8_scale, inv = _pow2_scale(tl.maximum(tl.exp(others - lse) * scale, at_label))
             tl.store(g8_scale_ptr + row, g8_scale)
         for v0 in range(0, V, BLOCK_V):
             c = v0 + cols
             x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
             g = (tl.exp(x - lse) - (c == label).to(tl.float32)) * scale
-            tl.store(base + c, g.to(logits_CV_ptr.dtype.element_ty), mask=c < V)
+            if WRITE_GRAD:
+                tl.store(base + c, g.to(logits_CV_ptr.dtype.element_ty), mask=c < V)
             if WRITE_G8:  # from the fp32 g, not the bf16 stored: rounding twice can land elsewhere
                 g8 = g8_ptr + row.to(tl.int64) * V + c
                 tl.store(g8, _cast(g, inv).to(g8_ptr.dtype.element_ty), mask=c < V)
@@ -102,11 +121,13 @@ def _ce_rows_kernel(
 
 def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=None):
     """The kernel over a chunk's rows, or its math in torch (CPU without the interpreter; float64 logits
-    stay float64). g8: (g8_CV, g8_scale_C) buffers for the gradient's quantize_rows, or None."""
+    stay float64). write_grad: the gradient over the logits; g8: (g8_CV, g8_scale_C) buffers for the
+    gradient's quantize_rows, or None."""
     if use_triton(logits_CV) and logits_CV.dtype != torch.float64:  # g8 None: loss_C stands in, unread
         _ce_rows_kernel[(logits_CV.shape[0],)](
             logits_CV, labels_C, loss_C, scale, *(g8 or (loss_C, loss_C)), logits_CV.shape[1], ignore_index,
             WRITE_GRAD=write_grad, WRITE_G8=g8 is not None, BLOCK_V=BLOCK_V, num_warps=1 if INTERPRET else 8,
+            STEPS=triton.next_power_of_2(triton.cdiv(logits_CV.shape[1], BLOCK_V)),
         )  # fmt: skip
         return
     x = logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32))
@@ -114,12 +135,34 @@ def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=No
     onehot = F.one_hot(torch.where(valid, labels_C, 0).long(), x.shape[1]) * valid[:, None]
     lse = x.logsumexp(1)
     loss_C.copy_(torch.where(valid, lse - (x * onehot).sum(1), 0.0))
-    if write_grad:
+    if write_grad or g8 is not None:
         g = (torch.exp(x - lse[:, None]) - onehot) * torch.where(valid, scale, 0.0)[:, None]
-        logits_CV.copy_(g)
+        if write_grad:
+            logits_CV.copy_(g)
         if g8 is not None:
             for out, t in zip(g8, quantize_rows_reference(g, g8[0].dtype)):
                 out.copy_(t)
+
+
+def _fp8_wgrad(g8_TV: Tensor, g8_scale_T: Tensor, h8_TD: Tensor, h8_scale_T: Tensor, dw_VD: Tensor) -> None:
+    """dw = g.T @ h into dw_VD from the e4m3 rows of the gradient and of h, requantised by columns over
+    all T tokens and transposed (fp8_quant.cols_from_rows: fp8_linear's wgrad operands), FP8_WGRAD_ROWS
+    vocabulary rows a GEMM: one GEMM contracting over every token, no accumulation pass."""
+    h8c_DT, h8c_scale_D = cols_from_rows(h8_TD, h8_scale_T)
+    for v0 in range(0, g8_TV.shape[1], FP8_WGRAD_ROWS):
+        g8c_VT, g8c_scale_V = cols_from_rows(g8_TV[:, v0 : v0 + FP8_WGRAD_ROWS], g8_scale_T)
+        # fp32 promotion: it contracts over all the tokens (as fp8_linear.wgrad); bf16 out (into dw)
+        rows = dw_VD[v0 : v0 + FP8_WGRAD_ROWS]
+        y = _mm(
+            g8c_VT,
+            g8c_scale_V[0],
+            h8c_DT,
+            h8c_scale_D[0],
+            False,
+            rows if rows.dtype == torch.bfloat16 else None,
+        )
+        if y.data_ptr() != rows.data_ptr():
+            rows.copy_(y)
 
 
 def _grad_scale(labels_T: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
@@ -147,30 +190,33 @@ def _lce_op(
     n_valid, scale = _grad_scale(labels_T, ignore_index, reduction)
     loss_T = torch.empty(T, dtype=torch.float32, device=h_TD.device)
     dh = torch.empty_like(h_TD) if grad_h else h_TD.new_empty(0)
-    dw = torch.zeros_like(w_VD) if grad_w else w_VD.new_empty(0)
+    dw = (torch.empty_like if w8_VD is not None else torch.zeros_like)(w_VD) if grad_w else w_VD.new_empty(0)
     fp8 = w8_VD is not None
+    C = max(1, CHUNK_LOGITS // max(V, 1))
     if fp8:
         h8_TD, h8_scale_T = quantize_rows(h_TD)
-    C = max(1, CHUNK_LOGITS // max(V, 1))
-    if fp8:  # cuBLAS's FP8 GEMMs take token counts that are multiples of 16 (3533 failed on an H200)
-        C = max(16, C // 16 * 16)
+        C = max(16, 1 << (C.bit_length() - 1))
+        if grad_h or grad_w:  # the interpreter writes fp32 quotients (fp8_quant._interpreted_cast)
+            g8_TV = h_TD.new_empty(T, V, dtype=torch.float32 if INTERPRET else FP8)
+            g8_scale_T = loss_T.new_empty(T)
     for c0 in range(0, T, C):
         h_CD, rows = h_TD[c0 : c0 + C], slice(c0, c0 + C)
-        g8 = None
         if fp8:
             logits_CV = _mm(h8_TD[rows], h8_scale_T[rows], w8_VD, w8_scale_V).to(h_TD.dtype)
-            if grad_h:  # the interpreter writes fp32 quotients (fp8_quant._interpreted_cast)
-                g8_dtype = torch.float32 if INTERPRET else FP8
-                g8 = torch.empty_like(logits_CV, dtype=g8_dtype), loss_T.new_empty(h_CD.shape[0])
-        else:
-            logits_CV = h_CD @ w_VD.T
-        _ce_rows(logits_CV, labels_T[rows], loss_T[rows], scale, ignore_index, grad_h or grad_w, g8)
-        if g8 is not None:
-            dh[rows] = _mm(*(_interpreted_cast(*g8) if INTERPRET else g8), w8t_DV, w8t_scale_D, FAST)
-        elif grad_h:
+            g8 = (g8_TV[rows], g8_scale_T[rows]) if grad_h or grad_w else None
+            _ce_rows(logits_CV, labels_T[rows], loss_T[rows], scale, ignore_index, False, g8)
+            if grad_h:
+                dh[rows] = _mm(*(_interpreted_cast(*g8) if INTERPRET else g8), w8t_DV, w8t_scale_D, FAST)
+            continue
+        logits_CV = h_CD @ w_VD.T
+        _ce_rows(logits_CV, labels_T[rows], loss_T[rows], scale, ignore_index, grad_h or grad_w)
+        if grad_h:
             torch.mm(logits_CV, w_VD, out=dh[rows])
         if grad_w:
             dw.addmm_(logits_CV.T, h_CD)
+    if fp8 and grad_w:
+        g8 = _interpreted_cast(g8_TV, g8_scale_T) if INTERPRET else (g8_TV, g8_scale_T)
+        _fp8_wgrad(*g8, h8_TD, h8_scale_T, dw)
     loss = loss_T.sum()
     return loss / n_valid if reduction == "mean" else loss, dh, dw
 
@@ -271,13 +317,17 @@ def linear_cross_entropy_fp8_reference(
     x = h8 @ w8.T (dequantized); loss = cross_entropy(x, labels), reduced as linear_cross_entropy's;
     g = d loss / d x exactly (0 when no token is kept); dh = dloss * g8 @ w8 with g8 =
     quantize_rows_reference(g rounded to fp32), dequantised (the op quantises before the backward
-    applies dloss); dw = dloss * g.T @ h, with the exact g and the unquantised h (the op's dw is a
-    bf16 GEMM). Not modelled: the op's bf16 (h's dtype) logits, gradient and GEMM outputs."""
+    applies dloss); dw = dloss * g8c @ h8c.T with g8c, h8c those e4m3 rows of g and h requantised by
+    columns over all the tokens (cols_from_rows_reference), dequantised. Not modelled: the op's bf16
+    (h's dtype) logits and GEMM outputs."""
     h8_TD, w8_VD = dequantized(h_TD, w_VD)
     g_TV = h8_TD @ w8_VD.T  # the logits, overwritten with their gradient
     loss_T = g_TV.new_empty(g_TV.shape[0])
     n_valid, scale = _grad_scale(labels_T, ignore_index, reduction)
     _ce_rows(g_TV, labels_T, loss_T, scale.double(), ignore_index, True)
-    g8_TV = dequantize_rows(*quantize_rows_reference(g_TV.float()))
+    g8 = quantize_rows_reference(g_TV.float())
     loss = loss_T.sum() / n_valid if reduction == "mean" else loss_T.sum()
-    return loss, dloss * g8_TV @ w8_VD, dloss * g_TV.T @ h_TD.double()
+    one = torch.full((1,), h_TD.shape[0], dtype=torch.int32, device=h_TD.device)
+    cols = lambda t8: dequantize_cols(*cols_from_rows_reference(*t8, one), one)  # noqa: E731
+    dw = dloss * cols(g8) @ cols(quantize_rows_reference(h_TD)).T
+    return loss, dloss * dequantize_rows(*g8) @ w8_VD, dw

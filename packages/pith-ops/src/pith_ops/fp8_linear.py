@@ -37,13 +37,17 @@ from pith_ops.fp8_quant import (
 )
 
 
-def _mm(a_q: Tensor, a_s: Tensor, bt_q: Tensor, bt_s: Tensor, fast: bool = True) -> Tensor:
+def _mm(
+    a_q: Tensor, a_s: Tensor, bt_q: Tensor, bt_s: Tensor, fast: bool = True, out: Tensor | None = None
+) -> Tensor:
     """(a_q * a_s[:, None]) @ (bt_q * bt_s[:, None]).T in bf16; both row-quantised, [M, K] and [N, K].
-    fast: Hopper's fast FP8 accumulation, else fp32 promotion (measured in the README's recipe table)."""
+    fast: Hopper's fast FP8 accumulation, else fp32 promotion (measured in the README's recipe table).
+    out: a bf16 [M, N] tensor with contiguous rows to write it into."""
     if a_q.shape[0] * bt_q.shape[0] * a_q.shape[1] == 0:
-        return torch.zeros(a_q.shape[0], bt_q.shape[0], dtype=torch.bfloat16, device=a_q.device)
+        y = torch.zeros(a_q.shape[0], bt_q.shape[0], dtype=torch.bfloat16, device=a_q.device)
+        return y if out is None else out.copy_(y)
     return torch._scaled_mm(
-        a_q, bt_q.t(), a_s[:, None], bt_s[None, :], out_dtype=torch.bfloat16, use_fast_accum=fast
+        a_q, bt_q.t(), a_s[:, None], bt_s[None, :], out_dtype=torch.bfloat16, use_fast_accum=fast, out=out
     )
 
 

@@ -133,40 +133,44 @@ def _group_scale_kernel(s_ptr, ends_ptr, scale_ptr, f_ptr, M, K, G, BLOCK: tl.co
 
 @triton.jit
 def _cols_kernel(
-    q_ptr, f_ptr, out_ptr, M, K, s_qb, s_ob, s_out, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
+    q_ptr, f_ptr, out_ptr, M, K, s_qb, s_qm, s_ob, s_out, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 ):  # fmt: skip
-    """One [BLOCK_M rows, BLOCK_K columns] tile of batch entry program_id(2): the rows rescaled by f
-    (their scale over their group's; None: 1) and stored transposed. The masks use M and K, not the
-    group ends: bounds the compiler knows the alignment of (multiples of 16) let it vectorise the
+    """One [BLOCK_M rows, BLOCK_K columns] tile of batch entry program_id(2) (rows s_qm apart): the rows
+    rescaled by f (their scale over their group's; None: 1) and stored transposed. The masks use M and
+    K, not the group ends: bounds the compiler knows the alignment of (multiples of 16) let it vectorise the
     loads and stores: with the last group end (read from memory) as the row bound this kernel ran at
     9% of copy bandwidth (H200)."""
     b = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     m = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(q_ptr + b * s_qb + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=m, other=0.0)
+    x = tl.load(q_ptr + b * s_qb + rows.to(tl.int64)[:, None] * s_qm + cols[None, :], mask=m, other=0.0)
     f = 1.0 if f_ptr is None else tl.load(f_ptr + rows, mask=rows < M, other=0.0)[:, None]
     _store_transposed(out_ptr + b * s_ob, rows, cols, s_out, _cast(x.to(tl.float32), f), m)
 
 
 @triton.jit
-def _batch_of(offs, RC, BLOCK: tl.constexpr):
-    """The batch entry of each of a block's flat offsets into [B, R, C] (RC = R * C elements an entry).
-    One division per block when a block lies in one entry: with an int64 division per element the
-    pith-train bench's AdamW kernel took 31.9 ms a step writing the FP8 copies, 21.7 without (H200)."""
-    if RC % BLOCK == 0:
-        b = tl.zeros([BLOCK], tl.int64) + (tl.program_id(0).to(tl.int64) * BLOCK) // RC
+def _entry_amax(amax_ptr, offs, mask, RC, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """-> (b, amax[b]): the batch entry of a block's flat offsets into [B, R, C] (RC = R * C elements an
+    entry) and its amax. ALIGNED (RC a multiple of BLOCK: the block lies in one entry): scalars, one
+    load a block; else per element. The per-element form cost the pith-train bench's AdamW kernel
+    (FP8 copies, H200) 31.9 ms a step with an int64 division per element, 24.4 with one division but
+    the amax loaded and scaled per element, against 21.8 for the bf16 copies."""
+    if ALIGNED:
+        b = (tl.program_id(0).to(tl.int64) * BLOCK) // RC
+        amax = tl.load(amax_ptr + b)
     else:
         b = offs // RC
-    return b
+        amax = tl.load(amax_ptr + b, mask=mask, other=0.0)
+    return b, amax
 
 
 @triton.jit
-def _weight_rows_kernel(w_ptr, q_ptr, amax_ptr, N, RC, BLOCK: tl.constexpr):
+def _weight_rows_kernel(w_ptr, q_ptr, amax_ptr, N, RC, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """q = w / scale in w's layout, elementwise over [B, R, C] flat, scale from amax[b]."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    _, inv = _pow2_scale(tl.load(amax_ptr + _batch_of(offs, RC, BLOCK), mask=mask, other=0.0))
+    _, inv = _pow2_scale(_entry_amax(amax_ptr, offs, mask, RC, ALIGNED, BLOCK)[1])
     q = _cast(tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -230,11 +234,13 @@ def cols_from_rows(
 ) -> tuple[Tensor, Tensor]:
     """-> qc_KM (laid out by empty_cols), scale_GK (fp32): the rows q_MK * scale_M (quantize_rows'
     output) with one scale per row group, the largest of its rows' (repeated per column: the vector
-    a row-wise GEMM takes), stored transposed (module docstring). group_ends_G: int32 ends,
-    non-decreasing, last <= M; None: one group of all M rows. Rows past the last end give zero
-    columns of qc."""
-    check("q_MK", q_MK, ndim=2, dtypes=(FP8, torch.float32), contiguous=True)
+    a row-wise GEMM takes), stored transposed (module docstring). q_MK may be a slice of columns of
+    such rows (contiguous rows, any row stride). group_ends_G: int32 ends, non-decreasing, last <= M;
+    None: one group of all M rows. Rows past the last end give zero columns of qc."""
+    check("q_MK", q_MK, ndim=2, dtypes=(FP8, torch.float32))
     M, K = q_MK.shape
+    if K > 1 and q_MK.stride(1) != 1:
+        raise ValueError(f"q_MK: expected contiguous rows (column stride 1), got strides {q_MK.stride()}")
     check("scale_M", scale_M, ndim=1, dtypes=(torch.float32,), device=q_MK.device, contiguous=True)
     if scale_M.shape[0] != M:
         raise ValueError(f"scale_M: expected one scale per row of q_MK ({M}), got {scale_M.shape[0]}")
@@ -259,7 +265,7 @@ def cols_from_rows(
     bm, bk = COLS_TILE
     if M and K and G:
         _cols_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk), 1)](
-            q_MK, f, out, M, K, 0, 0, out.stride(0), BLOCK_M=bm, BLOCK_K=bk, num_warps=4
+            q_MK, f, out, M, K, 0, q_MK.stride(0), 0, out.stride(0), BLOCK_M=bm, BLOCK_K=bk, num_warps=4
         )
     return out, scale
 
@@ -291,7 +297,7 @@ def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torc
         s_rows, s_cols = w3.new_empty(B, R, dtype=torch.float32), w3.new_empty(B, C, dtype=torch.float32)
         if w3.numel():
             _weight_rows_kernel[(triton.cdiv(w3.numel(), 4096),)](
-                w3, q, amax_B, w3.numel(), R * C, BLOCK=4096
+                w3, q, amax_B, w3.numel(), R * C, ALIGNED=R * C % 4096 == 0, BLOCK=4096
             )
         weight_copies(FP8Weight(q, s_rows, qt, s_cols, amax_B))
         out = q, s_rows, qt, s_cols
@@ -316,7 +322,7 @@ def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
     bm, bk = COLS_TILE
     if q3.numel():
         grid = (triton.cdiv(R, bm), triton.cdiv(C, bk), B)
-        strides = q3.stride(0), qt3.stride(0), qt3.stride(1)
+        strides = q3.stride(0), C, qt3.stride(0), qt3.stride(1)
         _cols_kernel[grid](q3, None, qt3, R, C, *strides, BLOCK_M=bm, BLOCK_K=bk, num_warps=4)
 
 
