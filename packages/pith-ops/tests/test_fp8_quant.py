@@ -88,6 +88,10 @@ def test_cols_from_rows_kernel_matches_reference_per_group_and_round_trips(sizes
     deq = dequantize_cols(qc8, scale8, ends_G)[:, :used]
     scale_KM = scale8.T.repeat_interleave(torch.tensor(sizes), dim=1)
     _check_round_trip(rows[:used].T, deq, scale_KM)
+    lo = K // 3  # a slice of columns (rows K apart): its own columns of the whole's result
+    q_cut, scale_cut = cols_from_rows(q8[:, lo:], s8, ends_G)
+    assert torch.equal(scale_cut, scale8[:, lo:])
+    assert torch.equal(q_cut[:, :used].view(torch.uint8), qc8[lo:, :used].view(torch.uint8))
 
 
 def test_cols_from_rows_rescales_exactly_where_values_stay_normal():
@@ -147,6 +151,8 @@ def test_bad_inputs_raise_value_error():
         quantize_rows(torch.zeros(4, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="one scale per row"):
         cols_from_rows(torch.zeros(4, 6), torch.ones(3))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cols_from_rows(torch.zeros(6, 4).t(), torch.ones(4))
     with pytest.raises(ValueError, match="contiguous"):
         quantize_weight(torch.zeros(4, 6).t())
     with pytest.raises(ValueError, match="2 or 3 dimensions"):
@@ -180,6 +186,8 @@ def test_fp8_bit_exact_on_gpu(dtype, shape, ends):
     used = int(ends_G[-1])
     assert torch.equal(scale_c, ref_scale)
     assert torch.equal(qc[:, :used].view(torch.uint8), ref_q[:, :used].view(torch.uint8))
+    qc_cut, _ = cols_from_rows(q[:, 16:], scale, ends_G if ends else None)  # rows K apart
+    assert torch.equal(qc_cut[:, :used].view(torch.uint8), ref_q[16:, :used].view(torch.uint8))
     w = _data((3, 768, 2048), 2, torch.float32, "cuda") * 2.0**-12
     for amax in (None, w.abs().flatten(1).amax(1) / 3):
         for got, want in zip(quantize_weight(w, amax), quantize_weight_reference(w, amax)):
