@@ -8,7 +8,8 @@
 #    padded to 272 (FP8 GEMMs take multiples of 16) BF16 and FP8 + FP8 lm_head with seed 0; and
 #    loss_equivalence.py --ac none (issue 19: the optimised BF16 path against the plain noise family).
 # 2. Then alone on the GPU, for clean timing: `pith-train bench` on the reference workload, BF16, FP8,
-#    FP8 with the FP8 lm_head (one process each, the same settings), each with a profile breakdown.
+#    FP8 with the FP8 lm_head (one process each, the same settings: the step as a CUDA graph, which
+#    the FP8 step needs to outrun its host; BENCH_ARGS overrides), each with a profile breakdown.
 # Results go to $OUT when set, else ./bench_out/fp8; the summaries go to stdout.
 set -u -o pipefail
 cd "$(dirname "$0")/../../.."
@@ -18,7 +19,7 @@ out="${OUT:-bench_out/fp8}"
 runs="$(mktemp -d)"
 mkdir -p "$out"
 steps="${STEPS:-300}"
-bench_args="${BENCH_ARGS:---steps 6 --warmup 3 --profile 1}"
+bench_args="${BENCH_ARGS:---steps 6 --warmup 3 --profile 1 --cuda-graph}"
 start=$SECONDS
 loss_run() {  # name, then pretrain overrides
     local name=$1; shift
