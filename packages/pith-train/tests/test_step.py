@@ -11,7 +11,7 @@ import pith_ops._common
 import pytest
 import torch
 from pith_engine import parallel
-from pith_engine.layers import Experts
+from pith_engine.layers import Experts, Linear
 from pith_engine.step import Stages, loss_sum, step_values, train_step
 from pith_ops import kept_copy
 from pith_train.data import PackedDataset, WindowLoader
@@ -170,6 +170,33 @@ def test_kept_bf16_casts_train_bit_for_bit_like_a_cast_per_use(monkeypatch, micr
     old_losses, old_params = _bf16_steps(False, monkeypatch, micro)
     assert all(torch.equal(a, b) for a, b in zip(losses + params, old_losses + old_params))
     assert not torch.equal(losses[0], losses[-1])
+
+
+def test_an_fp8_lm_head_keeps_no_bf16_cast_and_gets_the_gradient_the_cast_would():
+    """loss_sum with an FP8 lm_head reads the weight's FP8 copies only; a stand-in (pith_ops.stand_in)
+    takes its bf16 cast's place, so none is kept, and the gradient (held in bf16) is the cast's."""
+    gen = torch.Generator().manual_seed(0)
+    h_BSD = torch.randn(1, 32, 16, generator=gen).bfloat16()
+    labels = torch.randint(40, (32,), generator=gen)
+    w0 = torch.randn(40, 16, generator=gen) * 0.2
+    out = []
+    for via_loss_sum in (True, False):
+        lm_head = Linear(16, 40, bias=False)
+        with torch.no_grad():
+            lm_head.weight.copy_(w0)
+        lm_head.fp8, w = True, lm_head.weight
+        pith_ops.keep_grads([w])
+        if via_loss_sum:
+            loss = loss_sum(h_BSD, lm_head, labels)
+        else:
+            w8 = pith_ops.quantize_weight(w.detach())
+            w_VD = pith_ops.cast(w, torch.bfloat16)
+            loss = pith_ops.linear_cross_entropy(h_BSD[0], w_VD, labels, -100, "sum", w8)
+        loss.backward()
+        assert (kept_copy(w) is None) == via_loss_sum and w.grad is None
+        out.append((loss.detach(), pith_ops.grad(w)))
+    (loss, g), (cast_loss, cast_g) = out
+    assert g.dtype == torch.bfloat16 and torch.equal(loss, cast_loss) and torch.equal(g, cast_g)
 
 
 def test_a_cuda_graph_step_needs_one_cuda_process(micro_hf):

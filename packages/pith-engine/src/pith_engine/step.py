@@ -178,12 +178,12 @@ def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh):
 
 def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
     """Cross-entropy summed over the label tokens, lm_head fused, in h's dtype (the weight cast to it),
-    its logits and input-gradient GEMMs in FP8 while a layers.Linear lm_head has fp8 set (use_fp8's
-    lm_head; the contract's lm_head may be any nn.Linear)."""
+    its GEMMs in FP8 while a layers.Linear lm_head has fp8 set (use_fp8's lm_head; the contract's
+    lm_head may be any nn.Linear), which read the weight's FP8 copies only (a stand-in for the cast)."""
     w = lm_head.weight
     fp8 = isinstance(lm_head, FP8Switch) and lm_head.fp8
     w8 = FP8Switch.fp8_weight(w, fp8_linear_weight) if fp8 else None
-    w_VD = pith_ops.cast(w, h_BSD.dtype)
+    w_VD = (pith_ops.stand_in if fp8 else pith_ops.cast)(w, h_BSD.dtype)  # FP8 reads w8 only
     return pith_ops.linear_cross_entropy(h_BSD.flatten(0, 1), w_VD, labels_T, IGNORE_INDEX, "sum", w8)
 
 

@@ -5,7 +5,7 @@ and a plain-PyTorch `*_reference` that is its specification.
 """
 
 from pith_ops.adamw import adamw_, adamw_reference_
-from pith_ops.cast import cast, drop_grad, grad, keep, keep_grads, kept_copy, weight_grad
+from pith_ops.cast import cast, drop_grad, grad, keep, keep_grads, kept_copy, stand_in, weight_grad
 from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_reference
 from pith_ops.fp8_linear import fp8_linear, fp8_linear_reference
@@ -55,6 +55,7 @@ __all__ = [
     "quantize_weight_reference",
     "rms_norm",
     "rms_norm_reference",
+    "stand_in",
     "swiglu",
     "swiglu_fp8",
     "swiglu_oss",

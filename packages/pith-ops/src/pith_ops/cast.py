@@ -160,6 +160,17 @@ def _copy_for(x: Tensor, dtype: torch.dtype) -> Tensor | None:
     return copy
 
 
+def stand_in(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in dtype without its values (zeros, strides 0; x itself when already of dtype), the gradient
+    going back as cast's does (held in bf16 when x keeps its gradients): for an op that reads x
+    through other copies and returns x's gradient in dtype (linear_cross_entropy with w8), so that no
+    cast of x is kept (the bench's lm_head: 0.6 GiB)."""
+    check("x", x, dtypes=FLOAT_DTYPES)
+    if x.dtype == dtype:
+        return x
+    return _Cast.apply(x, dtype, torch.zeros((), dtype=dtype, device=x.device).expand(x.shape))
+
+
 def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
     """x.to(dtype), the gradient cast back to x's dtype (the same values as torch's cast gives); from
     x's kept copy when it has a valid one (module docstring)."""

@@ -261,7 +261,8 @@ def linear_cross_entropy(
     w8: quantize_weight(w_VD) (of w's current values), for FP8 logits and dh GEMMs; on CUDA D and V
     must then be multiples of 16. The gradient still reaches w through w_VD."""
     check("h_TD", h_TD, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
-    check("w_VD", w_VD, ndim=2, dtypes=(h_TD.dtype,), device=h_TD.device, contiguous=True)
+    # With w8 w_VD's values are not read (its shape and dtype are dw's): any strides (pith_ops.stand_in).
+    check("w_VD", w_VD, ndim=2, dtypes=(h_TD.dtype,), device=h_TD.device, contiguous=w8 is None)
     check("labels_T", labels_T, ndim=1, dtypes=INDEX_DTYPES, device=h_TD.device, contiguous=True)
     V, D = w_VD.shape
     if h_TD.shape[1] != D:
