@@ -121,10 +121,13 @@ def check_fp8(T, D, V, reduction, ignored, seed, dtype=torch.float32, device="cp
     torch.testing.assert_close(no_grad, loss.detach(), rtol=0, atol=0, equal_nan=True)  # nan: none kept
     only_w = linear_cross_entropy(h, w_VD, labels_T, ignore_index, reduction, w8=w8)
     only_dw = torch.autograd.grad(3 * only_w, w_VD)[0]
+    only_h = linear_cross_entropy(h_TD, w, labels_T, ignore_index, reduction, w8=w8)  # per-chunk rows
+    only_dh = torch.autograd.grad(3 * only_h, h_TD)[0]
     if device == "cpu":
-        assert torch.equal(only_dw, dw)
+        assert torch.equal(only_dw, dw) and torch.equal(only_dh, dh)
     else:  # within a bf16 rounding (cuBLAS need not be bit-reproducible across calls)
-        torch.testing.assert_close(only_dw, dw, rtol=2**-7, atol=2**-7 * dw.abs().max().item())
+        for got, want in ((only_dw, dw), (only_dh, dh)):
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
     ref = linear_cross_entropy_fp8_reference(h, w, labels_T, ignore_index, reduction, dloss=3.0)
     *bounds, exact_bound = fp8_bounds(h, w, labels_T, ignore_index, reduction, 3.0)
     for got, want, bound in zip((loss, dh, dw), ref, bounds):

@@ -3,7 +3,7 @@
 # device call (~8 min on an H200; each phase time-boxed):
 #   bash packages/pith-train/benchmarks/fp8_vs_bf16.sh
 # 1. At the same time (light on the GPU but for the last): the gpu-marked tests of the FP8 operators,
-#    AdamW and the fused loss; five 300-step runs of the default tiny MoE on the built-in corpus: BF16
+#    AdamW, the fused loss and the CUDA-graph step; five 300-step runs of the default tiny MoE on the built-in corpus: BF16
 #    with train.seed 0 and 1 (their gap is the tolerance), FP8 with seed 0, and with the vocabulary
 #    padded to 272 (FP8 GEMMs take multiples of 16) BF16 and FP8 + FP8 lm_head with seed 0; and
 #    loss_equivalence.py --ac none (issue 19: the optimised BF16 path against the plain noise family).
@@ -28,7 +28,8 @@ loss_run() {  # name, then pretrain overrides
 }
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider packages/pith-ops/tests/test_fp8_quant.py \
     packages/pith-ops/tests/test_fp8_gemms.py packages/pith-ops/tests/test_adamw.py \
-    packages/pith-ops/tests/test_swiglu.py packages/pith-ops/tests/test_cross_entropy.py > "$out/tests.txt" 2>&1 &
+    packages/pith-ops/tests/test_swiglu.py packages/pith-ops/tests/test_cross_entropy.py \
+    packages/pith-train/tests/test_step.py > "$out/tests.txt" 2>&1 &
 timeout 290 python3 packages/pith-train/benchmarks/loss_equivalence.py "$runs/equivalence" --ac none \
     > "$out/equivalence.txt" 2>&1 &
 loss_run bf16_seed0 --train.seed=0 & loss_run bf16_seed1 --train.seed=1 & loss_run fp8_seed0 --train.seed=0 --train.fp8=true &

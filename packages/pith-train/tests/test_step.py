@@ -220,6 +220,10 @@ def test_cuda_graph_steps_train_like_eager_steps(micro_config, micro_hf, byte_da
         batches = [loader.step_batch(i * G, G, mb, 0, 1) for i in range(5)]
         losses = [step_values(*train_step(stages, optimizer, b, 1e-2, *settings)) for b in batches]
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    with torch.no_grad():  # weights written outside the optimizer: the kept copies the graph reads are gone
+        model.lm_head.weight.mul_(1.0)
+    with pytest.raises(ValueError, match="written outside the optimizer"):
+        train_step(stages, optimizer, batches[0], 1e-2, *settings)
     (eager, eager_params), (graphed, graphed_params) = runs
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(a[:3], b[:3], rtol=1e-5, atol=1e-6)

@@ -388,7 +388,7 @@ def train_step(
     sums, counts, label_tokens = (stages.graph or _schedule_work)(stages, micro, aux)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss, aux_loss = sums[0] / label_tokens, sums[1]
+    loss, aux_loss = sums[0] / label_tokens, sums[1].clone()  # sums may be a graph's output (StepGraph)
     with record_function("optimizer"):
         grad_norm = parallel.grad_norm(list(model.parameters()), mesh)
         finite = torch.isfinite(loss + aux_loss + grad_norm)
@@ -431,7 +431,10 @@ class StepGraph:
     and autotuning happen outside the capture, and the capture sees the optimizer's state in memory
     (peak memory measured after it is the step's). One process (an expert, context or data exchange
     needs host-side sizes from its peers; FSDP runs Python hooks inside the step), CUDA, one shape of
-    micro-batches (another is a ValueError)."""
+    micro-batches and one Aux (the graph keeps the captured ones); a weight whose kept copies the
+    graph reads must keep them (a weight written outside the optimizer, e.g. a checkpoint loaded into
+    the model, drops them): each is a ValueError before the replay. The graph's memory pool holds
+    the step's activations between steps, so evaluation allocates beside it."""
 
     def __init__(self):
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -440,6 +443,8 @@ class StepGraph:
         self.out = None
         self.grads: list[tuple[nn.Parameter, Tensor | None, Tensor | None]] = []
         self.calls = 0
+        self.aux: Aux | None = None
+        self.read: list[tuple[nn.Parameter, torch.dtype, tuple[Tensor, ...]]] = []  # kept copies it reads
 
     def __call__(self, stages: Stages, micro: list, aux: Aux) -> tuple[Tensor, dict[int, Tensor], Tensor]:
         flat = [t for m in micro for t in m if t is not None]
@@ -452,6 +457,8 @@ class StepGraph:
                 f"a CUDA graph step takes one shape of micro-batches: captured {len(self.inputs)} tensors"
                 f" {[tuple(t.shape) for t in self.inputs[:2]]}..., got {[tuple(t) for t, _ in shapes[:2]]}"
             )
+        if self.graph is not None:
+            self._check(aux)
         for static, t in zip(self.inputs, flat):
             static.copy_(t)
         static = iter(self.inputs)
@@ -475,10 +482,30 @@ class StepGraph:
         torch.cuda.current_stream().wait_stream(self.stream)
         return out
 
+    @staticmethod
+    def _kept(p: Tensor, kind: torch.dtype) -> tuple[Tensor, ...]:
+        copy = pith_ops.kept_copy(p, kind)
+        return () if copy is None else (copy,) if isinstance(copy, Tensor) else tuple(copy[:4])
+
+    def _check(self, aux: Aux) -> None:
+        if aux != self.aux:
+            raise ValueError(f"a CUDA graph step keeps the loss terms it captured ({self.aux}), got {aux}")
+        for p, kind, copies in self.read:
+            now = self._kept(p, kind)
+            if len(now) != len(copies) or any(a is not b for a, b in zip(now, copies)):
+                raise ValueError(
+                    f"a weight of shape {tuple(p.shape)} was written outside the optimizer after the CUDA"
+                    " graph was captured (its kept copies, which the graph reads, are gone): build the"
+                    " Stages anew after loading weights"
+                )
+
     def _capture(self, stages: Stages, micro: list, aux: Aux) -> None:
         params = list(stages.model.parameters())
         if any(p.grad is not None or "_pith_grad" in p.__dict__ for p in params):
             raise ValueError("StepGraph: the capture starts from no gradients (the optimizer's zero_grad)")
+        self.aux = aux
+        kinds = (torch.bfloat16, torch.float8_e4m3fn)
+        self.read = [(p, k, self._kept(p, k)) for p in params for k in kinds if self._kept(p, k)]
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the eager step's cached blocks: the graph allocates from its own pool
         self.graph = torch.cuda.CUDAGraph()

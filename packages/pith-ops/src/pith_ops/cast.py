@@ -81,8 +81,7 @@ class _Cast(torch.autograd.Function):
     def backward(ctx, g):
         if g is None or ctx.holder is None:
             return None if g is None else _cast_back(g, ctx.dtype), None, None
-        hold_grad(ctx.holder, g)
-        return None, None, None
+        return weight_grad(ctx.holder, g), None, None  # held when bf16 (stand_in's may be fp16)
 
 
 def kept_copy(x: Tensor, kind: torch.dtype = torch.bfloat16):

@@ -190,20 +190,26 @@ def _lce_op(
     n_valid, scale = _grad_scale(labels_T, ignore_index, reduction)
     loss_T = torch.empty(T, dtype=torch.float32, device=h_TD.device)
     dh = torch.empty_like(h_TD) if grad_h else h_TD.new_empty(0)
-    dw = (torch.empty_like if w8_VD is not None else torch.zeros_like)(w_VD) if grad_w else w_VD.new_empty(0)
+    # contiguous whatever w_VD's strides (a stand-in's are 0): the FP8 GEMMs write its rows
+    dw = (torch.empty if w8_VD is not None else torch.zeros)(w_VD.shape, dtype=w_VD.dtype, device=w_VD.device)
+    dw = dw if grad_w else w_VD.new_empty(0)
     fp8 = w8_VD is not None
     C = max(1, CHUNK_LOGITS // max(V, 1))
     if fp8:
         h8_TD, h8_scale_T = quantize_rows(h_TD)
         C = max(16, 1 << (C.bit_length() - 1))
-        if grad_h or grad_w:  # the interpreter writes fp32 quotients (fp8_quant._interpreted_cast)
-            g8_TV = h_TD.new_empty(T, V, dtype=torch.float32 if INTERPRET else FP8)
-            g8_scale_T = loss_T.new_empty(T)
+        g8_dtype = torch.float32 if INTERPRET else FP8  # the interpreter: fp32 quotients (_interpreted_cast)
+        if grad_w:  # every token's rows, for dw's GEMMs over all of them; dh alone: a chunk's
+            g8_TV, g8_scale_T = h_TD.new_empty(T, V, dtype=g8_dtype), loss_T.new_empty(T)
     for c0 in range(0, T, C):
         h_CD, rows = h_TD[c0 : c0 + C], slice(c0, c0 + C)
         if fp8:
             logits_CV = _mm(h8_TD[rows], h8_scale_T[rows], w8_VD, w8_scale_V).to(h_TD.dtype)
-            g8 = (g8_TV[rows], g8_scale_T[rows]) if grad_h or grad_w else None
+            g8 = None
+            if grad_w:
+                g8 = g8_TV[rows], g8_scale_T[rows]
+            elif grad_h:
+                g8 = h_TD.new_empty(logits_CV.shape, dtype=g8_dtype), loss_T.new_empty(logits_CV.shape[0])
             _ce_rows(logits_CV, labels_T[rows], loss_T[rows], scale, ignore_index, False, g8)
             if grad_h:
                 dh[rows] = _mm(*(_interpreted_cast(*g8) if INTERPRET else g8), w8t_DV, w8t_scale_D, FAST)
@@ -226,7 +232,7 @@ def _(h_TD, w_VD, labels_T, ignore_index, reduction, grad_h, grad_w, *w8):
     return (
         h_TD.new_empty((), dtype=torch.float32),
         torch.empty_like(h_TD) if grad_h else h_TD.new_empty(0),
-        torch.empty_like(w_VD) if grad_w else w_VD.new_empty(0),
+        w_VD.new_empty(w_VD.shape) if grad_w else w_VD.new_empty(0),
     )
 
 
