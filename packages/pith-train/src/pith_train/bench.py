@@ -61,6 +61,8 @@ AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policie
 # launching ops name an operator of a component (torch's grouped matmul launches CUTLASS kernels
 # whose names say nothing of experts; the first H200 profile put them under "other GEMMs"); any
 # other kernel goes by the first component with a fragment of its (lower-cased) name, else "other".
+# Under cuda_graph the replayed kernels have no launching op: they go by their names only (the FP8
+# and bf16 GEMMs of the experts and lm_head then all land in "other GEMMs").
 RANGES = {"optimizer": "optimizer", "lm_head+loss": "lm_head + loss"}
 OP_FRAGMENTS = (
     ("FP8 GEMMs", ("_scaled_mm", "_scaled_grouped_mm")),  # --fp8: experts and projections
