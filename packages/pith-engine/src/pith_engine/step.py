@@ -505,7 +505,7 @@ class StepGraph:
             raise ValueError("StepGraph: the capture starts from no gradients (the optimizer's zero_grad)")
         self.aux = aux
         kinds = (torch.bfloat16, torch.float8_e4m3fn)
-        self.read = [(p, k, self._kept(p, k)) for p in params for k in kinds if self._kept(p, k)]
+        self.read = [(p, k, kept) for p in params for k in kinds if (kept := self._kept(p, k))]
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the eager step's cached blocks: the graph allocates from its own pool
         self.graph = torch.cuda.CUDAGraph()

@@ -17,7 +17,7 @@ host sync on CUDA); on CUDA such a row reads no logit, so its loss is its log-su
 FP8 (w8 = quantize_weight(w), pith_ops.fp8_quant, which a caller may keep while w is unchanged): all
 three GEMMs take e4m3 operands with power-of-two scales (torch._scaled_mm, bf16 out), the recipe of
 pith_ops.fp8_linear. h is quantised by rows once. The logits GEMM runs per chunk of a power of two
-rows (the note at FAST); the kernel writes no bf16 gradient but its e4m3 rows, one scale per row,
+rows (measured: the note in _lce_op); the kernel writes no bf16 gradient but its e4m3 rows, one scale per row,
 quantize_rows of its fp32 gradient bit for bit (the row's amax is known after the log-sum-exp pass:
 no third read of the logits), into a [T, V] buffer (a byte a logit: 2.3 GiB at the bench's 16,384 x
 151,936), and dh's GEMM reads each chunk's rows. dw is one FP8 GEMM over all the tokens per
@@ -56,9 +56,6 @@ BLOCK_V = 256 if INTERPRET else 4096
 # 1.6e-3; bf16 3101 us; at 2048 rows fast 818 us, promotion 883 (random e4m3 data). On: the error
 # added is a tenth of the e4m3 gradient rows' own (~3e-2 relative, test_cross_entropy).
 FAST = True
-# FP8 takes chunks of a power of two rows (at least 16, the FP8 GEMMs' multiple): 2048 at V = 151,936.
-# Measured on an H200 (random e4m3 data, [C, 2048] x [2048, 151936] and back): C = 2048 runs the logits
-# GEMM at 1511 TFLOP/s and dh's at 1557, C = 3520 at 1457 and 1174.
 # The FP8 weight gradient's GEMMs take this many vocabulary rows each (its transposed gradient rows:
 # 128 MiB at 16,384 tokens).
 FP8_WGRAD_ROWS = 8192
@@ -153,15 +150,9 @@ def _fp8_wgrad(g8_TV: Tensor, g8_scale_T: Tensor, h8_TD: Tensor, h8_scale_T: Ten
         g8c_VT, g8c_scale_V = cols_from_rows(g8_TV[:, v0 : v0 + FP8_WGRAD_ROWS], g8_scale_T)
         # fp32 promotion: it contracts over all the tokens (as fp8_linear.wgrad); bf16 out (into dw)
         rows = dw_VD[v0 : v0 + FP8_WGRAD_ROWS]
-        y = _mm(
-            g8c_VT,
-            g8c_scale_V[0],
-            h8c_DT,
-            h8c_scale_D[0],
-            False,
-            rows if rows.dtype == torch.bfloat16 else None,
-        )
-        if y.data_ptr() != rows.data_ptr():
+        out = rows if rows.dtype == torch.bfloat16 else None
+        y = _mm(g8c_VT, g8c_scale_V[0], h8c_DT, h8c_scale_D[0], False, out)
+        if out is None:
             rows.copy_(y)
 
 
@@ -190,13 +181,16 @@ def _lce_op(
     n_valid, scale = _grad_scale(labels_T, ignore_index, reduction)
     loss_T = torch.empty(T, dtype=torch.float32, device=h_TD.device)
     dh = torch.empty_like(h_TD) if grad_h else h_TD.new_empty(0)
-    # contiguous whatever w_VD's strides (a stand-in's are 0): the FP8 GEMMs write its rows
-    dw = (torch.empty if w8_VD is not None else torch.zeros)(w_VD.shape, dtype=w_VD.dtype, device=w_VD.device)
-    dw = dw if grad_w else w_VD.new_empty(0)
     fp8 = w8_VD is not None
+    dw = w_VD.new_empty(0)
+    if grad_w:  # contiguous whatever w_VD's strides (a stand-in's are 0): the FP8 GEMMs write its rows
+        dw = (torch.empty if fp8 else torch.zeros)(w_VD.shape, dtype=w_VD.dtype, device=w_VD.device)
     C = max(1, CHUNK_LOGITS // max(V, 1))
     if fp8:
         h8_TD, h8_scale_T = quantize_rows(h_TD)
+        # A power of two rows (at least 16, the FP8 GEMMs' multiple): 2048 at V = 151,936. Measured on
+        # an H200 (random e4m3 data, [C, 2048] x [2048, 151936] and back): C = 2048 runs the logits
+        # GEMM at 1511 TFLOP/s and dh's at 1557, C = 3520 at 1457 and 1174.
         C = max(16, 1 << (C.bit_length() - 1))
         g8_dtype = torch.float32 if INTERPRET else FP8  # the interpreter: fp32 quotients (_interpreted_cast)
         if grad_w:  # every token's rows, for dw's GEMMs over all of them; dh alone: a chunk's
@@ -264,7 +258,7 @@ def linear_cross_entropy(
     w8: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """cross_entropy(h @ w.T, labels) as an fp32 scalar: "mean" over non-ignored tokens, or "sum".
-    w8: quantize_weight(w_VD) (of w's current values), for FP8 logits and dh GEMMs; on CUDA D and V
+    w8: quantize_weight(w_VD) (of w's current values), for FP8 logits, dh and dw GEMMs; on CUDA D and V
     must then be multiples of 16. The gradient still reaches w through w_VD."""
     check("h_TD", h_TD, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     # With w8 w_VD's values are not read (its shape and dtype are dw's): any strides (pith_ops.stand_in).

@@ -44,7 +44,7 @@ class TrainConfig:
     ac: str = "none"  # activation checkpointing: none | selective (expert MLPs) | full (every stage)
     fp8: bool = False  # projections and expert GEMMs in FP8 (e4m3; pith_engine.layers.use_fp8)
     fp8_lm_head: bool = False  # lm_head's three GEMMs in FP8 too (pith_ops.linear_cross_entropy's w8)
-    # The step's forward and backward as one CUDA graph, captured at the first step (one CUDA process;
+    # The step's forward and backward as one CUDA graph, captured at the second step (one CUDA process;
     # pith_engine.step.StepGraph): the host launches one graph, not the step's kernels one by one.
     cuda_graph: bool = False
     lbl_coef: float = 1e-3  # global-batch load-balancing loss coefficient (0 = off)
