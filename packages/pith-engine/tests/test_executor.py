@@ -16,6 +16,8 @@ D, E, K, F, V = 8, 3, 2, 5, 11
 
 
 class ToyLayer(nn.Module):
+    experts = None  # the expert weights are the layer's own (no expert sharding, no FP8)
+
     def __init__(self, moe: bool):
         super().__init__()
         self.mix = nn.Parameter(torch.randn(D, D) / D**0.5)

@@ -1,7 +1,8 @@
 """Expert-parallel dispatch/combine over 2 gloo processes reproduce the local stages 2-5 computed in
 float64: the layer output and the gradients of x, of the routing weights and of the experts' weights;
-a token is sent once per destination rank, not once per expert. (EP over 4 ranks is exercised end to
-end by test_equivalence.py's ep4 and dp2 x ep2 layouts.)
+a token is sent once per destination rank, not once per expert; rows for FP8 experts go as e4m3
+bytes and scales. (EP over 4 ranks is exercised end to end by test_equivalence.py's ep4 and dp2 x
+ep2 layouts.)
 
 Run as a script, this file is one rank of that test.
 """
@@ -61,7 +62,7 @@ def _check_case(group, E: int, K: int, tokens, align: int, kind: str) -> None:
     x_ND, ends, handle = drain(comm.dispatch(Routing(leaves[0], ids, leaves[1], probs, probs)))
     rows, slots, weights = drain(comm.combine(pith_ops.grouped_gemm(x_ND, leaves[2], ends), handle))
     out = pith_ops.moe_unpermute(rows, slots, weights)
-    grads = torch.autograd.grad(out, leaves, dout64.float())
+    grads = torch.autograd.grad(out, leaves, dout64.float(), retain_graph=True)
 
     tol = dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.double(), ref.detach(), **tol)
@@ -71,6 +72,17 @@ def _check_case(group, E: int, K: int, tokens, align: int, kind: str) -> None:
     # Deduplicated: one row per (token, destination rank holding any of its experts).
     destinations = {(t, int(e) // El) for t in range(ids.shape[0]) for e in ids[t]}
     assert sum(handle.send_rows) == len(destinations), (handle.send_rows, len(destinations))
+
+    # FP8 experts: the rows go as e4m3 bytes and scales, quantised per token on the source, i.e. the
+    # received rows quantised; the stand-in sends nothing and takes the rows' gradient back.
+    routing = Routing(leaves[0], ids, leaves[1], probs, probs)
+    rows8, ends8, _ = drain(comm.dispatch(routing, fp8=True))
+    assert torch.equal(ends8, ends) and not any(rows8.x.stride()) and rows8.x.shape == x_ND.shape
+    q, scale = pith_ops.quantize_rows(x_ND.detach())
+    assert torch.equal(rows8.q.float() * rows8.scale[:, None], q.float() * scale[:, None])
+    dx_ND = torch.randn(x_ND.shape, generator=g)
+    want, got = (torch.autograd.grad(rows, leaves[0], dx_ND)[0] for rows in (x_ND, rows8.x))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def _worker(world: int, rank: int, tmp: Path) -> None:

@@ -7,7 +7,14 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pith_ops import moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference
+from pith_ops import (
+    FP8Rows,
+    fp8_rows,
+    moe_permute,
+    moe_permute_reference,
+    moe_unpermute,
+    moe_unpermute_reference,
+)
 
 
 def routing(T: int, K: int, E: int, seed: int, device="cpu", unrouted=0.0) -> torch.Tensor:
@@ -99,6 +106,43 @@ experts_and_top_k = st.integers(1, 256).flatmap(lambda E: st.tuples(st.just(E), 
 def test_permute_and_unpermute_match_reference_with_gradients(T, E_K, D, align, seed, unrouted, spare_rows):
     E, K = E_K
     check_permute(T, K, E, D, align, seed, unrouted=unrouted, spare_rows=spare_rows)
+
+
+@given(
+    T=st.integers(1, 30),
+    E_K=experts_and_top_k,
+    D=st.integers(1, 40),
+    align=st.sampled_from([1, 16]),
+    seed=st.integers(0, 2**16),
+    unrouted=st.sampled_from([0.0, 0.4]),
+    spare_rows=st.sampled_from([None, 3]),
+)
+def test_fp8_rows_permute_as_bytes_with_their_scales_and_the_gradient_of_the_plain_rows(
+    T, E_K, D, align, seed, unrouted, spare_rows
+):
+    """FP8Rows: each (t, k) row holds token t's e4m3 row and scale (rows no entry owns: zeros, scale
+    0), slots and ends are the plain permutation's, x is a stand-in (strides 0, zeros) whose gradient
+    is the plain rows' bit for bit."""
+    E, K = E_K
+    ids_TK = routing(T, K, E, seed, unrouted=unrouted)
+    rows = None if spare_rows is None else int((ids_TK >= 0).sum()) + E * (align - 1) + spare_rows
+    x_TD = torch.randn(T, D, generator=torch.Generator().manual_seed(seed)).mul(10.0).requires_grad_()
+    x8 = fp8_rows(x_TD)
+    got, slots_TK, ends_E = moe_permute(x8, ids_TK, E, align, rows=rows)
+    plain, want_slots, want_ends = moe_permute(x_TD, ids_TK, E, align, rows=rows)
+    assert isinstance(got, FP8Rows) and torch.equal(slots_TK, want_slots) and torch.equal(ends_E, want_ends)
+    assert got.x.shape == got.q.shape == plain.shape and not any(got.x.stride()) and not got.x.any()
+    N = plain.shape[0]
+    owned = slots_TK.flatten() >= 0
+    row, token = slots_TK.flatten()[owned], torch.arange(T).repeat_interleave(K)[owned]
+    assert torch.equal(got.q.view(torch.uint8)[row], x8.q.view(torch.uint8)[token])
+    assert torch.equal(got.scale[row], x8.scale[token])
+    free = torch.ones(N, dtype=torch.bool)
+    free[row] = False
+    free[int(ends_E[-1]) if rows is None and align == 1 else N :] = False  # the unwritten tail
+    assert not got.q.view(torch.uint8)[free].any() and not got.scale[free].any()
+    dx_ND = torch.randn(N, D)
+    assert torch.equal(*(torch.autograd.grad(y, x_TD, dx_ND)[0] for y in (got.x, plain)))
 
 
 @pytest.mark.parametrize(
@@ -198,6 +242,11 @@ def test_bad_inputs_raise_value_error():
         moe_permute(x_TD, ids_TK, 6, align=0)
     with pytest.raises(ValueError, match=r"expert_ids_TK: expected at most 128 columns \(top-k\), got 129"):
         moe_permute(x_TD, torch.zeros(4, 129, dtype=torch.long), 6)
+    x8 = fp8_rows(x_TD)
+    with pytest.raises(ValueError, match=r"expected x of q's shape \(4, 8\) .* got x \(4, 7\)"):
+        moe_permute(x8._replace(x=x_TD[:, :7]), ids_TK, 6)
+    with pytest.raises(ValueError, match="x_TD.q: expected dtype"):
+        moe_permute(x8._replace(q=x_TD), ids_TK, 6)
     x_ND, slots_TK, _ = moe_permute(x_TD, ids_TK, 6)
     with pytest.raises(ValueError, match=r"weights_TK: expected shape \(4, 2\)"):
         moe_unpermute(x_ND, slots_TK, torch.rand(4, 3))

@@ -29,6 +29,7 @@ loss_run() {  # name, then pretrain overrides
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider packages/pith-ops/tests/test_fp8_quant.py \
     packages/pith-ops/tests/test_fp8_gemms.py packages/pith-ops/tests/test_adamw.py \
     packages/pith-ops/tests/test_swiglu.py packages/pith-ops/tests/test_cross_entropy.py \
+    packages/pith-ops/tests/test_moe_permute.py \
     packages/pith-train/tests/test_step.py > "$out/tests.txt" 2>&1 &
 timeout 290 python3 packages/pith-train/benchmarks/loss_equivalence.py "$runs/equivalence" --ac none \
     > "$out/equivalence.txt" 2>&1 &

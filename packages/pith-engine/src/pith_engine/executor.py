@@ -45,8 +45,10 @@ class ExpertComm(Protocol):
     """Stages 2 and 4 as generators (`Steps`): each yields right after it issues an exchange, and
     resumes by waiting for it, so a caller can run other work while the exchange is in flight."""
 
-    def dispatch(self, r: Routing, seg: Segments) -> Steps:
-        """Stage 2: -> (x_ND rows grouped by local expert, group_ends_E int32, handle for combine)."""
+    def dispatch(self, r: Routing, seg: Segments, fp8: bool = False) -> Steps:
+        """Stage 2: -> (x_ND rows grouped by local expert, group_ends_E int32, handle for combine).
+        fp8 (the layer's experts run in FP8): the rows quantised once per token and moved in e4m3,
+        x_ND a pith_ops.FP8Rows (its x a stand-in carrying the gradient)."""
         ...
 
     def combine(self, y_ND: Tensor, handle: Any, seg: Segments) -> Steps:
@@ -105,10 +107,11 @@ class LocalExperts:
     def __init__(self, align: int = 1):
         self.align = align  # per-expert row padding the grouped GEMM prefers
 
-    def dispatch(self, r: Routing, seg: Segments = DIRECT) -> Steps:
+    def dispatch(self, r: Routing, seg: Segments = DIRECT, fp8: bool = False) -> Steps:
         yield from ()
         num_experts = r.probs_TE.shape[-1]
-        permute = lambda x, ids: pith_ops.moe_permute(x, ids, num_experts, self.align)
+        rows = pith_ops.fp8_rows if fp8 else lambda x: x
+        permute = lambda x, ids: pith_ops.moe_permute(rows(x), ids, num_experts, self.align)
         x_ND, slots_TK, group_ends_E = seg(permute, r.x_TD, r.expert_ids_TK)
         return x_ND, group_ends_E, (slots_TK, r.weights_TK)
 
@@ -124,15 +127,26 @@ class Pending:
     On CUDA, NCCL runs it on the process group's own stream (the communication stream), which waits
     by a CUDA event for the work issued so far on the current stream; wait() makes the current stream
     wait for it in turn, without blocking the host. On CPU, gloo runs it on its own thread and wait()
-    blocks until done. One code path for both: compute issued between start and wait overlaps it."""
+    blocks until done. One code path for both: compute issued between start and wait overlaps it.
+    stand_in (a forward exchange of a tensor of strides 0, pith_ops.FP8Rows' x: zeros carrying only
+    a gradient edge): nothing is sent, the output is zeros of strides 0 of the received rows."""
 
-    def __init__(self, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup):
+    def __init__(
+        self, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup, stand_in=False
+    ):
+        if stand_in:
+            self.out, self.work = (
+                torch.zeros((), dtype=x.dtype, device=x.device).expand(sum(out_splits), *x.shape[1:]),
+                None,
+            )
+            return
         self.out = x.new_empty(sum(out_splits), *x.shape[1:])
         self.x = x.contiguous()  # kept alive until the exchange is done
         self.work = dist.all_to_all_single(self.out, self.x, out_splits, in_splits, group, async_op=True)
 
     def wait(self) -> Tensor:
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         return self.out
 
     def host(self, *more: Tensor) -> list[int]:
@@ -165,12 +179,16 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        return Pending(x, out_splits, in_splits, group).wait()
+        return Pending(x, out_splits, in_splits, group, _stand_in(x)).wait()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         out_splits, in_splits = ctx.splits
         return Pending(grad, in_splits, out_splits, ctx.group).wait(), None, None, None
+
+
+def _stand_in(t: Tensor) -> bool:
+    return t.ndim > 0 and not any(t.stride())  # zeros of strides 0 (pith_ops.FP8Rows' x): no values
 
 
 def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> Tensor:
@@ -220,7 +238,7 @@ class Tape:
         return out
 
     def exchange(self, tensors, out_splits, in_splits, group) -> Steps:
-        pending = [Pending(t.detach(), out_splits, in_splits, group) for t in tensors]
+        pending = [Pending(t.detach(), out_splits, in_splits, group, _stand_in(t)) for t in tensors]
         yield
         received = [p.wait().requires_grad_(t.requires_grad) for p, t in zip(pending, tensors)]
         sent = [t for t in tensors if t.requires_grad]
@@ -281,7 +299,8 @@ def run_layer(
     r = s1.routing
     if r is None:
         return s1.h_BSD, None
-    x_ND, group_ends_E, handle = yield from comm.dispatch(r, seg)
+    fp8 = getattr(layer.experts, "fp8", False)  # experts in FP8 (layers.FP8Switch): rows sent in FP8
+    x_ND, group_ends_E, handle = yield from comm.dispatch(r, seg, fp8)
     y_ND = seg(layer.stage3, x_ND, group_ends_E, owner=layer.experts if isinstance(seg, Tape) else None)
     y_ND, slots_TK, weights_TK = yield from comm.combine(y_ND, handle, seg)
     return seg(layer.stage5, s1.h_BSD, y_ND, slots_TK, weights_TK), r

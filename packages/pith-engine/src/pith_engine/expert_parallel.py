@@ -8,13 +8,14 @@ forms, per received row, the weighted sum over its experts (pith_ops.moe_unpermu
 row back; stage 5 on the source adds its <= R returned rows with weight 1 (slots, slot -1 = no row).
 The routing weights travel through the exchange, so their gradient (and x's) flows back through it.
 
-Host synchronisations per MoE layer: exactly one, in dispatch (one D2H copy of the exchanged row
-and pair counts: all_to_all_single needs its split sizes on the host). Combine and the backward of
-both reuse those sizes: no sync. Collectives: 4 all-to-alls forward (counts, rows, metadata,
-combine), 3 backward. The indices come from pith_ops.moe_permute (Triton on the GPU), in the pass
-that copies the rows: on the source, rows grouped by destination rank (id -1 where a token skips a
-rank) are the all-to-all's send layout; on the receiver, ids outside this rank's experts are -1. The
-counts from the one sync give both calls their static row counts.
+Host synchronisations per MoE layer: exactly one, in dispatch (one D2H copy of the exchanged row and
+pair counts: all_to_all_single needs its split sizes on the host). Combine and the backward of both
+reuse those sizes: no sync. Collectives: 4 all-to-alls forward (counts, rows, metadata, combine), 3
+backward; with FP8 experts the rows go as e4m3 bytes and their fp32 scales (pith_ops.FP8Rows, quantised
+once per token on the source: half bf16's bytes), 5 forward. The indices come from pith_ops.moe_permute
+(Triton on the GPU), in the pass that copies the rows: on the source, rows grouped by destination rank
+(id -1 where a token skips a rank) are the all-to-all's send layout; on the receiver, ids outside this
+rank's experts are -1. The counts from the one sync give both calls their static row counts.
 
 Shape legend: T local tokens, K top-k, D model dim, R EP ranks, El experts per rank, S rows sent
 (one per (token, destination)), M rows received, N grouped rows.
@@ -88,23 +89,24 @@ class ExpertParallel:
         counts = c.recv.host(c.send_counts_R2[:, 0])
         return Plan(counts[:R], counts[R::2], sum(counts[R + 1 :: 2]))
 
-    def send_layout(self, r: Routing, need_RT: Tensor, p: Plan) -> tuple[Tensor, Tensor, Tensor]:
-        """-> (rows x_SD, metadata meta_S2K, slots_TR) in the all-to-all's send layout."""
+    def send_layout(self, r: Routing, need_RT: Tensor, p: Plan, fp8: bool = False) -> tuple:
+        """-> (rows x_SD, metadata meta_S2K, slots_TR) in the all-to-all's send layout; fp8: the rows
+        quantised per token, x_SD a pith_ops.FP8Rows."""
         # Source: "expert" r of token t is destination rank r (-1: not sent there), so moe_permute lays
         # the rows out by destination, token order within: the send layout. slots_TR is where each
         # (token, rank) row went, and so where it comes back in combine.
         R, S = self.ranks, sum(p.send_rows)
         dest_TR = torch.where(need_RT.T, torch.arange(R, device=need_RT.device), -1)
-        x_SD, slots_TR, _ = pith_ops.moe_permute(r.x_TD, dest_TR, R, rows=S)
+        x_SD, slots_TR, _ = pith_ops.moe_permute(
+            pith_ops.fp8_rows(r.x_TD) if fp8 else r.x_TD, dest_TR, R, rows=S
+        )
         # Weights and global ids share one fp32 permute and exchange (ids < 2^24 are exact in fp32);
         # its gradient carries the weights' back.
         meta_T2K = torch.cat([r.weights_TK.float(), r.expert_ids_TK.float()], 1)
         meta_S2K, _, _ = pith_ops.moe_permute(meta_T2K, dest_TR, R, rows=S)
         return x_SD, meta_S2K, slots_TR
 
-    def receive(
-        self, x_MD: Tensor, meta_M2K: Tensor, E: int, p: Plan
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def receive(self, x_MD, meta_M2K: Tensor, E: int, p: Plan) -> tuple:
         """-> (x_ND rows grouped by local expert, group_ends_E, slots_MK, weights_MK) of the received
         rows and their metadata (E: experts in all)."""
         # Expand the received rows over this rank's experts; other experts' entries get slot -1, which
@@ -118,14 +120,18 @@ class ExpertParallel:
         )
         return x_ND, group_ends_E, slots_MK, weights_MK
 
-    def dispatch(self, r: Routing, seg: Segments = DIRECT) -> Steps:
+    def dispatch(self, r: Routing, seg: Segments = DIRECT, fp8: bool = False) -> Steps:
         """Stage 2 as steps: the counts' exchange issued (yield: the other side of an overlapped pair
-        computes before this layer's host sync), then the rows' and metadata's (yield)."""
+        computes before this layer's host sync), then the rows' and metadata's (yield). fp8: the
+        rows go as e4m3 bytes and fp32 scales (half bf16's bytes), with their gradient's stand-in,
+        which sends nothing (executor.Pending)."""
         c = self.counts(r)
         yield
         p = self.plan(c)
-        x_SD, meta_S2K, slots_TR = seg(self.send_layout, r, c.need_RT, p)
-        x_MD, meta_M2K = yield from seg.exchange([x_SD, meta_S2K], p.recv_rows, p.send_rows, self.group)
+        x_SD, meta_S2K, slots_TR = seg(self.send_layout, r, c.need_RT, p, fp8)
+        sent = [x_SD.x, x_SD.q.view(torch.uint8), x_SD.scale] if fp8 else [x_SD]
+        *x_MD, meta_M2K = yield from seg.exchange([*sent, meta_S2K], p.recv_rows, p.send_rows, self.group)
+        x_MD = pith_ops.FP8Rows(x_MD[0], x_MD[1].view(x_SD.q.dtype), x_MD[2]) if fp8 else x_MD[0]
         E = r.probs_TE.shape[-1]
         x_ND, group_ends_E, slots_MK, weights_MK = seg(self.receive, x_MD, meta_M2K, E, p)
         return x_ND, group_ends_E, _Handle(slots_MK, weights_MK, slots_TR, p.send_rows, p.recv_rows)

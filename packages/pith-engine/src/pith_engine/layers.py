@@ -237,7 +237,7 @@ class Linear(FP8Switch, nn.Linear):
 
 
 def expert_gemm(
-    x_ND: Tensor,
+    x_ND: Tensor | pith_ops.FP8Rows,
     w_EIO: Tensor,
     group_ends_E: Tensor,
     fp8: bool,
@@ -245,10 +245,12 @@ def expert_gemm(
     x8: tuple = (None, None),
 ) -> Tensor:
     """The experts' grouped GEMM: FP8 from the (fp32 master) weight's FP8 copies (FP8Switch.fp8_weight;
-    x8: the rows' FP8 copy when the pass writing them made it, pith_ops.swiglu_fp8), or in the rows' dtype
-    (bf16 rows under autocast meet fp32 master weights; a no-op cast otherwise; pith_ops.cast for a
-    vectorised cast of the gradient back, its docstring has the numbers), its weight gradient
-    deferrable to `queue` either way."""
+    x8: the rows' FP8 copy when the pass writing them made it, pith_ops.swiglu_fp8; x_ND FP8Rows: rows
+    dispatched in FP8, executor.run_layer), or in the rows' dtype (bf16 rows under autocast meet fp32
+    master weights; a no-op cast otherwise; pith_ops.cast for a vectorised cast of the gradient back,
+    its docstring has the numbers), its weight gradient deferrable to `queue` either way."""
+    if isinstance(x_ND, pith_ops.FP8Rows):
+        x_ND, x8 = x_ND.x, (x_ND.q, x_ND.scale)
     if fp8:
         w8 = FP8Switch.fp8_weight(w_EIO, fp8_grouped_gemm_weight)
         # Not x_ND itself in the closure: the backward keeps the rows' FP8 copy, and a closure over the

@@ -10,8 +10,10 @@ from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_re
 from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_reference
 from pith_ops.fp8_linear import fp8_linear, fp8_linear_reference
 from pith_ops.fp8_quant import (
+    FP8Rows,
     cols_from_rows,
     cols_from_rows_reference,
+    fp8_rows,
     quantize_rows,
     quantize_rows_reference,
     quantize_weight,
@@ -24,6 +26,7 @@ from pith_ops.rope import apply_rope, apply_rope_reference
 from pith_ops.swiglu import swiglu, swiglu_fp8, swiglu_oss, swiglu_oss_reference, swiglu_reference
 
 __all__ = [
+    "FP8Rows",
     "adamw_",
     "adamw_reference_",
     "apply_rope",
@@ -36,6 +39,7 @@ __all__ = [
     "fp8_grouped_gemm_reference",
     "fp8_linear",
     "fp8_linear_reference",
+    "fp8_rows",
     "grouped_gemm",
     "grouped_gemm_backward",
     "grouped_gemm_reference",

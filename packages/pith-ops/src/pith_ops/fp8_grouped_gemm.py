@@ -195,7 +195,7 @@ def forward(
     (`backward`): -> (y_NO, saved). w8, x8: as fp8_grouped_gemm's."""
     w8 = fp8_grouped_gemm_weight(w_EIO) if w8 is None else w8
     ends = group_ends_E.to(torch.int32).contiguous()
-    y, *made = _forward(x_NI.contiguous(), w_EIO, *w8[:4], ends, *x8)
+    y, *made = _forward(x_NI if x8[0] is not None else x_NI.contiguous(), w_EIO, *w8[:4], ends, *x8)
     return y, (*(made if x8[0] is None else x8), *w8[:2], ends)
 
 
@@ -204,9 +204,10 @@ def fp8_grouped_gemm(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, w8=None,
     past group_ends[-1] zero. w may be fp32 (master weights: quantised directly, no bf16 copy).
     w8: fp8_grouped_gemm_weight(w) computed beforehand (of w's current values, or w's kept copies), or
     None. x8: (x8_NI, x8_scale_N) = quantize_rows(x) made by the pass that wrote x
-    (pith_ops.swiglu_fp8), or Nones. On CUDA: I and O multiples of 16 and group ends multiples of 16
-    (see the module docstring)."""
-    check("x_NI", x_NI, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
+    (pith_ops.swiglu_fp8, pith_ops.moe_permute's FP8Rows), or Nones; given, x is not read (it may be a
+    stand-in, strides 0). On CUDA: I and O multiples of 16 and group ends multiples of 16 (see the
+    module docstring)."""
+    check("x_NI", x_NI, ndim=2, dtypes=FLOAT_DTYPES, contiguous=x8[0] is None)
     check("w_EIO", w_EIO, ndim=3, dtypes=FLOAT_DTYPES, device=x_NI.device, contiguous=True)
     check("group_ends_E", group_ends_E, ndim=1, dtypes=INDEX_DTYPES, device=x_NI.device)
     E, I, O = w_EIO.shape

@@ -56,6 +56,24 @@ class FP8Weight(NamedTuple):
     amax: Tensor  # [B] (a 2-D weight: [1]), fp32
 
 
+class FP8Rows(NamedTuple):
+    """Rows in e4m3 (quantize_rows: one scale per row), the form an FP8 GEMM reads, with a tensor in the
+    rows' own dtype and shape that carries their gradient: the rows themselves (fp8_rows), or, once
+    the e4m3 rows have been moved (pith_ops.moe_permute, an expert-parallel exchange), a stand-in:
+    zeros of strides 0 (no memory) whose backward takes the moved rows' gradient back. So rows
+    quantised once per token reach the expert GEMMs without a bf16 copy of the T*K rows being written
+    or exchanged."""
+
+    x: Tensor  # [M, K]: the rows, or a stand-in (strides 0) carrying only their gradient
+    q: Tensor  # [M, K] e4m3
+    scale: Tensor  # [M] fp32
+
+
+def fp8_rows(x_MK: Tensor) -> FP8Rows:
+    """x with its e4m3 rows and scales (quantize_rows, outside autograd)."""
+    return FP8Rows(x_MK, *quantize_rows(x_MK.detach()))
+
+
 # Rows kernel: BLOCK_M rows per program, BLOCK_K columns per loop step (82% of copy bandwidth on an
 # H200 at [131072, 2048] bf16). The interpreter (CPU tests) gets small tiles.
 ROWS_TILE = (4, 128) if INTERPRET else (16, 1024)

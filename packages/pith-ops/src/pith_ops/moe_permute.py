@@ -20,6 +20,10 @@ a caller can route a subset of the entries, e.g. expert parallelism's rows by de
 static `rows` for the N it knows). Ids >= E and a `rows` too small for the entries are checked only
 for CPU tensors in eager mode: on CUDA the checks would cost a host sync per call, so there they are
 the caller's contract (a router's top-k cannot produce such ids).
+FP8 rows (FP8Rows: e4m3 rows, a scale each, quantised once per token) are permuted as bytes, their
+scales by the same slots: the expert GEMMs get the e4m3 copies of the T*K rows without a bf16 copy
+of them written (and quantised: K times the rows of quantising the T tokens) or, under expert
+parallelism, exchanged (half the bytes).
 moe_unpermute requires that no row of y is referenced by two (t, k) entries (true for the slots
 moe_permute returns); its backward scatters w * dout to the referenced rows of dy, computing the
 weight gradient from the same loads, and zero-fills the rows no slot references.
@@ -40,6 +44,7 @@ from pith_ops._common import (
     eager_or_custom,
     use_triton,
 )
+from pith_ops.fp8_quant import FP8, FP8Rows
 
 # Experts per compare step of the chunk counts: on the GPU a [128, 64] compare is 64 values a thread at
 # 4 warps; the interpreter (CPU tests) pays per step, not per value.
@@ -423,11 +428,58 @@ _permute = eager_or_custom(
 )
 
 
+class _StandIn(torch.autograd.Function):
+    """Zeros [N, D] of strides 0 in x's dtype standing for x's rows permuted by slots (their values are
+    in an FP8 copy); the gradient goes back to x as moe_permute's does."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, slots_TK: Tensor, N: int) -> Tensor:
+        ctx.save_for_backward(slots_TK)
+        return torch.zeros((), dtype=x_TD.dtype, device=x_TD.device).expand(N, x_TD.shape[1])
+
+    @staticmethod
+    def backward(ctx, dx_ND: Tensor):
+        (slots_TK,) = ctx.saved_tensors
+        if not use_triton(dx_ND):
+            ones = torch.ones(slots_TK.shape, device=dx_ND.device)
+            return moe_unpermute_reference(dx_ND, slots_TK, ones), None, None
+        return _permute_backward(dx_ND, slots_TK), None, None
+
+
+def _permute_fp8(x8: FP8Rows, expert_ids_TK: Tensor, num_experts: int, align: int, rows: int | None):
+    """moe_permute of FP8Rows: the e4m3 rows copied as bytes, the scales by the same slots (the
+    rows no entry owns get 0: zero rows either way), x by a stand-in."""
+    check("x_TD.q", x8.q, ndim=2, dtypes=(FP8,), contiguous=True)
+    check("x_TD.scale", x8.scale, ndim=1, dtypes=(torch.float32,), device=x8.q.device)
+    if x8.x.shape != x8.q.shape or x8.scale.shape[0] != x8.q.shape[0]:
+        raise ValueError(
+            f"x_TD: expected x of q's shape {tuple(x8.q.shape)} and one scale per row, got x"
+            f" {tuple(x8.x.shape)} and {x8.scale.shape[0]} scales"
+        )
+    q_ND, slots_TK, ends_E = moe_permute(x8.q.view(torch.uint8), expert_ids_TK, num_experts, align, rows=rows)
+    N = q_ND.shape[0]
+    scale_N = x8.scale.new_zeros(N + 1)  # entries without a slot write to row N, cut off
+    scale_N.scatter_(
+        0, torch.where(slots_TK < 0, N, slots_TK).flatten(), x8.scale.repeat_interleave(slots_TK.shape[1])
+    )
+    return FP8Rows(_StandIn.apply(x8.x, slots_TK, N), q_ND.view(FP8), scale_N[:N]), slots_TK, ends_E
+
+
 def moe_permute(
-    x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int = 1, *, rows: int | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (x_ND, slots_TK int64, group_ends_E int32); see moe_permute_reference for the layout."""
-    check("x_TD", x_TD, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
+    x_TD: Tensor | FP8Rows,
+    expert_ids_TK: Tensor,
+    num_experts: int,
+    align: int = 1,
+    *,
+    rows: int | None = None,
+) -> tuple[Tensor | FP8Rows, Tensor, Tensor]:
+    """-> (x_ND, slots_TK int64, group_ends_E int32); see moe_permute_reference for the layout. x_TD may
+    be byte rows (uint8: copied, no gradient), or FP8Rows (pith_ops.fp8_quant.fp8_rows: e4m3 rows with
+    their scales), which give FP8Rows: the e4m3 rows and scales permuted and a stand-in for x's rows
+    (strides 0, no memory) whose gradient goes back to x as a permutation's does."""
+    if isinstance(x_TD, FP8Rows):
+        return _permute_fp8(x_TD, expert_ids_TK, num_experts, align, rows)
+    check("x_TD", x_TD, ndim=2, dtypes=(*FLOAT_DTYPES, torch.uint8), contiguous=True)
     check("expert_ids_TK", expert_ids_TK, ndim=2, dtypes=INDEX_DTYPES, device=x_TD.device)
     if expert_ids_TK.shape[0] != x_TD.shape[0]:
         raise ValueError(
