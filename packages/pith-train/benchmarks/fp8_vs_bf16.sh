@@ -9,7 +9,8 @@
 #    loss_equivalence.py --ac none (issue 19: the optimised BF16 path against the plain noise family).
 # 2. Then alone on the GPU, for clean timing: `pith-train bench` on the reference workload, BF16, FP8,
 #    FP8 with the FP8 lm_head (one process each, the same settings: the step as a CUDA graph, which
-#    the FP8 step needs to outrun its host; BENCH_ARGS overrides), each with a profile breakdown.
+#    the FP8 step needs to outrun its host; BENCH_ARGS overrides), each with a profile breakdown and
+#    what is live at its memory peak (--memory-peak, recorded over the warm-up steps).
 # Results go to $OUT when set, else ./bench_out/fp8; the summaries go to stdout.
 set -u -o pipefail
 cd "$(dirname "$0")/../../.."
@@ -19,7 +20,7 @@ out="${OUT:-bench_out/fp8}"
 runs="$(mktemp -d)"
 mkdir -p "$out"
 steps="${STEPS:-300}"
-bench_args="${BENCH_ARGS:---steps 6 --warmup 3 --profile 1 --cuda-graph}"
+bench_args="${BENCH_ARGS:---steps 6 --warmup 3 --profile 1 --cuda-graph --memory-peak}"
 start=$SECONDS
 loss_run() {  # name, then pretrain overrides
     local name=$1; shift
@@ -60,7 +61,7 @@ for mode in bf16 fp8 fp8lm; do
     flags=""; [ "$mode" = fp8 ] && flags="--fp8"; [ "$mode" = fp8lm ] && flags="--fp8 --fp8-lm-head"
     timeout 100 python3 -m pith_train bench $bench_args $flags --json "$runs/bench_$mode.json" > "$out/bench_$mode.txt" 2>&1 \
         || echo "bench $mode failed or timed out (rc $?)"
-    grep -E "tokens/s|peak memory|back to back" "$out/bench_$mode.txt"
+    grep -E "tokens/s|peak memory|back to back|allocation peak|GiB +[0-9]+ blocks" "$out/bench_$mode.txt"
 done
 python3 - "$runs" <<'PY' || echo "a bench failed: see $out/bench_*.txt"
 import json, sys

@@ -81,6 +81,8 @@ def test_bad_settings_are_value_errors_before_any_compute():
     for bad in (0, 3):  # the tiny batch's sequences per data rank do not split into micro-batches of 3
         with pytest.raises(ValueError, match=f"micro_batch: expected a divisor of the .* got {bad}"):
             bench.run(tiny=True, micro_batch=bad)
+    with pytest.raises(ValueError, match="memory_peak records the CUDA allocator's history"):
+        bench.run(tiny=True, device="cpu", memory_peak=True)
 
 
 def test_recompute_policies_train_exactly_like_no_recompute():
@@ -118,8 +120,12 @@ def test_cuda_breakdown_attributes_linked_kernels_by_range_and_counts_each_once(
 @pytest.mark.gpu
 def test_bench_on_cuda_names_every_component_of_a_reduced_workload():
     # Full width, one layer, 2 x 1024 tokens: the real kernels, so the name rules meet real names.
-    r = bench.run(layers=1, seq_len=1024, batch=2, steps=2, warmup=1, compile=False, profile_steps=1)
+    r = bench.run(
+        layers=1, seq_len=1024, batch=2, steps=2, warmup=1, compile=False, profile_steps=1, memory_peak=True
+    )
     assert r["card"] == torch.cuda.get_device_name() and r["peak_allocated_gib"] > 0
+    at_peak = r["memory_at_peak"]
+    assert 0 < at_peak["peak_gib"] <= r["peak_allocated_gib"] and at_peak["sites"][0]["gib"] > 0
     assert all(math.isfinite(x) for x in r["losses"])
     parts = r["breakdown_ms_per_step"]
     for component in ("attention", "expert GEMMs", "router + permutation", "lm_head + loss", "optimizer"):
@@ -156,3 +162,31 @@ def test_a_perturbed_start_moves_the_loss_by_a_bf16_rounding_not_more():
         bench.run(tiny=True, steps=1, warmup=0, device="cpu", perturb_seed=s)["losses"][0] for s in (None, 1)
     )
     assert base != moved and abs(base - moved) < 1e-3 * base
+
+
+def test_memory_at_peak_replays_the_trace_to_its_largest_total_and_groups_the_live_blocks_by_site():
+    """Blocks freed before the peak are not counted, a free of a block allocated before the recording
+    lowers the total, a free requested but not completed does not, and a site is the innermost frame
+    in pith's packages (else the innermost)."""
+    frame = lambda path, line, name: {"filename": path, "line": line, "name": name}  # noqa: E731
+    ops = frame("/r/packages/pith-ops/src/pith_ops/cross_entropy.py", 9, "_lce_op")
+    torch_only = [frame("/venv/torch/nn/functional.py", 3, "linear"), frame("/venv/torch/x.py", 1, "y")]
+    events = [
+        ("alloc", 1, 100, [frame("/venv/torch/a.py", 5, "f"), ops]),
+        ("alloc", 2, 50, torch_only),
+        ("free_requested", 1, 100, []),
+        ("free_completed", 1, 100, []),
+        ("free_completed", 9, 30, []),  # allocated before the recording
+        ("alloc", 3, 200, [frame("/r/packages/pith-engine/src/pith_engine/layers.py", 4, "gemm")]),
+        ("alloc", 4, 10, [ops]),
+        ("free_completed", 3, 200, []),
+        ("alloc", 5, 150, [ops]),
+    ]
+    trace = [{"action": a, "addr": addr, "size": n, "frames": f} for a, addr, n, f in events]
+    got = bench.memory_at_peak({"device_traces": [trace]})
+    assert got["peak_gib"] * 2**30 == 50 - 30 + 200 + 10
+    assert [(s["gib"] * 2**30, s["blocks"], s["site"]) for s in got["sites"]] == [
+        (200, 1, "pith_engine/layers.py:4 gemm"),
+        (50, 1, "/venv/torch/nn/functional.py:3 linear"),
+        (10, 1, "pith_ops/cross_entropy.py:9 _lce_op"),
+    ]

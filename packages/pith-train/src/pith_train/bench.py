@@ -188,6 +188,38 @@ def idle(prof, steps: int, top: int = 12) -> dict | None:
     }
 
 
+PITH_PACKAGES = ("pith_ops/", "pith_engine/", "pith_models/", "pith_train/")
+
+
+def memory_at_peak(snapshot: dict, top: int = 15) -> dict:
+    """The allocator's trace (torch.cuda.memory._record_memory_history, its _snapshot()) replayed to the
+    moment when most memory was allocated: -> {"peak_gib": allocated then, beyond what was allocated
+    before the recording began (weights built before it are not in it), "sites": the blocks live then
+    grouped by where they were allocated (the innermost frame in pith's packages, else the innermost
+    frame), largest first: [{"gib", "blocks", "site"}]}."""
+    events = [e for t in snapshot["device_traces"] for e in t if e["action"] in ("alloc", "free_completed")]
+    total, peak, at = 0, 0, -1
+    for i, e in enumerate(events):
+        total += e["size"] if e["action"] == "alloc" else -e["size"]
+        if total > peak:
+            peak, at = total, i
+    live = {}
+    for e in events[: at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        else:
+            live.pop(e["addr"], None)
+    sizes, blocks = collections.Counter(), collections.Counter()
+    for e in live.values():
+        frames = e.get("frames") or [{"filename": "?", "line": 0, "name": "?"}]
+        f = next((f for f in frames if any(p in f["filename"] for p in PITH_PACKAGES)), frames[0])
+        site = f"{f['filename'].rpartition('/src/')[2] or f['filename']}:{f['line']} {f['name']}"
+        sizes[site] += e["size"]
+        blocks[site] += 1
+    sites = [{"gib": n / 2**30, "blocks": blocks[k], "site": k} for k, n in sizes.most_common(top)]
+    return {"peak_gib": peak / 2**30, "sites": sites}
+
+
 def _set_grouped_gemm_backend(backend: str) -> None:
     pith_ops._common.USE_TORCH_GROUPED_MM = backend == "torch"
 
@@ -236,6 +268,7 @@ def run(
     wgrad_delay: bool = True,
     perturb_seed: int | None = None,
     back_to_back: bool = True,
+    memory_peak: bool = False,
 ) -> dict:
     """Build the workload (or the tiny one), run `warmup` then `steps` timed training steps (then
     `profile_steps` under torch.profiler), and return the measurements.
@@ -250,7 +283,10 @@ def run(
     perturb_seed: multiply every initial weight by 1 + u, u uniform in +-2^-9 drawn from this seed (one
     process): half a bf16 ulp, the size of the rounding the bf16 forward gives each weight anyway, for
     loss_equivalence.py's noise runs.
-    back_to_back: time the steps back to back too (module docstring); None in the output without."""
+    back_to_back: time the steps back to back too (module docstring); None in the output without.
+    memory_peak (CUDA): record the allocator's history over the warm-up steps (not the timed ones: the
+    recording costs host time) and report what was live at its peak (memory_at_peak); the warm-up
+    steps are full steps, and with cuda_graph they include the capture."""
     if steps < 1 or warmup < 0 or profile_steps < 0:
         raise ValueError(
             f"expected steps >= 1, warmup >= 0, profile_steps >= 0; got {steps}, {warmup}, {profile_steps}"
@@ -289,6 +325,8 @@ def run(
     if device == "cuda" and dev.type != "cuda":
         raise ValueError("device is cuda, but torch sees no CUDA device")
     cuda = dev.type == "cuda"
+    if memory_peak and not cuda:
+        raise ValueError("memory_peak records the CUDA allocator's history: run on a CUDA device, or drop it")
     if cuda:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     _set_grouped_gemm_backend(grouped_gemm)
@@ -324,12 +362,18 @@ def run(
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     graph = cuda_graph and cuda
+    if memory_peak and cuda:
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
     for i in range(warmup):
         step()
         if graph and i == 0:  # the graph allocates at its capture (the next step), not at its replays
             sync()
             torch.cuda.reset_peak_memory_stats()
     sync()
+    at_peak = None
+    if memory_peak and cuda:
+        at_peak = memory_at_peak(torch.cuda.memory._snapshot())
+        torch.cuda.memory._record_memory_history(enabled=None)
     if cuda and not graph:
         torch.cuda.reset_peak_memory_stats()
     seconds, losses = [], []
@@ -400,6 +444,7 @@ def run(
         "peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / gib if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / gib if cuda else None,
         "losses": [float(loss) for loss in losses],
+        "memory_at_peak": at_peak,
     }
     if profile_steps:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -434,6 +479,10 @@ def summary(r: dict) -> str:
         f" {r['mfu_989']:.1%} in the TorchTitan convention over {r['datasheet_tflops']:.3g} TFLOP/s",
         f"  {mem}",
     ]
+    if r.get("memory_at_peak"):
+        m = r["memory_at_peak"]
+        lines.append(f"  live at the warm-up's allocation peak ({m['peak_gib']:.2f} GiB beyond the start):")
+        lines += [f"    {x['gib']:7.2f} GiB {x['blocks']:6d} blocks  {x['site'][:100]}" for x in m["sites"]]
     if r["step_ms_back_to_back"] is not None:
         ms = r["step_ms_back_to_back"]
         tokens = r["workload"]["tokens_per_step"] / ms * 1e3

@@ -206,7 +206,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         fp8=args.fp8, fp8_lm_head=args.fp8_lm_head, cuda_graph=args.cuda_graph,
         profile_steps=args.profile, data=args.data, device=args.device, dp=args.dp, cp=args.cp,
         ep=args.ep, micro_batch=args.micro_batch, overlap=args.overlap == "on",
-        wgrad_delay=args.wgrad_delay == "on",
+        wgrad_delay=args.wgrad_delay == "on", memory_peak=args.memory_peak,
     )  # fmt: skip
     import torch.distributed as dist
 
@@ -315,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fp8-lm-head", action="store_true", help="lm_head's GEMMs in FP8 (train.fp8_lm_head)")
     p.add_argument("--cuda-graph", action="store_true", help="the step as a CUDA graph (train.cuda_graph)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="profile STEPS more steps")
+    p.add_argument("--memory-peak", action="store_true", help="what is live at the warm-up's memory peak")
     p.add_argument("--layers", type=int, help="decoder layers (default 4)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 4096)")
     p.add_argument("--batch", type=int, help="sequences per optimizer step (default 4)")
