@@ -103,7 +103,8 @@ def fp8_bounds(h_TD, w_VD, labels_T, ignore_index, reduction, dloss):
     # dw: the two rows' values requantised by columns (subnormal roundings), the same h8 columns, fp32
     # within the GEMM over the tokens, its bf16 output and the backward's product with dloss.
     e8c, hc = e8 + 2**-16 * ga.max(), (1 + 2**-4) * h.abs() + 2**-16 * h.abs().max()
-    dw = dloss * (e8c.T @ hc + (2**-8 + u + acc(T, False)) * ((ga + e8c).T @ hc))
+    parts = len(ce.fp8_wgrad_part_ends(T, V))  # each part's bf16 output, then their bf16 sums
+    dw = dloss * (e8c.T @ hc + (2**-8 * parts + u + acc(T, False)) * ((ga + e8c).T @ hc))
     return loss_bound(dx), dh, dw, loss_bound(dx_exact)
 
 
@@ -279,6 +280,12 @@ def test_fp8_one_token_fp16_torch_path_and_error_against_the_exact_gradients(mon
     check_fp8(11, 16, 300, "mean", 0.2, seed=1, dtype=torch.float16)
     # e4m3 h, w and gradient rows: dh's and dw's relative errors ~3e-2.
     assert max(check_fp8(64, 128, 512, "mean", 0.1, seed=2)) < 0.06
+    monkeypatch.setattr(ce, "CHUNK_LOGITS", 16 * 512)  # chunks of 16 tokens: dw in parts of 32, then 16
+    assert ce.fp8_wgrad_part_ends(64, 512) == [32, 64]
+    assert max(check_fp8(64, 128, 512, "mean", 0.1, seed=2)) < 0.06
+    monkeypatch.setattr(ce, "FP8_WGRAD_PARTS", 4)
+    assert ce.fp8_wgrad_part_ends(56, 512) == [16, 32, 48, 56]
+    check_fp8(56, 32, 512, "sum", 0.1, seed=4)
     with monkeypatch.context() as mp:  # CPU without the interpreter: torch ops stand in for the kernel
         mp.setattr(ce, "use_triton", lambda t: t.is_cuda)
         check_fp8(13, 24, 300, "mean", 0.2, seed=3)

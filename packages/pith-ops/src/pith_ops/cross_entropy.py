@@ -17,14 +17,15 @@ host sync on CUDA); on CUDA such a row reads no logit, so its loss is its log-su
 FP8 (w8 = quantize_weight(w), pith_ops.fp8_quant, which a caller may keep while w is unchanged): all
 three GEMMs take e4m3 operands with power-of-two scales (torch._scaled_mm, bf16 out), the recipe of
 pith_ops.fp8_linear. h is quantised by rows once. The logits GEMM runs per chunk of a power of two
-rows (measured: the note in _lce_op); the kernel writes no bf16 gradient but its e4m3 rows, one scale per row,
-quantize_rows of its fp32 gradient bit for bit (the row's amax is known after the log-sum-exp pass:
-no third read of the logits), into a [T, V] buffer (a byte a logit: 2.3 GiB at the bench's 16,384 x
-151,936), and dh's GEMM reads each chunk's rows. dw is one FP8 GEMM over all the tokens per
-FP8_WGRAD_ROWS vocabulary rows, from the gradient rows and h8 requantised by columns (cols_from_rows,
-as fp8_linear's wgrad): a GEMM per token chunk would need a bf16 accumulation pass per chunk
-(measured ~2.7 ms a chunk against 2.6 ms for its bf16 GEMM, H200). The buffer lives within the op's
-forward, where the chunk logits take half the bf16 path's memory.
+rows (measured: fp8_chunk_rows); the kernel writes no bf16 gradient but its e4m3 rows, one scale per
+row, quantize_rows of its fp32 gradient bit for bit (the row's amax is known after the log-sum-exp
+pass: no third read of the logits), into a buffer of a part of the tokens (a byte a logit; the parts:
+FP8_WGRAD_PARTS), and dh's GEMM reads each chunk's rows. dw is, per part, one FP8 GEMM over the part's
+tokens per FP8_WGRAD_ROWS vocabulary rows, from the gradient rows and h8 requantised by columns over
+the part (cols_from_rows, as fp8_linear's wgrad), the parts' bf16 outputs added: a GEMM per token
+chunk would need a bf16 accumulation pass per chunk (measured ~2.7 ms a chunk against 2.6 ms for its
+bf16 GEMM, H200). The buffer lives within the op's forward, where the chunk logits take half the
+bf16 path's memory.
 """
 
 import torch
@@ -59,6 +60,26 @@ FAST = True
 # The FP8 weight gradient's GEMMs take this many vocabulary rows each (its transposed gradient rows:
 # 128 MiB at 16,384 tokens).
 FP8_WGRAD_ROWS = 8192
+# The FP8 weight gradient runs once per part of the tokens (whole chunks), each part's gradient rows
+# buffered in e4m3 ([T / parts, V]) until its GEMMs have run, their bf16 outputs added into dw: 2
+# halves the buffer (2.3 -> 1.2 GiB at the bench's 16,384 x 151,936, at the step's memory peak, where
+# the forward ends) for one more bf16 pass over dw (estimated ~0.5 ms there, not measured).
+FP8_WGRAD_PARTS = 2
+
+
+def fp8_chunk_rows(V: int) -> int:
+    """Tokens per chunk under FP8: a power of two (at least 16, the FP8 GEMMs' multiple) within
+    CHUNK_LOGITS logits, 2048 at V = 151,936. Measured on an H200 (random e4m3 data, [C, 2048] x [2048,
+    151936] and back): C = 2048 runs the logits GEMM at 1511 TFLOP/s and dh's at 1557, C = 3520 at 1457
+    and 1174."""
+    return max(16, 1 << (max(1, CHUNK_LOGITS // max(V, 1)).bit_length() - 1))
+
+
+def fp8_wgrad_part_ends(T: int, V: int) -> list[int]:
+    """The token ends of the FP8 weight gradient's parts (FP8_WGRAD_PARTS of them at most, whole chunks)."""
+    C, per_part = fp8_chunk_rows(V), -(-T // FP8_WGRAD_PARTS)
+    P = max(1, -(-per_part // C)) * C
+    return [*range(P, T, P), T] if T else []
 
 
 @triton.jit
@@ -141,19 +162,21 @@ def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=No
                 out.copy_(t)
 
 
-def _fp8_wgrad(g8_TV: Tensor, g8_scale_T: Tensor, h8_TD: Tensor, h8_scale_T: Tensor, dw_VD: Tensor) -> None:
-    """dw = g.T @ h into dw_VD from the e4m3 rows of the gradient and of h, requantised by columns over
-    all T tokens and transposed (fp8_quant.cols_from_rows: fp8_linear's wgrad operands), FP8_WGRAD_ROWS
-    vocabulary rows a GEMM: one GEMM contracting over every token, no accumulation pass."""
+def _fp8_wgrad(
+    g8_TV: Tensor, g8_scale_T: Tensor, h8_TD: Tensor, h8_scale_T: Tensor, dw_VD: Tensor, add: bool
+) -> None:
+    """dw = g.T @ h into dw_VD (add: added to it) from the e4m3 rows of the gradient and of h, requantised
+    by columns over these T tokens and transposed (fp8_quant.cols_from_rows: fp8_linear's wgrad
+    operands), FP8_WGRAD_ROWS vocabulary rows a GEMM contracting over all the T tokens."""
     h8c_DT, h8c_scale_D = cols_from_rows(h8_TD, h8_scale_T)
     for v0 in range(0, g8_TV.shape[1], FP8_WGRAD_ROWS):
         g8c_VT, g8c_scale_V = cols_from_rows(g8_TV[:, v0 : v0 + FP8_WGRAD_ROWS], g8_scale_T)
-        # fp32 promotion: it contracts over all the tokens (as fp8_linear.wgrad); bf16 out (into dw)
+        # fp32 promotion: it contracts over the tokens (as fp8_linear.wgrad); bf16 out (into dw)
         rows = dw_VD[v0 : v0 + FP8_WGRAD_ROWS]
-        out = rows if rows.dtype == torch.bfloat16 else None
+        out = rows if rows.dtype == torch.bfloat16 and not add else None
         y = _mm(g8c_VT, g8c_scale_V[0], h8c_DT, h8c_scale_D[0], False, out)
         if out is None:
-            rows.copy_(y)
+            rows.add_(y) if add else rows.copy_(y)
 
 
 def _grad_scale(labels_T: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
@@ -184,29 +207,33 @@ def _lce_op(
     fp8 = w8_VD is not None
     dw = w_VD.new_empty(0)
     if grad_w:  # contiguous whatever w_VD's strides (a stand-in's are 0): the FP8 GEMMs write its rows
-        dw = (torch.empty if fp8 else torch.zeros)(w_VD.shape, dtype=w_VD.dtype, device=w_VD.device)
+        dw = (torch.empty if fp8 and T else torch.zeros)(w_VD.shape, dtype=w_VD.dtype, device=w_VD.device)
     C = max(1, CHUNK_LOGITS // max(V, 1))
     if fp8:
         h8_TD, h8_scale_T = quantize_rows(h_TD)
-        # A power of two rows (at least 16, the FP8 GEMMs' multiple): 2048 at V = 151,936. Measured on
-        # an H200 (random e4m3 data, [C, 2048] x [2048, 151936] and back): C = 2048 runs the logits
-        # GEMM at 1511 TFLOP/s and dh's at 1557, C = 3520 at 1457 and 1174.
-        C = max(16, 1 << (C.bit_length() - 1))
+        C = fp8_chunk_rows(V)
         g8_dtype = torch.float32 if INTERPRET else FP8  # the interpreter: fp32 quotients (_interpreted_cast)
-        if grad_w:  # every token's rows, for dw's GEMMs over all of them; dh alone: a chunk's
-            g8_TV, g8_scale_T = h_TD.new_empty(T, V, dtype=g8_dtype), loss_T.new_empty(T)
+        ends = fp8_wgrad_part_ends(T, V)
+        P = ends[0] if ends else C
+        if grad_w:  # a part's rows, for dw's GEMMs over all its tokens; dh alone: a chunk's
+            g8_PV, g8_scale_P = h_TD.new_empty(min(P, T), V, dtype=g8_dtype), loss_T.new_empty(min(P, T))
     for c0 in range(0, T, C):
         h_CD, rows = h_TD[c0 : c0 + C], slice(c0, c0 + C)
         if fp8:
             logits_CV = _mm(h8_TD[rows], h8_scale_T[rows], w8_VD, w8_scale_V).to(h_TD.dtype)
-            g8 = None
+            g8, end = None, min(c0 + C, T)
             if grad_w:
-                g8 = g8_TV[rows], g8_scale_T[rows]
+                p0 = c0 - c0 % P  # this part's first token
+                g8 = g8_PV[c0 - p0 : end - p0], g8_scale_P[c0 - p0 : end - p0]
             elif grad_h:
                 g8 = h_TD.new_empty(logits_CV.shape, dtype=g8_dtype), loss_T.new_empty(logits_CV.shape[0])
             _ce_rows(logits_CV, labels_T[rows], loss_T[rows], scale, ignore_index, False, g8)
             if grad_h:
                 dh[rows] = _mm(*(_interpreted_cast(*g8) if INTERPRET else g8), w8t_DV, w8t_scale_D, FAST)
+            if grad_w and end in ends:  # the part's last chunk: its dw GEMMs
+                part = g8_PV[: end - p0], g8_scale_P[: end - p0]
+                part = _interpreted_cast(*part) if INTERPRET else part
+                _fp8_wgrad(*part, h8_TD[p0:end], h8_scale_T[p0:end], dw, add=p0 > 0)
             continue
         logits_CV = h_CD @ w_VD.T
         _ce_rows(logits_CV, labels_T[rows], loss_T[rows], scale, ignore_index, grad_h or grad_w)
@@ -214,9 +241,6 @@ def _lce_op(
             torch.mm(logits_CV, w_VD, out=dh[rows])
         if grad_w:
             dw.addmm_(logits_CV.T, h_CD)
-    if fp8 and grad_w:
-        g8 = _interpreted_cast(g8_TV, g8_scale_T) if INTERPRET else (g8_TV, g8_scale_T)
-        _fp8_wgrad(*g8, h8_TD, h8_scale_T, dw)
     loss = loss_T.sum()
     return loss / n_valid if reduction == "mean" else loss, dh, dw
 
@@ -319,8 +343,8 @@ def linear_cross_entropy_fp8_reference(
     g = d loss / d x exactly (0 when no token is kept); dh = dloss * g8 @ w8 with g8 =
     quantize_rows_reference(g rounded to fp32), dequantised (the op quantises before the backward
     applies dloss); dw = dloss * g8c @ h8c.T with g8c, h8c those e4m3 rows of g and h requantised by
-    columns over all the tokens (cols_from_rows_reference), dequantised. Not modelled: the op's bf16
-    (h's dtype) logits and GEMM outputs."""
+    columns over each part of the tokens (fp8_wgrad_part_ends; cols_from_rows_reference), dequantised.
+    Not modelled: the op's bf16 (h's dtype) logits and GEMM outputs, and their sum over the parts."""
     h8_TD, w8_VD = dequantized(h_TD, w_VD)
     g_TV = h8_TD @ w8_VD.T  # the logits, overwritten with their gradient
     loss_T = g_TV.new_empty(g_TV.shape[0])
@@ -328,7 +352,7 @@ def linear_cross_entropy_fp8_reference(
     _ce_rows(g_TV, labels_T, loss_T, scale.double(), ignore_index, True)
     g8 = quantize_rows_reference(g_TV.float())
     loss = loss_T.sum() / n_valid if reduction == "mean" else loss_T.sum()
-    one = torch.full((1,), h_TD.shape[0], dtype=torch.int32, device=h_TD.device)
-    cols = lambda t8: dequantize_cols(*cols_from_rows_reference(*t8, one), one)  # noqa: E731
+    parts = torch.tensor(fp8_wgrad_part_ends(*g_TV.shape), dtype=torch.int32, device=h_TD.device)
+    cols = lambda t8: dequantize_cols(*cols_from_rows_reference(*t8, parts), parts)  # noqa: E731
     dw = dloss * cols(g8) @ cols(quantize_rows_reference(h_TD)).T
     return loss, dloss * dequantize_rows(*g8) @ w8_VD, dw
