@@ -6,7 +6,8 @@ experts) and GPT-OSS configs in fp32 reproduce the single-process per-step losse
 every parameter's gradient after the first step, under pp2 (2 gloo processes), pp2 x ep2, pp2 x dp2,
 pp2 x cp2 and pp4 (4 processes; 8 layers): every model under pp2 and pp2 x cp2, the others a cover
 (LAYOUTS: DeepSeek-V2 under pp2 x ep2 and pp2 x dp2 is test_overlap.py's, with overlap and the
-weight-gradient delay on and off). Checkpoints are canonical: saved on one process and
+weight-gradient delay on and off); in FP8 (use_fp8) under pp2 the first step's loss and gradients
+match one FP8 process as closely. Checkpoints are canonical: saved on one process and
 resumed under pp2 x ep2, saved under pp2 x ep2 and resumed on one process, under ep2 and under dp2.
 
 Each world size is spawned once (this file run as a script, one process per rank); rank 0 also runs
@@ -23,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from pith_engine import checkpoint
+from pith_engine.layers import use_fp8
 from pith_engine.parallel import Layout, Mesh, build_mesh, full_state, held_layers, parallelize
 from pith_engine.step import Aux, Stages, train_step
 from pith_models import deepseek_v2, gpt_oss, qwen3_moe
@@ -69,15 +71,27 @@ def batches(vocab: int, data_ranks: int):
     return ids, labels
 
 
-def train(module, cfg, mesh: Mesh, data_ranks: int, steps=range(STEPS), load=None, save=None, **stage_flags):
+def train(
+    module,
+    cfg,
+    mesh: Mesh,
+    data_ranks: int,
+    steps=range(STEPS),
+    load=None,
+    save=None,
+    fp8=False,
+    **stage_flags,
+):
     """-> (global loss of each step, every parameter's full gradient after the first step it runs, on this
     rank's pipeline stage only); resumes from `load` and checkpoints to `save` at the end when given.
-    stage_flags: Stages' overlap and wgrad (on by default, as in the trainer)."""
+    fp8: the projections and expert GEMMs in FP8 (use_fp8). stage_flags: Stages' overlap and wgrad (on
+    by default, as in the trainer)."""
     from conftest import ScaledAdamW  # the worker runs as a script beside conftest.py
 
     model = module.Model(cfg)
     module.init_weights(model, seed=0)  # the same weights on every rank, then each keeps its share
     parallelize(model, mesh)
+    use_fp8(model, fp8)
     opt = ScaledAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=ADAM_EPS, foreach=False)
     if load:
         checkpoint.load(load, model, opt, mesh)
@@ -106,7 +120,7 @@ def assert_same_losses(losses, expected, where: str) -> None:
     assert max(rel) <= LOSS_RTOL, f"{where}: losses {losses}, single process {expected}"
 
 
-def compare(losses, ref, tmp: Path, world: int, pp: int, where: str) -> None:
+def compare(losses, ref, tmp: Path, world: int | str, pp: int, where: str) -> None:
     ref_losses, ref_grads = ref
     assert_same_losses(losses, ref_losses, where)
     got = {}
@@ -116,6 +130,28 @@ def compare(losses, ref, tmp: Path, world: int, pp: int, where: str) -> None:
     rtol, atol = GRAD_RTOL, GRAD_ATOL
     bad = [n for n, g in got.items() if not torch.allclose(g, ref_grads[n], rtol=rtol, atol=atol)]
     assert not bad, f"{where}: gradients differ from the single process for {bad}"
+
+
+def check_fp8_pp2(tmp: Path, rank: int, single: Mesh) -> None:
+    """use_fp8 under pp2 (DualPipeV, FP8 weight gradients deferred to its W actions) against one process
+    in FP8, the first step: each layer quantises the same micro-batches' rows as on one process, so the
+    loss and the gradients agree to fp32 summation order (the tolerances above). After an update, an
+    fp32 difference of that order can move a value across an e4m3 rounding boundary: later steps are
+    test_equivalence.py's FP8 tolerances' business, not compared here."""
+    module, cfg = qwen3_moe, CHECKPOINTED(4)
+    if rank == 0:
+        ref = train(module, cfg, single, 1, steps=range(1), fp8=True)
+        fp32 = train(module, cfg, single, 1, steps=range(1))[0]
+        assert abs(ref[0][0] - fp32[0]) > 1e-4 * abs(fp32[0]), (ref[0], fp32)  # FP8 did run
+        torch.save(ref, tmp / "ref_fp8.pt")
+    dist.barrier()
+    mesh = build_mesh(Layout(pp=2), torch.device("cpu"))
+    losses, grads = train(module, cfg, mesh, 1, steps=range(1), fp8=True)
+    torch.save(grads, tmp / f"grads_fp8_{mesh.pp_rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        compare(losses, torch.load(tmp / "ref_fp8.pt"), tmp, "fp8", 2, "fp8 pp2")
+    dist.barrier()
 
 
 def _worker(world: int, rank: int, tmp: Path) -> None:
@@ -153,6 +189,9 @@ def _worker(world: int, rank: int, tmp: Path) -> None:
                     losses, torch.load(ref(name, cfg.num_hidden_layers, dr)), tmp, world, layout.pp, where
                 )
             dist.barrier()
+
+    if world == 2:  # FP8 under pp2, the weight-gradient delay on: the first step as one process's
+        check_fp8_pp2(tmp, rank, single)
 
     # Checkpoints across layouts (Qwen3-MoE, 4 layers, 2 data ranks in every run).
     module, cfg = qwen3_moe, CHECKPOINTED(4)

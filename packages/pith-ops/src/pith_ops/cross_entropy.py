@@ -62,8 +62,9 @@ FAST = True
 FP8_WGRAD_ROWS = 8192
 # The FP8 weight gradient runs once per part of the tokens (whole chunks), each part's gradient rows
 # buffered in e4m3 ([T / parts, V]) until its GEMMs have run, their bf16 outputs added into dw: 2
-# halves the buffer (2.3 -> 1.2 GiB at the bench's 16,384 x 151,936, at the step's memory peak, where
-# the forward ends) for one more bf16 pass over dw (estimated ~0.5 ms there, not measured).
+# halves the buffer (2.3 -> 1.2 GiB at the bench's 16,384 x 151,936; it is live at the end of the
+# forward, when the most activations are) for one more bf16 pass over dw (~0.5 ms there by bytes and
+# bandwidth, not measured).
 FP8_WGRAD_PARTS = 2
 
 
