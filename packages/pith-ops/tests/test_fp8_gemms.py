@@ -10,6 +10,8 @@ measured at ~0.037 for Gaussian data; the bound is 0.06 (at sizes where the erro
 Shape legend: T rows, D input features, O output features; grouped: N rows, I input features, E experts.
 """
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given
@@ -23,6 +25,7 @@ from pith_ops import (
     fp8_rows,
     grouped_gemm_reference,
     moe_permute,
+    quantize_rows,
     swiglu,
     swiglu_fp8,
 )
@@ -96,8 +99,9 @@ FP8_INPUTS_TESTS = OPCHECK_TESTS[1:]  # test_schema multiplies the inputs: no mu
 def test_linear_opcheck():
     x, w = torch.randn(13, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
     torch.library.opcheck(torch.ops.pith.fp8_linear_weight, (w.detach(),), test_utils=OPCHECK_TESTS)
-    w8 = fp8_linear_weight(w)
-    torch.library.opcheck(torch.ops.pith.fp8_linear, (x, w, *w8), test_utils=FP8_INPUTS_TESTS)
+    w8, x8 = fp8_linear_weight(w), quantize_rows(x.detach())
+    torch.library.opcheck(torch.ops.pith.fp8_linear, (x, w, *w8, *x8), test_utils=FP8_INPUTS_TESTS)
+    torch.library.opcheck(torch.ops.pith.fp8_linear_rows, (x.detach(),), test_utils=OPCHECK_TESTS[2:])
 
 
 def test_linear_compiles_to_one_graph_with_gradients():
@@ -107,6 +111,30 @@ def test_linear_compiles_to_one_graph_with_gradients():
     torch.testing.assert_close(y, want)
     got = torch.autograd.grad(y.sum(), (x, w))
     for a, b in zip(got, torch.autograd.grad(want.sum(), (x, w))):
+        torch.testing.assert_close(a, b)
+
+
+def test_projections_of_one_input_compile_to_one_quantisation(monkeypatch):
+    """q, k and v projections of the same x under torch.compile: the rows op is one graph node after
+    common-subexpression elimination, so the forward quantises x once (their backwards keep one copy);
+    each backward quantises its own output gradient. Values and gradients as eager."""
+    fp8_linear_module = sys.modules["pith_ops.fp8_linear"]
+    calls = []
+    counted = lambda x: calls.append(x.shape) or quantize_rows(x)  # noqa: E731
+    monkeypatch.setattr(fp8_linear_module, "quantize_rows", counted)
+    x = torch.randn(8, 4, 32, requires_grad=True)
+    ws = [torch.randn(o, 32, requires_grad=True) for o in (64, 16, 16)]
+
+    def qkv(x, *ws):
+        return sum(fp8_linear(x, w).square().sum() * (i + 1) for i, w in enumerate(ws))
+
+    y = torch.compile(qkv, backend="aot_eager", fullgraph=True)(x, *ws)
+    assert calls == [(32, 32)]
+    got = torch.autograd.grad(y, (x, *ws))
+    assert len(calls) == 1 + 3
+    want = qkv(x, *ws)
+    torch.testing.assert_close(y, want)
+    for a, b in zip(got, torch.autograd.grad(want, (x, *ws))):
         torch.testing.assert_close(a, b)
 
 

@@ -66,11 +66,14 @@ def wgrad(dy8_TO: Tensor, dy8_scale_T: Tensor, x8_TD: Tensor, x8_scale_T: Tensor
 
 
 def _forward(
-    x_TD: Tensor, w_OD: Tensor, w8_OD: Tensor, w8_scale_O: Tensor, w8t_DO: Tensor, w8t_scale_D: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """w_OD is not read (w8's copies are): it is the input the weight gradient is for."""
-    x8, x8_scale = quantize_rows(x_TD)
-    return _mm(x8, x8_scale, w8_OD, w8_scale_O).to(x_TD.dtype), x8, x8_scale
+    x_TD: Tensor, w_OD: Tensor, w8_OD: Tensor, w8_scale_O: Tensor, w8t_DO: Tensor, w8t_scale_D: Tensor,
+    x8_TD: Tensor, x8_scale_T: Tensor,
+) -> Tensor:  # fmt: skip
+    """x_TD and w_OD are not read (x8's and w8's copies are): they are the inputs the gradients are for.
+    The rows are quantised by their own op (_rows), so that a compiled graph quantising one input for
+    several projections (attention's q, k and v) does it once (the graph's common subexpressions are
+    merged) and their backwards keep one copy."""
+    return _mm(x8_TD, x8_scale_T, w8_OD, w8_scale_O).to(x_TD.dtype)
 
 
 def _weight(w_OD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -116,17 +119,12 @@ def _(dy8_TO, dy8_scale_T, x8_TD, x8_scale_T):
 
 
 @_op.register_fake
-def _(x_TD, w_OD, w8_OD, w8_scale_O, w8t_DO, w8t_scale_D):
-    T = x_TD.shape[0]
-    scale = x_TD.new_empty(T, dtype=torch.float32)
-    return x_TD.new_empty(T, w_OD.shape[0]), torch.empty_like(x_TD, dtype=FP8), scale
+def _(x_TD, w_OD, w8_OD, w8_scale_O, w8t_DO, w8t_scale_D, x8_TD, x8_scale_T):
+    return x_TD.new_empty(x_TD.shape[0], w_OD.shape[0])
 
 
 def _setup(ctx, inputs, output):
-    _, *saved = output
-    ctx.mark_non_differentiable(*saved)
-    ctx.set_materialize_grads(False)  # the fp8 and scale outputs get no zero-filled gradients
-    ctx.save_for_backward(*saved, *inputs[4:])
+    ctx.save_for_backward(*inputs[6:8], *inputs[4:6])
     ctx.dtypes = inputs[0].dtype, inputs[1].dtype
 
 
@@ -142,10 +140,10 @@ def backward(saved, dy_TO: Tensor, need_dx: bool, x_dtype: torch.dtype, ops=(qua
     return dx, lambda: wgrad_fn(dy8, dy8_scale, x8, x8_scale)
 
 
-def _backward(ctx, dy_TO, *_, ops=(quantize_rows, dgrad, wgrad)):
+def _backward(ctx, dy_TO, ops=(quantize_rows, dgrad, wgrad)):
     """Eager: the functions; the registered autograd (compiled graphs): their custom ops."""
     dx, dw = backward(ctx.saved_tensors, dy_TO, ctx.needs_input_grad[0], ctx.dtypes[0], ops)
-    return dx, _cast_back(dw(), ctx.dtypes[1]) if ctx.needs_input_grad[1] else None, None, None, None, None
+    return dx, _cast_back(dw(), ctx.dtypes[1]) if ctx.needs_input_grad[1] else None, *(None for _ in range(6))
 
 
 _op.register_autograd(
@@ -163,13 +161,18 @@ def fp8_linear_weight(w_OD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return quantize_weight(w_OD)
 
 
+def _rows_of(x_TD: Tensor) -> tuple[Tensor, Tensor]:
+    """quantize_rows(x) as its own graph node under torch.compile (see _forward)."""
+    return _rows_op(x_TD.detach()) if torch.compiler.is_compiling() else quantize_rows(x_TD.detach())
+
+
 def forward(x_TD: Tensor, w_OD: Tensor, w8=None) -> tuple[Tensor, tuple[Tensor, ...]]:
     """fp8_linear's forward on 2-D x without autograd, for a caller running the backward itself
     (`backward`): -> (y_TO, saved). w8: fp8_linear_weight(w) (or w's kept copies), or None."""
     _check(x_TD, w_OD, w_OD.requires_grad)
     w8 = fp8_linear_weight(w_OD) if w8 is None else w8
-    y, *saved = _forward(x_TD.contiguous(), w_OD, *w8[:4])
-    return y, (*saved, *w8[2:4])
+    x8 = _rows_of(x_TD.contiguous())
+    return _forward(x_TD, w_OD, *w8[:4], *x8), (*x8, *w8[2:4])
 
 
 def fp8_linear(x_TD: Tensor, w_OD: Tensor, w8=None) -> Tensor:
@@ -179,8 +182,8 @@ def fp8_linear(x_TD: Tensor, w_OD: Tensor, w8=None) -> Tensor:
     multiples of 16 (the FP8 GEMM's alignment along the contracted axis)."""
     _check(x_TD, w_OD, torch.is_grad_enabled() and w_OD.requires_grad)
     w8 = fp8_linear_weight(w_OD) if w8 is None else w8
-    y = _fp8_linear(x_TD.reshape(-1, w_OD.shape[1]).contiguous(), w_OD, *w8[:4])[0]
-    return y.view(*x_TD.shape[:-1], w_OD.shape[0])
+    x2 = x_TD.reshape(-1, w_OD.shape[1]).contiguous()
+    return _fp8_linear(x2, w_OD, *w8[:4], *_rows_of(x2)).view(*x_TD.shape[:-1], w_OD.shape[0])
 
 
 def _check(x_TD: Tensor, w_OD: Tensor, training: bool) -> None:
