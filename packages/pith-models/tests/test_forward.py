@@ -4,8 +4,12 @@ Shape legend: B batch, S sequence, V vocabulary.
 """
 
 import pith_models
+import pith_ops
 import pytest
 import torch
+from pith_engine.executor import LocalExperts, forward
+from pith_engine.layers import use_fp8
+from pith_ops import linear_cross_entropy
 
 pytestmark = pytest.mark.usefixtures("ops_take_their_torch_path")  # see conftest.py
 
@@ -17,3 +21,28 @@ def test_calling_the_model_gives_the_reference_logits(name):
     logits_BSV = model(ids_BS)
     assert logits_BSV.shape == (2, 7, model.cfg.vocab_size)
     torch.testing.assert_close(logits_BSV, model.reference_forward(ids_BS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v2-tiny", "gpt-oss-tiny"])
+def test_fp8_experts_take_rows_dispatched_in_fp8_as_the_rows_their_gemms_would_quantise(name, monkeypatch):
+    """use_fp8: stage 2 hands every family's experts pith_ops.FP8Rows (the rows quantised once per
+    token); given the plain rows instead, the expert GEMMs quantise them into the same e4m3 rows: the
+    same loss, and the same gradients to fp32 summation order (the stand-in's backward sums a token's
+    copies in another order than the plain permutation's reference)."""
+    model = pith_models.build(name, "cpu", seed=0)
+    use_fp8(model)
+    ids_BS = torch.randint(0, model.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    labels_T, params = ids_BS.roll(-1, 1).flatten(), list(model.parameters())
+
+    def loss_and_grads():
+        h_BSD, _ = forward(model, ids_BS, LocalExperts())
+        loss = linear_cross_entropy(h_BSD.flatten(0, 1), model.lm_head.weight, labels_T)
+        return [loss, *torch.autograd.grad(loss, params)]
+
+    dispatched, fp8_rows = [], pith_ops.fp8_rows
+    monkeypatch.setattr(pith_ops, "fp8_rows", lambda x: dispatched.append(x.shape) or fp8_rows(x))
+    fp8 = loss_and_grads()
+    assert dispatched, "no rows were dispatched in FP8"
+    monkeypatch.setattr(pith_ops, "fp8_rows", lambda x: x)
+    for got, want in zip(fp8, loss_and_grads(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

@@ -16,8 +16,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pith_engine.layers import Experts, Linear, use_fp8
+from pith_engine.layers import Experts, Linear, expert_gemm, use_fp8
 from pith_ops import (
+    FP8Rows,
     fp8_grouped_gemm,
     fp8_grouped_gemm_reference,
     fp8_linear,
@@ -101,7 +102,7 @@ def test_linear_opcheck():
     torch.library.opcheck(torch.ops.pith.fp8_linear_weight, (w.detach(),), test_utils=OPCHECK_TESTS)
     w8, x8 = fp8_linear_weight(w), quantize_rows(x.detach())
     torch.library.opcheck(torch.ops.pith.fp8_linear, (x, w, *w8, *x8), test_utils=FP8_INPUTS_TESTS)
-    torch.library.opcheck(torch.ops.pith.fp8_linear_rows, (x.detach(),), test_utils=OPCHECK_TESTS[2:])
+    torch.library.opcheck(torch.ops.pith.fp8_linear_rows, (x.detach(),), test_utils=OPCHECK_TESTS)
 
 
 def test_linear_compiles_to_one_graph_with_gradients():
@@ -245,18 +246,22 @@ def check_experts_on_fp8_rows(T, K, E, D, F, device="cpu", dtype=torch.float32):
     x_TD = torch.randn(T, D, device=device, generator=g, dtype=dtype).requires_grad_()
     ids_TK = torch.rand(T, E, device=device, generator=g).topk(K, dim=1).indices
     leaves = (x_TD, experts.w_gate_up, experts.w_down)
-    runs = []
+    runs, kinds = [], []
     for rows in (fp8_rows(x_TD), x_TD):
         x_ND, _, ends_E = moe_permute(rows, ids_TK, E, align=16)
+        kinds.append(type(x_ND))
         y = experts(x_ND, ends_E)
         runs.append([y, *torch.autograd.grad(y, leaves, torch.ones_like(y))])
-    assert isinstance(x_ND, torch.Tensor) and runs[0][0].abs().sum() > 0
+    assert kinds == [FP8Rows, torch.Tensor] and runs[0][0].abs().sum() > 0
     for got, want in zip(*runs):
         assert torch.equal(got, want)
 
 
 def test_experts_on_rows_dispatched_in_fp8_equal_the_plain_rows():
     check_experts_on_fp8_rows(T=12, K=2, E=3, D=32, F=16)
+    rows, _, ends_E = moe_permute(fp8_rows(torch.randn(4, 16)), torch.tensor([[0], [1], [1], [0]]), 2)
+    with pytest.raises(ValueError, match=r"FP8Rows\) need fp8=True"):  # a bf16 GEMM would read zeros
+        expert_gemm(rows, torch.randn(2, 16, 8), ends_E, fp8=False)
 
 
 @pytest.mark.gpu

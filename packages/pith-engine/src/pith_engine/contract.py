@@ -70,7 +70,10 @@ class DecoderLayer(Protocol):
 
     def stage3(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
         """Expert MLPs over rows grouped by the experts this module holds (group_ends: int32 cumulative
-        row ends, one per local expert; rows past the last end are padding and may hold anything)."""
+        row ends, one per local expert; rows past the last end are padding and may hold anything).
+        When `experts.fp8` is set, x_ND is a pith_ops.FP8Rows (the rows dispatched in e4m3, its x a
+        stand-in carrying their gradient: executor.run_layer), which pith_engine.layers.expert_gemm
+        takes."""
         ...
 
     def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor: ...

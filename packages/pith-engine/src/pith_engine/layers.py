@@ -250,6 +250,10 @@ def expert_gemm(
     master weights; a no-op cast otherwise; pith_ops.cast for a vectorised cast of the gradient back,
     its docstring has the numbers), its weight gradient deferrable to `queue` either way."""
     if isinstance(x_ND, pith_ops.FP8Rows):
+        if not fp8:  # its x is a stand-in: zeros
+            raise ValueError(
+                "expert_gemm: rows dispatched in FP8 (FP8Rows) need fp8=True (the experts' fp8 flag)"
+            )
         x_ND, x8 = x_ND.x, (x_ND.q, x_ND.scale)
     if fp8:
         w8 = FP8Switch.fp8_weight(w_EIO, fp8_grouped_gemm_weight)

@@ -216,12 +216,13 @@ class Experts(FP8Switch, nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
         self.b_down = nn.Parameter(torch.empty(E, D))  # [E_held, D]
 
-    def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
+    def forward(self, x_ND: Tensor | pith_ops.FP8Rows, group_ends_E: Tensor) -> Tensor:
+        x = x_ND.x if isinstance(x_ND, pith_ops.FP8Rows) else x_ND  # FP8Rows: rows dispatched in FP8
         # The expert of each row, for its biases; rows past the last end are padding (any expert does).
-        rows_N = torch.arange(x_ND.shape[0], device=x_ND.device, dtype=group_ends_E.dtype)
+        rows_N = torch.arange(x.shape[0], device=x.device, dtype=group_ends_E.dtype)
         expert_N = torch.searchsorted(group_ends_E, rows_N, right=True).clamp(max=group_ends_E.shape[0] - 1)
         # Biases in the rows' dtype: bf16 rows under autocast meet fp32 master weights.
-        b_gate_up, b_down = self.b_gate_up.to(x_ND.dtype), self.b_down.to(x_ND.dtype)
+        b_gate_up, b_down = self.b_gate_up.to(x.dtype), self.b_down.to(x.dtype)
         gemm = lambda x, w: expert_gemm(x, w, group_ends_E, self.fp8, self.wgrad_queue)
         h_N2F = gemm(x_ND, self.w_gate_up) + b_gate_up[expert_N]
         h_NF = pith_ops.swiglu_oss(h_N2F, self.alpha, self.limit)

@@ -58,7 +58,7 @@ BLOCK_V = 256 if INTERPRET else 4096
 # added is a tenth of the e4m3 gradient rows' own (~3e-2 relative, test_cross_entropy).
 FAST = True
 # The FP8 weight gradient's GEMMs take this many vocabulary rows each (its transposed gradient rows:
-# 128 MiB at 16,384 tokens).
+# 64 MiB for a part of 8,192 tokens).
 FP8_WGRAD_ROWS = 8192
 # The FP8 weight gradient runs once per part of the tokens (whole chunks), each part's gradient rows
 # buffered in e4m3 ([T / parts, V]) until its GEMMs have run, their bf16 outputs added into dw: 2

@@ -87,8 +87,9 @@ def _forward(
     ends: Tensor, x8_NI: Tensor | None = None, x8_scale_N: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """w_EIO is not read (w8's copies are): it is the input the weight gradient is for. x8_NI,
-    x8_scale_N: quantize_rows(x) when the pass writing x made them (pith_ops.swiglu_fp8); x is then
-    not read either. -> (y, the x8 this made: empty when given, the backward keeps the given ones)."""
+    x8_scale_N: quantize_rows(x) when the pass writing x made them (pith_ops.swiglu_fp8), or the rows
+    dispatched in FP8 (pith_ops.FP8Rows, whose x is a stand-in); x is then not read either. -> (y,
+    the x8 this made: empty when given, the backward keeps the given ones)."""
     made = quantize_rows(x_NI) if x8_NI is None else (x_NI.new_empty(0, dtype=FP8), x_NI.new_empty(0))
     x8 = made if x8_NI is None else (x8_NI, x8_scale_N)
     return _gmm(*x8, w8t_EOI.transpose(1, 2), w8t_scale_EO, ends).to(x_NI.dtype), *made

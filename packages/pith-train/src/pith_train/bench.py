@@ -189,15 +189,18 @@ def idle(prof, steps: int, top: int = 12) -> dict | None:
 
 
 PITH_PACKAGES = ("pith_ops/", "pith_engine/", "pith_models/", "pith_train/")
+HISTORY_ENTRIES = 4_000_000  # the allocator history's ring buffer (--memory-peak)
 
 
-def memory_at_peak(snapshot: dict, top: int = 15) -> dict:
-    """The allocator's trace (torch.cuda.memory._record_memory_history, its _snapshot()) replayed to the
-    moment when most memory was allocated: -> {"peak_gib": allocated then, beyond what was allocated
-    before the recording began (weights built before it are not in it), "sites": the blocks live then
-    grouped by where they were allocated (the innermost frame in pith's packages, else the innermost
-    frame), largest first: [{"gib", "blocks", "site"}]}."""
-    events = [e for t in snapshot["device_traces"] for e in t if e["action"] in ("alloc", "free_completed")]
+def memory_at_peak(snapshot: dict, device: int = 0, top: int = 15) -> dict:
+    """The allocator's trace of `device` (torch.cuda.memory._record_memory_history, its _snapshot())
+    replayed to the moment when most memory was allocated: -> {"peak_gib": allocated then, beyond what
+    was allocated before the recording began (weights built before it are not in it), "sites": the
+    blocks live then grouped by where they were allocated (the innermost frame in pith's packages,
+    else the innermost frame), largest first: [{"gib", "blocks", "site"}], "complete": False when the
+    trace filled the history's HISTORY_ENTRIES (its start is lost: the replay is not the run's)}."""
+    trace = snapshot["device_traces"][device]
+    events = [e for e in trace if e["action"] in ("alloc", "free_completed")]
     total, peak, at = 0, 0, -1
     for i, e in enumerate(events):
         total += e["size"] if e["action"] == "alloc" else -e["size"]
@@ -217,7 +220,7 @@ def memory_at_peak(snapshot: dict, top: int = 15) -> dict:
         sizes[site] += e["size"]
         blocks[site] += 1
     sites = [{"gib": n / 2**30, "blocks": blocks[k], "site": k} for k, n in sizes.most_common(top)]
-    return {"peak_gib": peak / 2**30, "sites": sites}
+    return {"peak_gib": peak / 2**30, "sites": sites, "complete": len(trace) < HISTORY_ENTRIES}
 
 
 def _set_grouped_gemm_backend(backend: str) -> None:
@@ -325,8 +328,11 @@ def run(
     if device == "cuda" and dev.type != "cuda":
         raise ValueError("device is cuda, but torch sees no CUDA device")
     cuda = dev.type == "cuda"
-    if memory_peak and not cuda:
-        raise ValueError("memory_peak records the CUDA allocator's history: run on a CUDA device, or drop it")
+    if memory_peak and (not cuda or warmup < 1):
+        raise ValueError(
+            "memory_peak records the CUDA allocator's history over the warm-up steps: run on a CUDA"
+            f" device with warmup >= 1 (got {dev.type}, warmup {warmup}), or drop it"
+        )
     if cuda:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     _set_grouped_gemm_backend(grouped_gemm)
@@ -362,18 +368,19 @@ def run(
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     graph = cuda_graph and cuda
-    if memory_peak and cuda:
-        torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
-    for i in range(warmup):
-        step()
-        if graph and i == 0:  # the graph allocates at its capture (the next step), not at its replays
-            sync()
-            torch.cuda.reset_peak_memory_stats()
-    sync()
-    at_peak = None
-    if memory_peak and cuda:
-        at_peak = memory_at_peak(torch.cuda.memory._snapshot())
-        torch.cuda.memory._record_memory_history(enabled=None)
+    if memory_peak:
+        torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
+    try:
+        for i in range(warmup):
+            step()
+            if graph and i == 0:  # the graph allocates at its capture (the next step), not at its replays
+                sync()
+                torch.cuda.reset_peak_memory_stats()
+        sync()
+        at_peak = memory_at_peak(torch.cuda.memory._snapshot(), dev.index) if memory_peak else None
+    finally:
+        if memory_peak:
+            torch.cuda.memory._record_memory_history(enabled=None)
     if cuda and not graph:
         torch.cuda.reset_peak_memory_stats()
     seconds, losses = [], []
@@ -481,7 +488,10 @@ def summary(r: dict) -> str:
     ]
     if r.get("memory_at_peak"):
         m = r["memory_at_peak"]
-        lines.append(f"  live at the warm-up's allocation peak ({m['peak_gib']:.2f} GiB beyond the start):")
+        lost = "" if m["complete"] else "; the history overflowed, its start is lost: not the run's peak"
+        lines.append(
+            f"  live at the warm-up's allocation peak ({m['peak_gib']:.2f} GiB beyond the start{lost}):"
+        )
         lines += [f"    {x['gib']:7.2f} GiB {x['blocks']:6d} blocks  {x['site'][:100]}" for x in m["sites"]]
     if r["step_ms_back_to_back"] is not None:
         ms = r["step_ms_back_to_back"]
