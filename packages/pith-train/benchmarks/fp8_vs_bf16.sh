@@ -8,10 +8,9 @@
 #    padded to 272 (FP8 GEMMs take multiples of 16) BF16 and FP8 + FP8 lm_head with seed 0; and
 #    loss_equivalence.py --ac none (issue 19: the optimised BF16 path against the plain noise family).
 # 2. Then alone on the GPU, for clean timing: `pith-train bench` on the reference workload, BF16, FP8
-#    with the FP8 lm_head (its weight gradient in 2 parts of the tokens, the default, then in 1), FP8
-#    without it (one process each, the same settings: the step as a CUDA graph, which the FP8 step
-#    needs to outrun its host; BENCH_ARGS overrides), each with a profile breakdown and what is live
-#    at its memory peak (--memory-peak, recorded over the warm-up steps).
+#    with the FP8 lm_head, FP8 without it (one process each, the same settings: the step as a CUDA
+#    graph, which the FP8 step needs to outrun its host; BENCH_ARGS overrides), each with a profile
+#    breakdown and what is live at its memory peak (--memory-peak, recorded over the warm-up steps).
 # Results go to $OUT when set, else ./bench_out/fp8; the summaries go to stdout.
 set -u -o pipefail
 cd "$(dirname "$0")/../../.."
@@ -58,15 +57,11 @@ for cand, base in (("fp8_seed0", "bf16_seed0"), ("fp8lm_v272", "bf16_v272")):
               f" {'PASS' if abs(c - b) <= t else 'FAIL'}")
 PY
 echo "== phase 1 done at $((SECONDS - start)) s"
-# fp8lm_p1: the FP8 lm_head weight gradient in one part of the tokens (pith_ops.cross_entropy's
-# FP8_WGRAD_PARTS = 1: a [T, V] e4m3 buffer, one pass less over dw) against the default 2. A bench
-# starts only while the call has time left for it (the device's limit is 600 s a call).
-for mode in bf16 fp8lm fp8lm_p1 fp8; do
+# A bench starts only while the call has time left for it (the device's limit is 600 s a call).
+for mode in bf16 fp8lm fp8; do
     [ $((SECONDS - start)) -lt 470 ] || { echo "bench $mode skipped: out of time"; continue; }
-    flags=""; [ "$mode" = fp8 ] && flags="--fp8"; [ "${mode#fp8lm}" != "$mode" ] && flags="--fp8 --fp8-lm-head"
-    parts=2; [ "$mode" = fp8lm_p1 ] && parts=1
-    timeout 100 python3 -c "import sys, pith_ops.cross_entropy as ce; ce.FP8_WGRAD_PARTS = $parts
-from pith_train.cli import main; main(sys.argv[1:])" bench $bench_args $flags --json "$runs/bench_$mode.json" \
+    flags=""; [ "$mode" = fp8 ] && flags="--fp8"; [ "$mode" = fp8lm ] && flags="--fp8 --fp8-lm-head"
+    timeout 100 python3 -m pith_train bench $bench_args $flags --json "$runs/bench_$mode.json" \
         > "$out/bench_$mode.txt" 2>&1 || echo "bench $mode failed or timed out (rc $?)"
     grep -E "tokens/s|peak memory|back to back|allocation peak|GiB +[0-9]+ blocks" "$out/bench_$mode.txt"
 done
@@ -74,13 +69,13 @@ python3 - "$runs" <<'PY' || echo "a bench failed: see $out/bench_*.txt"
 import json, sys
 from pathlib import Path
 load = lambda m: json.load(open(p)) if (p := Path(sys.argv[1]) / f"bench_{m}.json").exists() else {}
-b, l, p1, f = (load(m) for m in ("bf16", "fp8lm", "fp8lm_p1", "fp8"))
-for name, r in (("FP8 + FP8 lm_head", l), ("FP8 + FP8 lm_head, 1 wgrad part", p1), ("FP8", f)):
+b, l, f = (load(m) for m in ("bf16", "fp8lm", "fp8"))
+for name, r in (("FP8 + FP8 lm_head", l), ("FP8", f)):
     if not r:
         continue
     print(f"{r['card']}: {name} {r['tokens_per_s']:,.0f} tokens/s vs BF16 {b['tokens_per_s']:,.0f}: x{r['tokens_per_s'] / b['tokens_per_s']:.3f};"
           f" peak allocated {r['peak_allocated_gib']:.1f} vs {b['peak_allocated_gib']:.1f} GiB, reserved {r['peak_reserved_gib']:.1f} vs {b['peak_reserved_gib']:.1f}")
-rows = [(n, r) for n, r in (("bf16", b), ("fp8+lm_head", l), ("1 part", p1), ("fp8", f)) if r]
+rows = [(n, r) for n, r in (("bf16", b), ("fp8+lm_head", l), ("fp8", f)) if r]
 for c in b.get("breakdown_ms_per_step", {}):
     print(f"  {c:<22} " + "  ".join(f"{n} {r['breakdown_ms_per_step'].get(c, 0):7.2f}" for n, r in rows) + " ms")
 print("  device idle in profiled steps: " + ", ".join(f"{n} {r['idle']['idle_ms_per_step']:.2f}" for n, r in rows))

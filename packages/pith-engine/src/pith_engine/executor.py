@@ -299,7 +299,7 @@ def run_layer(
     r = s1.routing
     if r is None:
         return s1.h_BSD, None
-    fp8 = getattr(layer.experts, "fp8", False)  # experts in FP8 (layers.FP8Switch): rows sent in FP8
+    fp8 = layer.experts is not None and layer.experts.fp8  # experts in FP8: their rows are sent in FP8
     x_ND, group_ends_E, handle = yield from comm.dispatch(r, seg, fp8)
     y_ND = seg(layer.stage3, x_ND, group_ends_E, owner=layer.experts if isinstance(seg, Tape) else None)
     y_ND, slots_TK, weights_TK = yield from comm.combine(y_ND, handle, seg)

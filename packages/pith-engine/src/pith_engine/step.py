@@ -442,13 +442,13 @@ class StepGraph:
         self.inputs: list[Tensor] = []
         self.out = None
         self.grads: list[tuple[nn.Parameter, Tensor | None, Tensor | None]] = []
-        self.calls = 0
         self.aux: Aux | None = None
         self.read: list[tuple[nn.Parameter, torch.dtype, tuple[Tensor, ...]]] = []  # kept copies it reads
 
     def __call__(self, stages: Stages, micro: list, aux: Aux) -> tuple[Tensor, dict[int, Tensor], Tensor]:
         flat = [t for m in micro for t in m if t is not None]
-        if self.stream is None:  # the eager step, on the inputs (their strides) the graph will read
+        first = self.stream is None  # the eager step, on the inputs (their strides) the graph will read
+        if first:
             self.stream = torch.cuda.Stream(stages.mesh.device)
             self.inputs = [t.contiguous().clone() for t in flat]
         shapes = [(t.shape, t.dtype) for t in flat]
@@ -463,8 +463,7 @@ class StepGraph:
             static.copy_(t)
         static = iter(self.inputs)
         static_micro = [tuple(None if t is None else next(static) for t in m) for m in micro]
-        self.calls += 1
-        if self.calls == 1:
+        if first:
             return self._on_stream(_schedule_work, stages, static_micro, aux)
         if self.graph is None:
             self._on_stream(self._capture, stages, static_micro, aux)
