@@ -61,8 +61,10 @@ AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policie
 # launching ops name an operator of a component (torch's grouped matmul launches CUTLASS kernels
 # whose names say nothing of experts; the first H200 profile put them under "other GEMMs"); any
 # other kernel goes by the first component with a fragment of its (lower-cased) name, else "other".
-# Under cuda_graph the replayed kernels have no launching op: they go by their names only (the FP8
-# and bf16 GEMMs of the experts and lm_head then all land in "other GEMMs").
+# Under cuda_graph the replayed kernels have no launching op: they go by their names only, where the
+# scaled GEMMs name their FP8 types (CUTLASS's float_e4m3_t, cuBLAS's nvjet "qq" kernels) and CUTLASS's
+# grouped GEMMs their GroupProblemShape (names seen on an H200, torch 2.11); lm_head's GEMMs then land
+# in FP8 GEMMs or "other GEMMs" and "lm_head + loss" holds the loss kernel alone.
 RANGES = {"optimizer": "optimizer", "lm_head+loss": "lm_head + loss"}
 OP_FRAGMENTS = (
     ("FP8 GEMMs", ("_scaled_mm", "_scaled_grouped_mm")),  # --fp8: experts and projections
@@ -74,7 +76,8 @@ NAME_FRAGMENTS = (
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("lm_head + loss", ("_ce_rows",)),
     ("attention", ("flash", "fmha", "sdpa", "attention", "cudnn")),
-    ("expert GEMMs", ("grouped",)),
+    ("FP8 GEMMs", ("float_e4m3_t", "e4m3e4m3", "f8f8", "_qqtst")),
+    ("expert GEMMs", ("grouped", "groupproblemshape")),
     ("router + permutation", ("_histogram", "_slots", "_gather_rows", "_combine", "topk", "softmax", "sort")),
     ("other GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm")),
 )
@@ -82,7 +85,7 @@ NAME_FRAGMENTS = (
 FIRST_NAME_FRAGMENTS = (
     ("FP8 quantisation", ("_quant_rows", "_cols_kernel", "_group_scale", "_weight_rows", "_weight_scales")),
 )
-COMPONENTS = (*[c for c, _ in NAME_FRAGMENTS], "FP8 GEMMs", "FP8 quantisation", "other")
+COMPONENTS = (*[c for c, _ in NAME_FRAGMENTS], "FP8 quantisation", "other")
 
 
 def classify(name: str, ranges: set[str]) -> str:
