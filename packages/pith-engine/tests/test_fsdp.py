@@ -18,8 +18,10 @@ import pith_models
 import pytest
 import torch
 import torch.distributed as dist
-from pith_engine import executor, parallel
+from pith_engine import executor, layers, parallel
 from pith_models import qwen3_moe
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.profiler import profile
 
@@ -70,6 +72,44 @@ def _reductions(model: torch.nn.Module, mesh: parallel.Mesh, sync_each: bool):
     return counts, grads
 
 
+def _fp8_all_gather_on_one_gpu(dev: torch.device) -> None:
+    """gather_in_fp8's CUDA path, under FSDP over a one-rank mesh (which parallelize leaves plain, and
+    the only FSDP one GPU has): the Triton copies of the gathered e4m3 weight, FSDP freeing their
+    storage after the forward and refilling it for the backward, and the next step's gathers
+    rewriting them in place. A projection's and an experts module's outputs and gradients over two
+    steps are bit for bit those of the same modules gathering their fp32 weights."""
+    mesh1 = init_device_mesh("cuda", (1,))
+    g = torch.Generator(dev).manual_seed(0)
+    xs = [torch.randn(512, 256, device=dev, generator=g).bfloat16() for _ in range(2)]
+    ends_E = torch.tensor([64, 192, 192, 448], device=dev, dtype=torch.int32)  # an empty expert, padding
+    runs = []
+    for gathered in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict(
+            {"proj": layers.Linear(256, 512, bias=False), "experts": layers.Experts(4, 256, 128)}
+        )
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        model.to(dev)
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for m in model.values():
+            fully_shard(m, mesh=mesh1, mp_policy=fp32)
+        layers.use_fp8(model)
+        if gathered:
+            layers.gather_in_fp8(model)
+        got = []
+        for x in xs:
+            x = x.requires_grad_()
+            y, z = model["proj"](x), model["experts"](x, ends_E)
+            ((y.float() ** 2).mean() + (z.float() ** 2).mean()).backward()
+            assert isinstance(model["proj"].weight, DTensor)  # resharded after the backward
+            got += [y, z, x.grad, *(p.grad.full_tensor().clone() for p in model.parameters())]
+            model.zero_grad(set_to_none=True)
+        runs.append(got)
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
 def _worker(world: int, rank: int, tmp: Path, device: str) -> None:
     torch.manual_seed(0)
     backend = "nccl" if device == "cuda" else "gloo"
@@ -78,6 +118,7 @@ def _worker(world: int, rank: int, tmp: Path, device: str) -> None:
     mesh = parallel.build_mesh(parallel.Layout(dp=world), dev)
     if device == "cuda":
         _router_logits_are_fp32(mesh)
+        _fp8_all_gather_on_one_gpu(dev)
         dist.destroy_process_group()
         return
     model = pith_models.build(qwen3_moe.TINY, "cpu", 0, mesh)
@@ -100,7 +141,7 @@ def test_fsdp_compiles_between_its_hooks_routes_in_fp32_and_reduces_once_per_ste
 
 
 @pytest.mark.gpu
-def test_router_logits_are_fp32_on_cuda_under_bf16_autocast(run_ranks, tmp_path):
+def test_router_logits_are_fp32_and_fp8_all_gather_exact_on_cuda(run_ranks, tmp_path):
     run_ranks(__file__, 1, tmp_path, "cuda")
 
 

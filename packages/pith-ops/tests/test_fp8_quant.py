@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pith_ops import (
     cols_from_rows,
     cols_from_rows_reference,
+    copies_of_quantized,
     quantize_rows,
     quantize_rows_reference,
     quantize_weight,
@@ -125,6 +126,27 @@ def test_quantize_weight_kernel_matches_reference_in_both_layouts(B, R, C, seed)
     assert [t.shape for t in q2] == [(R, C), (R,), (C, R), (C,)]
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+@given(B=st.integers(1, 3), R=st.integers(1, 40), C=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_copies_of_a_quantized_weight_are_quantize_weights_and_rewrite_in_place(B, R, C, seed):
+    """From q alone (an FSDP all-gather in e4m3) and the amax its scale came from: quantize_weight's
+    four outputs bit for bit, in 3-D and 2-D; given earlier copies, the same storages rewritten."""
+    w_BRC = _data((B, R, C), seed).mul_(2.0**-10)
+    amax = w_BRC.abs().flatten(1).amax(1)
+    for w, amax_B in ((w_BRC, amax), (w_BRC, amax * 0.75), (w_BRC[0], amax[:1])):
+        want = quantize_weight(w, amax_B)
+        got = copies_of_quantized(want[0].clone(), amax_B)
+        assert all(torch.equal(_bytes(g), _bytes(t)) for g, t in zip(got[:4], want)) and got.amax is amax_B
+        q2 = quantize_weight(w * 2, amax_B * 2)[0]  # new values in the same storage: scales double
+        got[0].copy_(q2)
+        again = copies_of_quantized(got[0], amax_B * 2, got)
+        assert all(a.data_ptr() == b.data_ptr() for a, b in zip(again[:4], got[:4]))
+        assert torch.equal(again[1], want[1] * 2) and torch.equal(_bytes(again[2]), _bytes(q2.mT))
+
+
 def test_scale_edges_saturate_nothing():
     """amax exactly 448 * 2^k keeps scale 2^k (q reaches 448, not NaN); one step above doubles it;
     an all-zero row gets the smallest normal scale."""
@@ -191,5 +213,7 @@ def test_fp8_bit_exact_on_gpu(dtype, shape, ends):
     w = _data((3, 768, 2048), 2, torch.float32, "cuda") * 2.0**-12
     for amax in (None, w.abs().flatten(1).amax(1) / 3):
         for got, want in zip(quantize_weight(w, amax), quantize_weight_reference(w, amax)):
-            assert torch.equal(got.view(torch.uint8) if got.dtype == FP8 else got,
-                               want.view(torch.uint8) if want.dtype == FP8 else want)  # fmt: skip
+            assert torch.equal(_bytes(got), _bytes(want))
+        want = quantize_weight(w, amax)
+        got = copies_of_quantized(want[0].clone(), w.abs().flatten(1).amax(1) if amax is None else amax)
+        assert all(torch.equal(_bytes(g), _bytes(t)) for g, t in zip(got[:4], want))

@@ -38,6 +38,7 @@ def test_printed_config_reads_back_equal(tmp_path):
         ("", ["--optim.schedule=linear"], "'cosine' or 'wsd'"),
         ("", ["--train.steps=0"], "train.steps must be >= 1"),
         ("", ["--train.cuda_graph=true", "--parallel.cp=2"], "train.cuda_graph runs on one process"),
+        ("", ["--train.fp8_all_gather=true"], "train.fp8_all_gather gathers the FP8 GEMMs' weights"),
     ],
 )
 def test_bad_config_raises_naming_the_problem(tmp_path, toml, overrides, message):

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pith_models
+import pith_ops
 import pytest
 import torch
 import torch.distributed as dist
@@ -98,7 +99,7 @@ def run(model_cfg, shape: Layout | None, steps=range(STEPS), load=None, save=Non
     cpu = torch.device("cpu")
     mesh = SINGLE if shape.world == 1 else train.parallel_layout(cfg, cpu)
     model = pith_models.build(model_cfg, cpu, cfg.train.seed, mesh)
-    train.apply_fp8(cfg, model)
+    train.apply_fp8(cfg, model, False)
     optimizer = build_optimizer(model, cfg)
     stages = train.trainer_stages(cfg, model, mesh) if train_overrides else Stages(model, mesh)
     settings = train.step_settings(cfg, model)
@@ -240,6 +241,8 @@ def check_fp8_layouts(rank: int, ref_fp32: list) -> None:
         losses, grads = run(
             model_cfg, shape, steps=range(FP8_STEPS), train_overrides=[*fp8, f"train.ac={ac}"]
         )
+        if shape.dp == 2:
+            check_fp8_all_gather(model_cfg, shape, [*fp8, f"train.ac={ac}"], losses, grads)
         if rank != 0:
             continue
         where = f"fp8 {shape} ac={ac}"
@@ -258,6 +261,37 @@ def check_fp8_layouts(rank: int, ref_fp32: list) -> None:
                 assert (g - want).norm() <= FP8_GRAD_RTOL * want.norm(), (where, n)
             else:
                 assert torch.allclose(g, want, GRAD_RTOL, GRAD_ATOL), (where, n, (g - want).abs().max())
+
+
+def check_fp8_all_gather(model_cfg, shape: Layout, overrides: list[str], losses, grads) -> None:
+    """train.fp8_all_gather: FSDP gathers the FP8 weights in e4m3, each rank quantising its shard with
+    the whole weight's scale. On CPU the gathered weight is fp32, so the e4m3 copies, and with them
+    the losses and every gradient, are bit for bit those of the same run gathering fp32 (`losses`,
+    `grads`), the activation recompute's second gathers included. Counted: every FP8 weight (4
+    projections and 2 expert weights per layer, 2 layers) is gathered in e4m3 at least once."""
+    gathered = collections.Counter()
+    copies_of_quantized = pith_ops.copies_of_quantized
+
+    def counting(q, amax, into=None):
+        gathered[tuple(q.shape)] += 1
+        return copies_of_quantized(q, amax, into)
+
+    pith_ops.copies_of_quantized = counting
+    try:
+        got = run(
+            model_cfg,
+            shape,
+            steps=range(FP8_STEPS),
+            train_overrides=[*overrides, "train.fp8_all_gather=true"],
+        )
+    finally:
+        pith_ops.copies_of_quantized = copies_of_quantized
+    assert got[0] == losses and got[1].keys() == grads.keys(), (got[0], losses)
+    assert all(torch.equal(got[1][n], g) for n, g in grads.items())
+    D, H, G, Dh, E, F = (getattr(model_cfg, k) for k in ("hidden_size", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "num_experts", "moe_intermediate_size"))  # fmt: skip
+    shapes = {(H * Dh, D), (G * Dh, D), (D, H * Dh), (E, D, 2 * F), (E, F, D)}
+    assert shapes <= gathered.keys(), gathered
 
 
 def _worker(tmp: Path) -> None:

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import pith_ops
 import torch
+import torch.distributed as dist
 from pith_ops.fp8_grouped_gemm import backward as fp8_grouped_backward
 from pith_ops.fp8_grouped_gemm import forward as fp8_grouped_forward
 from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm_weight
@@ -33,6 +34,7 @@ from pith_ops.fp8_linear import fp8_linear_weight
 from pith_ops.fp8_quant import FP8Weight, weight_amax
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 from pith_engine import executor
 from pith_engine.contract import Positions, default_position_ids
@@ -166,9 +168,39 @@ class RMSNorm(nn.Module):
         return norm(x, self.weight, self.eps)
 
 
+class GatheredFP8(Tensor):
+    """A weight FSDP2 all-gathered in e4m3 (pith_engine.parallel.gather_in_fp8): the unsharded parameter
+    FSDP hands the module, of the weight's shape and compute dtype, holding no values in that dtype,
+    only `copies` (an fp8_quant.FP8Weight: q in the weight's layout, its transposed copy, their
+    scales), which the FP8 GEMMs read (FP8Switch.fp8_weight). Its gradient reaches it through a
+    stand-in (pith_ops.stand_in); any other op on it is an error naming what to turn off."""
+
+    copies: FP8Weight
+
+    @staticmethod
+    def __new__(cls, copies: FP8Weight, dtype: torch.dtype):
+        t = Tensor._make_wrapper_subclass(cls, copies.q.shape, dtype=dtype, device=copies.q.device)
+        t.copies = copies
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        w, aten = args[0], torch.ops.aten
+        same_view = func is aten.as_strided.default and tuple(args[1]) == tuple(w.shape)  # FSDP's
+        if func in (aten.detach.default, aten.alias.default) or same_view:
+            return cls(w.copies, w.dtype)
+        raise NotImplementedError(
+            f"{func} on a weight FSDP gathered in FP8: only the FP8 GEMMs read it; set"
+            " train.fp8_all_gather=false to use it otherwise"
+        )
+
+
 class FP8Switch:
     """A module whose GEMMs run in FP8 while `fp8` is set (use_fp8 sets it for a whole model), and
-    whose weight gradients go to `wgrad_queue` when one is set (set_wgrad_queue)."""
+    whose weight gradients go to `wgrad_queue` when one is set (set_wgrad_queue). Its FP8 weights: a
+    Linear's weight, an experts module's 3-D parameters."""
 
     fp8: bool = False
     wgrad_queue: WeightGradQueue | None = None
@@ -182,6 +214,8 @@ class FP8Switch:
         forward; the micro-batches, recomputes and steps after read what the update pass wrote. Under
         FSDP2 the forward sees the all-gathered weight, not the optimizer's: quantised per call; under
         torch.compile too (a graph keeps no Python state)."""
+        if isinstance(w, GatheredFP8):
+            return w.copies[:4]
         if torch.compiler.is_compiling():
             return quantize(w)
         kept = pith_ops.kept_copy(w, torch.float8_e4m3fn)
@@ -208,6 +242,70 @@ def use_fp8(model: nn.Module, enabled: bool = True, lm_head: bool = False) -> No
             m.fp8 = lm_head if name == "lm_head" else enabled
 
 
+def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> None:
+    """Let FSDP2 all-gather the FP8 weights of `model` (those of FP8Switch modules with fp8 set) in e4m3
+    (train.fp8_all_gather): 1 byte an element on the wire instead of bf16's 2, and no quantisation
+    of the gathered weight. Each rank quantises its shard with the whole weight's scale (per expert
+    for expert weights; the amax from one all-reduce of max over the shard group, a scalar or one per
+    expert, per gather), and the unsharded parameter is a GatheredFP8 of the gathered copies. They are
+    bit for bit what quantising the gathered fp32 weight gives (tested on gloo against an fp32
+    policy); under a bf16 policy the bf16 rounding before quantisation is skipped. Weights not under
+    FSDP stay as they are. experts_only: the experts' weights only (a compiled graph does not take a
+    GatheredFP8; stage 3 is not compiled). Call after use_fp8 and before the first forward (FSDP's
+    lazy init looks for the hooks, on the shard tensors that to_empty and checkpoint loads keep)."""
+    tied = {
+        id(p) for m in model.modules() for p in m.parameters(recurse=False) if not isinstance(m, FP8Switch)
+    }
+    for name, m in model.named_modules():
+        if not (isinstance(m, FP8Switch) and m.fp8) or (experts_only and isinstance(m, Linear)):
+            continue
+        for pname, p in fp8_weights(m):
+            if not isinstance(p, DTensor):
+                continue
+            if id(p) in tied or p.shape[0] % p.device_mesh.size():
+                raise ValueError(
+                    f"train.fp8_all_gather: {name}.{pname} {tuple(p.shape)} is shared with another"
+                    f" module or does not shard evenly over {p.device_mesh.size()} ranks; turn it off"
+                )
+            local = p._local_tensor
+            local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _fp8_gather_hooks(local, tuple(p.shape))
+
+
+def _fp8_gather_hooks(local: Tensor, shape: tuple):
+    """FSDP2's all-gather extension hooks (looked up on the shard tensor) for one weight."""
+
+    def pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy):
+        held = local.shape[0]
+        start = mesh.get_local_rank() * held
+        amax = weight_amax(local)
+        if len(shape) == 3:  # each rank's experts whole: their amaxes, zeros elsewhere
+            amax = torch.zeros(shape[0], dtype=torch.float32, device=local.device).index_copy_(
+                0, torch.arange(start, start + held, device=local.device), amax
+            )
+        dist.all_reduce(amax, dist.ReduceOp.MAX, group=mesh.get_group())
+        own = amax[start : start + held] if len(shape) == 3 else amax
+        q = pith_ops.quantize_weight(local.detach(), own)[0]
+        return (q.view(torch.uint8),), amax
+
+    def post_all_gather(outputs, amax, param_dtype, *, out=None):
+        q = outputs[0].view(torch.float8_e4m3fn).view(shape)
+        if out is not None:  # the same storages, refilled by FSDP: the copies rewritten in place
+            out.copies = pith_ops.copies_of_quantized(q, amax, out.copies)
+            return None
+        copies = pith_ops.copies_of_quantized(q, amax)
+        whole = copies.qt.untyped_storage().nbytes() == copies.qt.numel()  # FSDP frees and refills it
+        return GatheredFP8(copies, param_dtype), (outputs[0], *([copies.qt] if whole else []))
+
+    return pre_all_gather, post_all_gather
+
+
+def fp8_weights(m: FP8Switch) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of m's FP8 weights: a Linear's weight, an experts module's 3-D parameters."""
+    return [
+        (n, p) for n, p in m.named_parameters(recurse=False) if p.ndim == (2 if isinstance(m, Linear) else 3)
+    ]
+
+
 class Linear(FP8Switch, nn.Linear):
     """nn.Linear, through pith_ops.fp8_linear while fp8 is set (the FP8 weight copies cached per
     optimizer step: FP8Switch.fp8_weight). The model files' projections. Its weight gradients can be
@@ -218,6 +316,7 @@ class Linear(FP8Switch, nn.Linear):
         if not self.fp8:
             return defer_wgrad(self.wgrad_queue, nn.functional.linear, None, x, *weights)
         w8 = self.fp8_weight(self.weight, fp8_linear_weight)
+        weights = (pith_ops.stand_in(self.weight, self.weight.dtype), *weights[1:])  # GatheredFP8's
         add_bias = lambda y, *bias: y + bias[0].to(y.dtype) if bias else y
 
         def split_forward(x_TD, w_OD, *bias):
@@ -268,7 +367,7 @@ def expert_gemm(
 
         split = (lambda x, w: fp8_grouped_forward(x, w, group_ends_E, w8, x8), split_backward)
         forward = lambda x, w: pith_ops.fp8_grouped_gemm(x, w, group_ends_E, w8, x8)
-        return defer_wgrad(queue, forward, split, x_ND, w_EIO)
+        return defer_wgrad(queue, forward, split, x_ND, pith_ops.stand_in(w_EIO, w_EIO.dtype))
 
     def split_backward(saved, dy_NO, need_dx):
         dx, wgrad = pith_ops.grouped_gemm_backward(*saved, group_ends_E, dy_NO, need_dx)

@@ -13,6 +13,7 @@ from pith_ops.fp8_quant import (
     FP8Rows,
     cols_from_rows,
     cols_from_rows_reference,
+    copies_of_quantized,
     fp8_rows,
     quantize_rows,
     quantize_rows_reference,
@@ -26,6 +27,7 @@ from pith_ops.rope import apply_rope, apply_rope_reference
 from pith_ops.swiglu import swiglu, swiglu_fp8, swiglu_oss, swiglu_oss_reference, swiglu_reference
 
 __all__ = [
+    "copies_of_quantized",
     "FP8Rows",
     "adamw_",
     "adamw_reference_",

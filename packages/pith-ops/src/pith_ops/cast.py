@@ -160,12 +160,13 @@ def _copy_for(x: Tensor, dtype: torch.dtype) -> Tensor | None:
 
 
 def stand_in(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """x in dtype without its values (zeros, strides 0; x itself when already of dtype), the gradient
-    going back as cast's does (held in bf16 when x keeps its gradients): for an op that reads x
-    through other copies and returns x's gradient in dtype (linear_cross_entropy with w8), so that no
-    cast of x is kept (the bench's lm_head: 0.6 GiB)."""
+    """x in dtype without its values (zeros, strides 0; a plain x itself when already of dtype), the
+    gradient going back as cast's does (held in bf16 when x keeps its gradients): for an op that reads
+    x through other copies and returns x's gradient in dtype (linear_cross_entropy with w8), so that no
+    cast of x is kept (the bench's lm_head: 0.6 GiB), or that cannot read x (a tensor subclass holding
+    other copies only: pith_engine.layers.GatheredFP8)."""
     check("x", x, dtypes=FLOAT_DTYPES)
-    if x.dtype == dtype:
+    if x.dtype == dtype and type(x) in (Tensor, torch.nn.Parameter):
         return x
     return _Cast.apply(x, dtype, torch.zeros((), dtype=dtype, device=x.device).expand(x.shape))
 

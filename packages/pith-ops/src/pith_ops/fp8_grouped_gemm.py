@@ -209,7 +209,7 @@ def fp8_grouped_gemm(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, w8=None,
     stand-in, strides 0). On CUDA: I and O multiples of 16 and group ends multiples of 16 (see the
     module docstring)."""
     check("x_NI", x_NI, ndim=2, dtypes=FLOAT_DTYPES, contiguous=x8[0] is None)
-    check("w_EIO", w_EIO, ndim=3, dtypes=FLOAT_DTYPES, device=x_NI.device, contiguous=True)
+    check("w_EIO", w_EIO, ndim=3, dtypes=FLOAT_DTYPES, device=x_NI.device, contiguous=w8 is None)
     check("group_ends_E", group_ends_E, ndim=1, dtypes=INDEX_DTYPES, device=x_NI.device)
     E, I, O = w_EIO.shape
     if x_NI.shape[1] != I or group_ends_E.shape[0] != E:

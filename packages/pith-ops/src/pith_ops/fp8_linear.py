@@ -169,7 +169,7 @@ def _rows_of(x_TD: Tensor) -> tuple[Tensor, Tensor]:
 def forward(x_TD: Tensor, w_OD: Tensor, w8=None) -> tuple[Tensor, tuple[Tensor, ...]]:
     """fp8_linear's forward on 2-D x without autograd, for a caller running the backward itself
     (`backward`): -> (y_TO, saved). w8: fp8_linear_weight(w) (or w's kept copies), or None."""
-    _check(x_TD, w_OD, w_OD.requires_grad)
+    _check(x_TD, w_OD, w_OD.requires_grad, w8)
     w8 = fp8_linear_weight(w_OD) if w8 is None else w8
     x8 = _rows_of(x_TD.contiguous())
     return _forward(x_TD, w_OD, *w8[:4], *x8), (*x8, *w8[2:4])
@@ -180,15 +180,15 @@ def fp8_linear(x_TD: Tensor, w_OD: Tensor, w8=None) -> Tensor:
     dims. w8: fp8_linear_weight(w) computed beforehand (of w's current values, or the optimizer's kept
     copies), or None. On CUDA the feature sizes, and when w needs a gradient the rows, must be
     multiples of 16 (the FP8 GEMM's alignment along the contracted axis)."""
-    _check(x_TD, w_OD, torch.is_grad_enabled() and w_OD.requires_grad)
+    _check(x_TD, w_OD, torch.is_grad_enabled() and w_OD.requires_grad, w8)
     w8 = fp8_linear_weight(w_OD) if w8 is None else w8
     x2 = x_TD.reshape(-1, w_OD.shape[1]).contiguous()
     return _fp8_linear(x2, w_OD, *w8[:4], *_rows_of(x2)).view(*x_TD.shape[:-1], w_OD.shape[0])
 
 
-def _check(x_TD: Tensor, w_OD: Tensor, training: bool) -> None:
-    check("x_TD", x_TD, dtypes=FLOAT_DTYPES)
-    check("w_OD", w_OD, ndim=2, dtypes=FLOAT_DTYPES, device=x_TD.device, contiguous=True)
+def _check(x_TD: Tensor, w_OD: Tensor, training: bool, w8) -> None:
+    check("x_TD", x_TD, dtypes=FLOAT_DTYPES)  # w is read only when w8 is not given (else a stand-in may do)
+    check("w_OD", w_OD, ndim=2, dtypes=FLOAT_DTYPES, device=x_TD.device, contiguous=w8 is None)
     D, O = w_OD.shape[1], w_OD.shape[0]
     if x_TD.ndim == 0 or x_TD.shape[-1] != D:
         raise ValueError(f"x_TD: expected a last dimension of {D} (w_OD's columns), got {tuple(x_TD.shape)}")

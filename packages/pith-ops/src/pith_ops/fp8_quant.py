@@ -344,6 +344,32 @@ def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
         _cols_kernel[grid](q3, None, qt3, R, C, *strides, BLOCK_M=bm, BLOCK_K=bk, num_warps=4)
 
 
+def copies_of_quantized(q_BRC: Tensor, amax_B: Tensor, into: FP8Weight | None = None) -> FP8Weight:
+    """The FP8 copies of a weight whose e4m3 copy q is all there is (quantised elsewhere with
+    pow2_scale(amax_B): FSDP2 gathering a weight in e4m3, pith_engine.parallel.gather_in_fp8): q, its
+    scales and transposed copy as quantize_weight(w, amax_B) gives them for the w q came from, bit for
+    bit. into: the copies of an earlier call on q's storage, rewritten in place (the saved tensors of a
+    backward read them), else new ones. A 2-D q gets 2-D copies and 1-D scales."""
+    q3 = q_BRC if q_BRC.ndim == 3 else q_BRC[None]
+    B, R, C = q3.shape
+    if into is not None:
+        qt, s_rows, s_cols = (
+            t if q_BRC.ndim == 3 else t[None] for t in (into.qt, into.scale_rows, into.scale_cols)
+        )
+    else:  # quantize_weight's layouts: the reference's transposed copy is a view of q
+        qt = empty_cols(C, R, q3.dtype, q3.device, (B,)) if use_triton(q3) else q3.mT
+        s_rows, s_cols = (q3.new_empty(B, n, dtype=torch.float32) for n in (R, C))
+    if use_triton(q3):
+        weight_copies(FP8Weight(q3, s_rows, qt, s_cols, amax_B))
+    else:
+        scale_B1 = pow2_scale(amax_B)[:, None]
+        for t in (s_rows, s_cols):
+            with torch.autograd._unsafe_preserve_version_counter(t):  # a backward may have saved it
+                t.copy_(scale_B1.expand_as(t))
+    out = FP8Weight(q3, s_rows, qt, s_cols, amax_B)
+    return out if q_BRC.ndim == 3 else FP8Weight(*(t[0] for t in out[:4]), amax_B)
+
+
 def weight_amax(w_BRC: Tensor) -> Tensor:
     """amax_B (fp32) of a 3-D weight's batch entries, or [1] of a 2-D one: one read, nothing written."""
     w3 = w_BRC.detach().flatten(1) if w_BRC.ndim == 3 else w_BRC.detach().reshape(1, -1)

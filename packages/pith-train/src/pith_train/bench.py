@@ -347,7 +347,7 @@ def run(
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(torch.empty_like(p).uniform_(1 - 2**-9, 1 + 2**-9, generator=gen))
-    apply_fp8(cfg, model)
+    apply_fp8(cfg, model, cuda)
     optimizer = build_optimizer(model, cfg)
     stages = trainer_stages(cfg, model, mesh)
     settings = step_settings(cfg, model)

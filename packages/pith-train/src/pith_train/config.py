@@ -44,6 +44,9 @@ class TrainConfig:
     ac: str = "none"  # activation checkpointing: none | selective (expert MLPs) | full (every stage)
     fp8: bool = False  # projections and expert GEMMs in FP8 (e4m3; pith_engine.layers.use_fp8)
     fp8_lm_head: bool = False  # lm_head's three GEMMs in FP8 too (pith_ops.linear_cross_entropy's w8)
+    # Under FSDP2, all-gather the FP8 weights in e4m3, half bf16's bytes (pith_engine.layers.gather_in_fp8);
+    # under train.compile the experts' only (the compiled stages read the projections' weights).
+    fp8_all_gather: bool = False
     # The step's forward and backward as one CUDA graph, captured at the second step (one CUDA process;
     # pith_engine.step.StepGraph): the host launches one graph, not the step's kernels one by one.
     cuda_graph: bool = False
@@ -293,6 +296,10 @@ def validate(cfg: Config) -> None:
             f" x data ranks (dp*ep={cfg.data_ranks}) = {per_step}"
         )
     world = p.pp * p.dp * p.cp * p.ep
+    if t.fp8_all_gather and not (t.fp8 or t.fp8_lm_head):
+        raise ValueError(
+            "train.fp8_all_gather gathers the FP8 GEMMs' weights: set train.fp8 (or turn it off)"
+        )
     if t.cuda_graph and world > 1:
         raise ValueError(f"train.cuda_graph runs on one process, got pp*dp*cp*ep = {world}: turn it off")
     if o.schedule not in ("cosine", "wsd"):

@@ -14,7 +14,7 @@ import pith_models
 import torch
 import torch.distributed as dist
 from pith_engine import checkpoint, parallel, schedule
-from pith_engine.layers import FP8Switch, Linear, use_fp8
+from pith_engine.layers import FP8Switch, fp8_weights, gather_in_fp8, use_fp8
 from pith_engine.parallel import held_layers
 from pith_engine.step import Aux, Stages, evaluate, step_values, train_step
 from pith_models import deepseek_v2
@@ -57,9 +57,12 @@ def step_settings(cfg: Config, model: nn.Module) -> tuple[Aux, float, float]:
     return aux, cfg.optim.grad_clip, cfg.train.bias_rate
 
 
-def apply_fp8(cfg: Config, model: nn.Module) -> None:
-    """train.fp8 and train.fp8_lm_head on the (sharded) model (pith_engine.layers.use_fp8)."""
+def apply_fp8(cfg: Config, model: nn.Module, cuda: bool) -> None:
+    """train.fp8, train.fp8_lm_head and train.fp8_all_gather on the (sharded) model
+    (pith_engine.layers.use_fp8, gather_in_fp8: the experts' weights only where stages compile)."""
     use_fp8(model, cfg.train.fp8, lm_head=cfg.train.fp8_lm_head)
+    if cfg.train.fp8_all_gather:
+        gather_in_fp8(model, experts_only=cfg.train.compile and cuda)
 
 
 def fp8_size_problems(cfg: Config, model_cfg) -> list[str]:
@@ -74,8 +77,8 @@ def fp8_size_problems(cfg: Config, model_cfg) -> list[str]:
         f"{prefix}.{name} {tuple(p.shape)}".lstrip(".")
         for prefix, m in model.named_modules()
         if isinstance(m, FP8Switch) and m.fp8
-        for name, p in m.named_parameters(recurse=False)
-        if p.ndim == (2 if isinstance(m, Linear) else 3) and any(n % 16 for n in p.shape[-2:])
+        for name, p in fp8_weights(m)
+        if any(n % 16 for n in p.shape[-2:])
     ]
     tokens = cfg.train.micro_batch * cfg.data.seq_len // cfg.parallel.cp
     return bad + ([f"{tokens} tokens a micro-batch"] if tokens % 16 else [])
@@ -199,7 +202,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     cuda = device.type == "cuda"
     # Each rank builds only its layers, experts and FSDP shards (fp32); bf16 all-gathers, fp32 reduction.
     model = build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
-    apply_fp8(cfg, model)
+    apply_fp8(cfg, model, cuda)
     optimizer = build_optimizer(model, cfg)
     step, cursor = 0, 0
     if resume_from is not None:
