@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pith_models
+import pith_ops
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,40 +73,59 @@ def _reductions(model: torch.nn.Module, mesh: parallel.Mesh, sync_each: bool):
     return counts, grads
 
 
+class _ProjectionAndExperts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.experts = layers.Linear(256, 512, bias=False), layers.Experts(4, 256, 128)
+
+    def forward(self, x_ND, ends_E):
+        return self.proj(x_ND), self.experts(x_ND, ends_E)
+
+
 def _fp8_all_gather_on_one_gpu(dev: torch.device) -> None:
     """gather_in_fp8's CUDA path, under FSDP over a one-rank mesh (which parallelize leaves plain, and
-    the only FSDP one GPU has): the Triton copies of the gathered e4m3 weight, FSDP freeing their
-    storage after the forward and refilling it for the backward, and the next step's gathers
-    rewriting them in place. A projection's and an experts module's outputs and gradients over two
-    steps are bit for bit those of the same modules gathering their fp32 weights."""
+    the only FSDP one GPU has): the Triton copies of the gathered e4m3 weight, FSDP freeing them after
+    the forward (the modules are not the root) and refilling them for the backward's input gradients,
+    and the next step's gathers rewriting them in place with new scales (the weights tripled in
+    between). A projection's and an experts module's outputs and gradients over the two steps are bit
+    for bit those of the same modules gathering their fp32 weights; the e4m3 gathers are counted."""
     mesh1 = init_device_mesh("cuda", (1,))
     g = torch.Generator(dev).manual_seed(0)
     xs = [torch.randn(512, 256, device=dev, generator=g).bfloat16() for _ in range(2)]
     ends_E = torch.tensor([64, 192, 192, 448], device=dev, dtype=torch.int32)  # an empty expert, padding
-    runs = []
+    runs, calls = [], collections.Counter()
+    copies_of_quantized = pith_ops.copies_of_quantized
+
+    def counting(q, amax, into=None):
+        calls[into is not None] += 1
+        return copies_of_quantized(q, amax, into)
+
+    pith_ops.copies_of_quantized = counting
     for gathered in (False, True):
         torch.manual_seed(0)
-        model = torch.nn.ModuleDict(
-            {"proj": layers.Linear(256, 512, bias=False), "experts": layers.Experts(4, 256, 128)}
-        )
+        model = _ProjectionAndExperts()
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.05)
         model.to(dev)
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        for m in model.values():
+        for m in (model.proj, model.experts, model):
             fully_shard(m, mesh=mesh1, mp_policy=fp32)
         layers.use_fp8(model)
         if gathered:
             layers.gather_in_fp8(model)
         got = []
         for x in xs:
-            x = x.requires_grad_()
-            y, z = model["proj"](x), model["experts"](x, ends_E)
+            x = x.clone().requires_grad_()
+            y, z = model(x, ends_E)
             ((y.float() ** 2).mean() + (z.float() ** 2).mean()).backward()
-            assert isinstance(model["proj"].weight, DTensor)  # resharded after the backward
             got += [y, z, x.grad, *(p.grad.full_tensor().clone() for p in model.parameters())]
             model.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(3)
         runs.append(got)
+    pith_ops.copies_of_quantized = copies_of_quantized
+    assert calls[False] == 3 and calls[True] >= 6, calls  # each weight's first gather, then in place
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
 

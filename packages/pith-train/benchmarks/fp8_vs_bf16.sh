@@ -48,9 +48,13 @@ PY
 echo "== benches done at $((SECONDS - start)) s"
 loss_run() {  # name, then pretrain overrides
     local name=$1; shift
-    timeout "${LOSS_TIMEOUT:-360}" python3 -m pith_train pretrain --train.steps="$steps" --log.progress=false "$@" \
+    timeout "$loss_timeout" python3 -m pith_train pretrain --train.steps="$steps" --log.progress=false "$@" \
         --run-dir "$runs/$name" > "$runs/$name.log" 2>&1 || echo "loss run $name failed or timed out (rc $?)"
 }
+# The loss runs end before the device's 600 s a call (with 30 s for the table), LOSS_TIMEOUT at most.
+loss_timeout=$((570 - (SECONDS - start)))
+[ "$loss_timeout" -gt "${LOSS_TIMEOUT:-360}" ] && loss_timeout=${LOSS_TIMEOUT:-360}
+echo "== loss runs: $loss_timeout s at most"
 if [ "${TESTS:-1}" != 0 ]; then
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider packages/pith-ops/tests/test_fp8_quant.py \
         packages/pith-ops/tests/test_fp8_gemms.py packages/pith-ops/tests/test_adamw.py \
@@ -71,6 +75,6 @@ if [ "${TESTS:-1}" != 0 ]; then
     echo "== gpu-marked tests"; grep -E "passed|failed|^FAILED" "$out/tests.txt"
     echo "== loss equivalence (issue 19)"; tail -n 12 "$out/equivalence.txt"
 fi
-python3 packages/pith-train/benchmarks/fp8_loss_table.py "$runs" $seeds 2>&1 | tee "$out/loss.txt" \
-    || echo "a loss run failed: see its log"
+python3 packages/pith-train/benchmarks/fp8_loss_table.py "$runs" "$steps" $seeds 2>&1 | tee "$out/loss.txt" \
+    || echo "the loss table has a FAIL or missing runs (above)"
 echo "== done at $((SECONDS - start)) s"

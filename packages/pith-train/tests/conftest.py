@@ -28,11 +28,13 @@ MICRO = qwen3_moe.Config(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def reference_ops_one_thread():
     """Reference operators, one intra-op thread: MKL adapts its thread count to the machine's load,
     which changes float summation order between runs (bit-exact resume tests would see it), and on a
-    busy 2-core box two threads are far slower than one for these tiny matrices."""
+    busy 2-core box two threads are far slower than one for these tiny matrices. Per module, not per
+    session: a session fixture stayed set for the other packages' tests a worker ran after these
+    (pith-ops' kernel tests then ran their references)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as mp:

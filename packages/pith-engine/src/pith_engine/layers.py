@@ -169,7 +169,7 @@ class RMSNorm(nn.Module):
 
 
 class GatheredFP8(Tensor):
-    """A weight FSDP2 all-gathered in e4m3 (pith_engine.parallel.gather_in_fp8): the unsharded parameter
+    """A weight FSDP2 all-gathered in e4m3 (pith_engine.layers.gather_in_fp8): the unsharded parameter
     FSDP hands the module, of the weight's shape and compute dtype, holding no values in that dtype,
     only `copies` (an fp8_quant.FP8Weight: q in the weight's layout, its transposed copy, their
     scales), which the FP8 GEMMs read (FP8Switch.fp8_weight). Its gradient reaches it through a
@@ -262,10 +262,11 @@ def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> None:
         for pname, p in fp8_weights(m):
             if not isinstance(p, DTensor):
                 continue
-            if id(p) in tied or p.shape[0] % p.device_mesh.size():
+            if id(p) in tied or p.shape[0] % p.device_mesh.size() or (p.is_cuda and p.shape[-2] % 16):
                 raise ValueError(
-                    f"train.fp8_all_gather: {name}.{pname} {tuple(p.shape)} is shared with another"
-                    f" module or does not shard evenly over {p.device_mesh.size()} ranks; turn it off"
+                    f"train.fp8_all_gather: {name}.{pname} {tuple(p.shape)} is shared with another module,"
+                    f" does not shard evenly over {p.device_mesh.size()} ranks or (CUDA) has rows not a"
+                    " multiple of 16; turn it off"
                 )
             local = p._local_tensor
             local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _fp8_gather_hooks(local, tuple(p.shape))
@@ -292,9 +293,8 @@ def _fp8_gather_hooks(local: Tensor, shape: tuple):
         if out is not None:  # the same storages, refilled by FSDP: the copies rewritten in place
             out.copies = pith_ops.copies_of_quantized(q, amax, out.copies)
             return None
-        copies = pith_ops.copies_of_quantized(q, amax)
-        whole = copies.qt.untyped_storage().nbytes() == copies.qt.numel()  # FSDP frees and refills it
-        return GatheredFP8(copies, param_dtype), (outputs[0], *([copies.qt] if whole else []))
+        copies = pith_ops.copies_of_quantized(q, amax)  # qt: unpadded (rows of 16), or a view of q
+        return GatheredFP8(copies, param_dtype), (outputs[0], copies.qt)  # storages FSDP frees, refills
 
     return pre_all_gather, post_all_gather
 

@@ -346,7 +346,7 @@ def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
 
 def copies_of_quantized(q_BRC: Tensor, amax_B: Tensor, into: FP8Weight | None = None) -> FP8Weight:
     """The FP8 copies of a weight whose e4m3 copy q is all there is (quantised elsewhere with
-    pow2_scale(amax_B): FSDP2 gathering a weight in e4m3, pith_engine.parallel.gather_in_fp8): q, its
+    pow2_scale(amax_B): FSDP2 gathering a weight in e4m3, pith_engine.layers.gather_in_fp8): q, its
     scales and transposed copy as quantize_weight(w, amax_B) gives them for the w q came from, bit for
     bit. into: the copies of an earlier call on q's storage, rewritten in place (the saved tensors of a
     backward read them), else new ones. A 2-D q gets 2-D copies and 1-D scales."""

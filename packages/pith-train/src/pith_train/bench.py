@@ -76,7 +76,7 @@ NAME_FRAGMENTS = (
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("lm_head + loss", ("_ce_rows",)),
     ("attention", ("flash", "fmha", "sdpa", "attention", "cudnn")),
-    ("FP8 GEMMs", ("float_e4m3_t", "e4m3e4m3", "f8f8", "_qqtst")),
+    ("FP8 GEMMs", ("float_e4m3_t", "e4m3e4m3", "f8f8", "_qqt", "_qqn")),
     ("expert GEMMs", ("grouped", "groupproblemshape")),
     ("router + permutation", ("_histogram", "_slots", "_gather_rows", "_combine", "topk", "softmax", "sort")),
     ("other GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm")),
