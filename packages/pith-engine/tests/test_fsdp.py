@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pith_models
-import pith_ops
 import pytest
 import torch
 import torch.distributed as dist
@@ -88,19 +87,13 @@ def _fp8_all_gather_on_one_gpu(dev: torch.device) -> None:
     the forward (the modules are not the root) and refilling them for the backward's input gradients,
     and the next step's gathers rewriting them in place with new scales (the weights tripled in
     between). A projection's and an experts module's outputs and gradients over the two steps are bit
-    for bit those of the same modules gathering their fp32 weights; the e4m3 gathers are counted."""
+    for bit those of the same modules gathering their fp32 weights, which are seen to get GatheredFP8
+    weights."""
     mesh1 = init_device_mesh("cuda", (1,))
     g = torch.Generator(dev).manual_seed(0)
     xs = [torch.randn(512, 256, device=dev, generator=g).bfloat16() for _ in range(2)]
     ends_E = torch.tensor([64, 192, 192, 448], device=dev, dtype=torch.int32)  # an empty expert, padding
-    runs, calls = [], collections.Counter()
-    copies_of_quantized = pith_ops.copies_of_quantized
-
-    def counting(q, amax, into=None):
-        calls[into is not None] += 1
-        return copies_of_quantized(q, amax, into)
-
-    pith_ops.copies_of_quantized = counting
+    runs, seen = [], []
     for gathered in (False, True):
         torch.manual_seed(0)
         model = _ProjectionAndExperts()
@@ -113,6 +106,8 @@ def _fp8_all_gather_on_one_gpu(dev: torch.device) -> None:
         layers.use_fp8(model)
         if gathered:
             layers.gather_in_fp8(model)
+        for m in (model.proj, model.experts):  # the weights each forward sees (FSDP's unsharded ones)
+            m.register_forward_pre_hook(lambda m, _: seen.append(type(next(m.parameters()))))
         got = []
         for x in xs:
             x = x.clone().requires_grad_()
@@ -124,8 +119,7 @@ def _fp8_all_gather_on_one_gpu(dev: torch.device) -> None:
                 for p in model.parameters():
                     p.mul_(3)
         runs.append(got)
-    pith_ops.copies_of_quantized = copies_of_quantized
-    assert calls[False] == 3 and calls[True] >= 6, calls  # each weight's first gather, then in place
+    assert [t is layers.GatheredFP8 for t in seen] == [False] * 4 + [True] * 4, seen
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
 
