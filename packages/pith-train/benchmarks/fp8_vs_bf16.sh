@@ -12,7 +12,7 @@
 #    the built-in corpus, one per seed in SEEDS (train.seed: weight init and data order) of BF16 and
 #    FP8, and with the vocabulary padded to 272 (FP8 GEMMs take multiples of 16) of BF16 and FP8 + FP8
 #    lm_head. The summary compares each FP8 mean over the seeds with its BF16 twin's mean.
-# Results go to $OUT when set, else ./bench_out/fp8; the summaries go to stdout.
+# MODES picks the benches (default "bf16 fp8lm fp8"). Results go to $OUT when set, else ./bench_out/fp8; the summaries go to stdout.
 set -u -o pipefail
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH="packages/pith-ops/src:packages/pith-engine/src:packages/pith-models/src:packages/pith-train/src:packages/ate-bench/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -24,7 +24,7 @@ steps="${STEPS:-300}"
 seeds="${SEEDS:-0 1 2 3}"
 bench_args="${BENCH_ARGS:---steps 6 --warmup 3 --profile 1 --cuda-graph --memory-peak}"
 start=$SECONDS
-for mode in bf16 fp8lm fp8; do
+for mode in ${MODES:-bf16 fp8lm fp8}; do  # MODES: a subset, BF16 first
     flags=""; [ "$mode" = fp8 ] && flags="--fp8"; [ "$mode" = fp8lm ] && flags="--fp8 --fp8-lm-head"
     timeout 100 python3 -m pith_train bench $bench_args $flags --json "$runs/bench_$mode.json" \
         > "$out/bench_$mode.txt" 2>&1 || echo "bench $mode failed or timed out (rc $?)"

@@ -26,12 +26,11 @@ import sys
 from pathlib import Path
 
 import pith_models
-import pith_ops
 import pytest
 import torch
 import torch.distributed as dist
 from pith_engine import checkpoint
-from pith_engine.layers import FP8Switch
+from pith_engine.layers import FP8Switch, GatheredFP8
 from pith_engine.parallel import SINGLE, Layout, build_mesh, full_state, local_rows
 from pith_engine.step import Stages, step_values, train_step
 from pith_models import deepseek_v2, gpt_oss, hf, qwen3_moe
@@ -268,15 +267,15 @@ def check_fp8_all_gather(model_cfg, shape: Layout, overrides: list[str], losses,
     the whole weight's scale. On CPU the gathered weight is fp32, so the e4m3 copies, and with them
     the losses and every gradient, are bit for bit those of the same run gathering fp32 (`losses`,
     `grads`), the activation recompute's second gathers included. Counted: every FP8 weight (4
-    projections and 2 expert weights per layer, 2 layers) is gathered in e4m3 at least once."""
+    projections and 2 expert weights per layer, 2 layers) reaches its module as a GatheredFP8 at
+    least once."""
     gathered = collections.Counter()
-    copies_of_quantized = pith_ops.copies_of_quantized
 
-    def counting(q, amax, into=None):
-        gathered[tuple(q.shape)] += 1
-        return copies_of_quantized(q, amax, into)
+    def count(module, args, out):  # a global hook runs before FSDP's reshard: the gathered weights
+        own = module.parameters(recurse=False)
+        gathered.update(tuple(p.shape) for p in own if isinstance(p, GatheredFP8))
 
-    pith_ops.copies_of_quantized = counting
+    hook = torch.nn.modules.module.register_module_forward_hook(count)
     try:
         got = run(
             model_cfg,
@@ -285,7 +284,7 @@ def check_fp8_all_gather(model_cfg, shape: Layout, overrides: list[str], losses,
             train_overrides=[*overrides, "train.fp8_all_gather=true"],
         )
     finally:
-        pith_ops.copies_of_quantized = copies_of_quantized
+        hook.remove()
     assert got[0] == losses and got[1].keys() == grads.keys(), (got[0], losses)
     assert all(torch.equal(got[1][n], g) for n, g in grads.items())
     D, H, G, Dh, E, F = (getattr(model_cfg, k) for k in ("hidden_size", "num_attention_heads",
