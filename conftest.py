@@ -39,18 +39,31 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    # Under pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts) the tests that spawn ranks run
-    # one after another on one worker: two of them at once would put 8 processes on the CI's 2 cores.
-    # The other worker takes the single-process tests meanwhile.
-    for item in items:
-        if "distributed" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("ranks"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def reference_ops():
+    """The operators' PyTorch references and one intra-op thread, for a module of tests of the framework
+    rather than of the kernels (pith-ops tests those against their references, and the interpreter is
+    orders of magnitude slower). One thread: MKL adapts its thread count to the machine's load, which
+    changes float summation order between runs (bit-exact resume tests would see it), and on a busy
+    2-core box two threads are far slower than one for tiny matrices. Per module, not per session: a
+    session fixture stayed set for the other packages' tests a worker ran next (pith-ops' kernel tests
+    then ran their references)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("pith_ops._common.INTERPRET", False)
+        yield
+    torch.set_num_threads(threads)
 
 
 # Imported once, in multiprocessing's fork server, for every rank of the session: a rank forked from it
@@ -106,6 +119,6 @@ def _run_ranks(script: str, world: int, tmp: Path, *args: str, timeout: float = 
     assert all(p.exitcode == 0 for p in procs), "\n".join(report)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_ranks():
     return _run_ranks

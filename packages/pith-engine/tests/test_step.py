@@ -22,6 +22,7 @@ MODELS = {
     "gpt_oss": (gpt_oss, dataclasses.replace(gpt_oss.TINY, num_hidden_layers=2, layer_types=())),
 }
 SINGLE = Mesh(Layout(), torch.device("cpu"))
+pytestmark = pytest.mark.usefixtures("reference_ops")  # the step is the subject, not the kernels
 LBL, Z = 0.3, 0.01
 
 

@@ -8,12 +8,9 @@ which is orders of magnitude slower; subprocesses get an environment without TRI
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pith_models
-import pith_ops._common
 import pytest
 import torch
 from pith_models import qwen3_moe
@@ -29,18 +26,8 @@ MICRO = qwen3_moe.Config(
 
 
 @pytest.fixture(scope="module", autouse=True)
-def reference_ops_one_thread():
-    """Reference operators, one intra-op thread: MKL adapts its thread count to the machine's load,
-    which changes float summation order between runs (bit-exact resume tests would see it), and on a
-    busy 2-core box two threads are far slower than one for these tiny matrices. Per module, not per
-    session: a session fixture stayed set for the other packages' tests a worker ran after these
-    (pith-ops' kernel tests then ran their references)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pith_ops._common, "INTERPRET", False)
-        yield
-    torch.set_num_threads(threads)
+def _reference_ops(reference_ops):  # the repository conftest's
+    yield
 
 
 @pytest.fixture(scope="session")
@@ -51,18 +38,17 @@ def subprocess_env():
 
 
 @pytest.fixture(scope="session")
-def torchrun_pretrains(subprocess_env):
-    """torchrun_pretrains(nproc, [(run_dir, overrides), ...]): one torchrun of nproc processes trains each
-    run in turn (pretrains.py); fails with rank 0's error output if any run fails."""
+def pretrains_in_ranks(run_ranks):
+    """pretrains_in_ranks(nproc, [(run_dir, overrides), ...]): nproc processes under torchrun's
+    environment variables (conftest's run_ranks: forked from a process that has imported torch, whose
+    import costs more than training the micro model) train each run in turn (pretrains.py); fails with
+    every rank's output if any run fails. The rank logs go next to the first run's directory."""
 
-    def torchrun(nproc: int, runs: list[tuple[Path, list[str]]], timeout: float = 900) -> None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        cmd += [str(Path(__file__).with_name("pretrains.py"))]
-        cmd += [json.dumps(["--run-dir", str(run), *args]) for run, args in runs]
-        proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, timeout=timeout)
-        assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    def pretrains(nproc: int, runs: list[tuple[Path, list[str]]], timeout: float = 900) -> None:
+        args = [json.dumps(["--run-dir", str(run), *overrides]) for run, overrides in runs]
+        run_ranks(Path(__file__).with_name("pretrains.py"), nproc, runs[0][0].parent, *args, timeout=timeout)
 
-    return torchrun
+    return pretrains
 
 
 @pytest.fixture(scope="session")

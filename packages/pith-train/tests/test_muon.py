@@ -1,6 +1,6 @@
-"""Muon (pith_train.muon): each step against a float64 reference written from the algorithm, the split
-of a model's parameters between Muon and AdamW, and (torchrun, gloo) dp2 / ep2 / dp2 x ep2 training
-the single-process losses, with a checkpoint of one layout resuming in another."""
+"""Muon (pith_train.muon): each step against a float64 reference written from the algorithm, the split of a
+model's parameters between Muon and AdamW, and (gloo, under torchrun's environment variables) dp2 / ep2 / dp2
+x ep2 training the single-process losses, with a checkpoint of one layout resuming in another."""
 
 import json
 import math
@@ -209,7 +209,7 @@ FP32_NS = ["--optim.muon_ns_dtype=float32"]
 
 @pytest.mark.distributed
 def test_torchrun_dp2_ep2_dp2xep2_train_the_single_process_losses_and_resume_elsewhere(
-    micro_config, micro_args, tmp_path, torchrun_pretrains
+    micro_config, micro_args, tmp_path, pretrains_in_ranks
 ):
     """fp32 Newton-Schulz: every layout within 1e-5 of one process (fp32 summation order only). bf16
     (the default): the gradients' fp32 noise flips bf16 roundings inside NS5, which the iteration and
@@ -219,7 +219,7 @@ def test_torchrun_dp2_ep2_dp2xep2_train_the_single_process_losses_and_resume_els
     big = ["--train.global_batch=8"]
     runs = [("dp2", ["--parallel.dp=2"], [], FP32_NS), ("ep2", ["--parallel.ep=2"], [], FP32_NS)]
     runs += [("dp2_ep2", ["--parallel.dp=2", "--parallel.ep=2"], big, ns) for ns in (FP32_NS, [])]
-    layouts = {2: [], 4: []}  # one torchrun per world size (process start dominates)
+    layouts = {2: [], 4: []}  # one start per world size (process start dominates)
     for name, layout, batch, ns in runs:
         single = tmp_path / ("single" + "_".join(batch + ns))
         if not single.exists():
@@ -228,7 +228,7 @@ def test_torchrun_dp2_ep2_dp2xep2_train_the_single_process_losses_and_resume_els
         layouts[2 * len(layout)].append((tmp_path / (name + "_".join(ns)), args))
     # The 4-process runs first: dp2 resumes dp2 x ep2's step-4 checkpoint (Muon's momentum one entry per
     # expert); so does one process; both take step 5 as the uninterrupted single-process run did.
-    torchrun_pretrains(4, layouts[4])
+    pretrains_in_ranks(4, layouts[4])
     ckpt = tmp_path / ("dp2_ep2" + "_".join(FP32_NS)) / "checkpoints" / "step_000004"
     keys = set(FileSystemReader(ckpt).read_metadata().state_dict_metadata)
     assert {f"optim.state.layers.1.mlp.experts.w_down.{e}.momentum_buffer" for e in range(4)} <= keys
@@ -237,7 +237,7 @@ def test_torchrun_dp2_ep2_dp2xep2_train_the_single_process_losses_and_resume_els
     for name in ("resumed_1", "resumed_dp2"):
         shutil.copytree(ckpt, tmp_path / name / "checkpoints" / ckpt.name)
     resumed = [*micro_args, *MUON, "--parallel.dp=2", *FP32_NS, *big, "--train.micro_batch=2"]
-    torchrun_pretrains(2, [*layouts[2], (tmp_path / "resumed_dp2", resumed)])
+    pretrains_in_ranks(2, [*layouts[2], (tmp_path / "resumed_dp2", resumed)])
     for name, _, batch, ns in runs:
         got, single = (
             _losses(tmp_path / (name + "_".join(ns))),

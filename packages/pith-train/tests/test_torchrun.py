@@ -1,8 +1,8 @@
-"""`pith-train pretrain --parallel.*=...` under torchrun trains like one process: 4 gloo processes in
-cp2 x ep2, pp2 x ep2 and pp4 log (rank 0 only) the per-step global-batch losses of the single-process
-run, and a checkpoint written under pp2 x ep2 (and pp4) resumes on one process with the same losses;
-check-layout runs `torchrun ... -m pith_train pretrain` itself and reports agreement; layouts that
-cannot work stop before any compute with a message naming the numbers."""
+"""`pith-train pretrain --parallel.*=...` under torchrun's environment variables trains like one process: 4
+gloo processes (conftest's run_ranks, pretrains.py) in cp2 x ep2, pp2 x ep2 and pp4 log (rank 0 only) the
+per-step global-batch losses of the single-process run, and a checkpoint written under pp2 x ep2 (and pp4)
+resumes on one process with the same losses; check-layout runs `torchrun ... -m pith_train pretrain` itself
+and reports agreement; layouts that cannot work stop before any compute with a message naming the numbers."""
 
 import dataclasses
 import json
@@ -35,9 +35,10 @@ PIPELINES = [
 
 
 @pytest.fixture(scope="module")
-def four_processes(micro_hf, micro_args, tmp_path_factory, torchrun_pretrains):
-    """The 4-process layouts trained by one torchrun (process start dominates): -> their root directory,
-    with the run directories cp2_ep2, pp_4 and pp_8 and the Hugging Face directories hf_4 and hf_8."""
+def four_processes(micro_hf, micro_args, tmp_path_factory, pretrains_in_ranks):
+    """The 4-process layouts trained in one start of 4 processes (process start dominates): -> their root
+    directory, with the run directories cp2_ep2, pp_4 and pp_8 and the Hugging Face directories hf_4 and hf_8.
+    """
     root = tmp_path_factory.mktemp("torchrun")
     runs = [(root / "cp2_ep2", [*micro_args, *COMPARABLE, *CP2_EP2])]
     for layers, batch, layout in PIPELINES:
@@ -46,7 +47,7 @@ def four_processes(micro_hf, micro_args, tmp_path_factory, torchrun_pretrains):
         pith_models.save_pretrained(model, root / f"hf_{layers}", dtype=torch.float32)
         overrides = [*COMPARABLE, f"--model.name={root / f'hf_{layers}'}", *batch]
         runs.append((root / f"pp_{layers}", [*micro_args, *overrides, *layout, "--train.micro_batch=1"]))
-    torchrun_pretrains(4, runs)
+    pretrains_in_ranks(4, runs)
     return root
 
 
