@@ -403,10 +403,13 @@ def test_ctrl_c_asks_to_stop_and_a_second_one_exits_at_once(micro_args, tmp_path
     assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["step_000002"]
 
 
-def test_fp8_pretrain_runs_the_fp8_gemms_and_the_loss_falls(micro_config, reference, tmp_path):
+def test_fp8_pretrain_runs_the_fp8_gemms_and_the_loss_falls(micro_config, reference, tmp_path, capsys):
     """train.fp8 on CPU (torch's CPU _scaled_mm, the grouped GEMM's dequantised loop): it learns, and
-    differs from the fp32 run by the FP8 rounding only: step 1 close, not equal."""
-    out = pretrain(micro_config("--train.fp8=true", "--train.steps=12"), tmp_path)
+    differs from the fp32 run by the FP8 rounding only: step 1 close, not equal. train.fp8_all_gather
+    on one process, where FSDP shards nothing, says that it has nothing to do."""
+    cfg = micro_config("--train.fp8=true", "--train.steps=12", "--train.fp8_all_gather=true")
+    out = pretrain(cfg, tmp_path)
+    assert "train.fp8_all_gather: no FP8 weight is sharded by FSDP" in capsys.readouterr().out
     losses = _losses(tmp_path)
     assert out["step"] == 12 and losses[12] < losses[1] - 1.0
     assert losses[1] != reference[1] and abs(losses[1] - reference[1]) < 0.05

@@ -242,7 +242,7 @@ def use_fp8(model: nn.Module, enabled: bool = True, lm_head: bool = False) -> No
             m.fp8 = lm_head if name == "lm_head" else enabled
 
 
-def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> None:
+def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> int:
     """Let FSDP2 all-gather the FP8 weights of `model` (those of FP8Switch modules with fp8 set) in e4m3
     (train.fp8_all_gather): 1 byte an element on the wire instead of bf16's 2, and no quantisation
     of the gathered weight. Each rank quantises its shard with the whole weight's scale (per expert
@@ -252,10 +252,12 @@ def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> None:
     policy); under a bf16 policy the bf16 rounding before quantisation is skipped. Weights not under
     FSDP stay as they are. experts_only: the experts' weights only (a compiled graph does not take a
     GatheredFP8; stage 3 is not compiled). Call after use_fp8 and before the first forward (FSDP's
-    lazy init looks for the hooks, on the shard tensors that to_empty and checkpoint loads keep)."""
+    lazy init looks for the hooks, on the shard tensors that to_empty and checkpoint loads keep).
+    -> how many weights FSDP will gather in e4m3 (0 where none is sharded)."""
     tied = {
         id(p) for m in model.modules() for p in m.parameters(recurse=False) if not isinstance(m, FP8Switch)
     }
+    hooked = 0
     for name, m in model.named_modules():
         if not (isinstance(m, FP8Switch) and m.fp8) or (experts_only and isinstance(m, Linear)):
             continue
@@ -270,6 +272,8 @@ def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> None:
                 )
             local = p._local_tensor
             local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _fp8_gather_hooks(local, tuple(p.shape))
+            hooked += 1
+    return hooked
 
 
 def _fp8_gather_hooks(local: Tensor, shape: tuple):

@@ -57,12 +57,15 @@ def step_settings(cfg: Config, model: nn.Module) -> tuple[Aux, float, float]:
     return aux, cfg.optim.grad_clip, cfg.train.bias_rate
 
 
-def apply_fp8(cfg: Config, model: nn.Module, cuda: bool) -> None:
+def apply_fp8(cfg: Config, model: nn.Module, cuda: bool, warn=print) -> None:
     """train.fp8, train.fp8_lm_head and train.fp8_all_gather on the (sharded) model
     (pith_engine.layers.use_fp8, gather_in_fp8: the experts' weights only where stages compile)."""
     use_fp8(model, cfg.train.fp8, lm_head=cfg.train.fp8_lm_head)
-    if cfg.train.fp8_all_gather:
-        gather_in_fp8(model, experts_only=cfg.train.compile and cuda)
+    if cfg.train.fp8_all_gather and not gather_in_fp8(model, experts_only=cfg.train.compile and cuda):
+        warn(
+            "train.fp8_all_gather: no FP8 weight is sharded by FSDP in this layout (FSDP shards over dp x"
+            " cp; the experts under ep x dp x cp), so there is no all-gather to do in FP8"
+        )
 
 
 def fp8_size_problems(cfg: Config, model_cfg) -> list[str]:
@@ -202,7 +205,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     cuda = device.type == "cuda"
     # Each rank builds only its layers, experts and FSDP shards (fp32); bf16 all-gathers, fp32 reduction.
     model = build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
-    apply_fp8(cfg, model, cuda)
+    apply_fp8(cfg, model, cuda, warn)
     optimizer = build_optimizer(model, cfg)
     step, cursor = 0, 0
     if resume_from is not None:
