@@ -63,8 +63,8 @@ def apply_fp8(cfg: Config, model: nn.Module, cuda: bool, warn=print) -> None:
     use_fp8(model, cfg.train.fp8, lm_head=cfg.train.fp8_lm_head)
     if cfg.train.fp8_all_gather and not gather_in_fp8(model, experts_only=cfg.train.compile and cuda):
         warn(
-            "train.fp8_all_gather: no FP8 weight is sharded by FSDP in this layout (FSDP shards over dp x"
-            " cp; the experts under ep x dp x cp), so there is no all-gather to do in FP8"
+            "train.fp8_all_gather: no FP8 weight is sharded by FSDP in this layout (experts: over dp x cp;"
+            " the rest over dp x cp x ep, not gathered in FP8 under compile on CUDA): nothing to gather"
         )
 
 
