@@ -124,6 +124,21 @@ def _fp8_all_gather_on_one_gpu(dev: torch.device) -> None:
         assert torch.equal(a, b)
 
 
+def _fp8_all_gather_refusals(world: int) -> None:
+    """gather_in_fp8 names the weight it cannot gather in e4m3 and why, before any compute: one shared
+    with a module that does not quantise it (a tied embedding), one FSDP shards unevenly."""
+    mesh = init_device_mesh("cpu", (world,))
+    tied = torch.nn.Sequential(torch.nn.Embedding(16, 16), layers.Linear(16, 16, bias=False))
+    tied[0].weight = tied[1].weight
+    uneven = layers.Experts(world + 1, 16, 16)
+    whys = (r"1\.weight \(16, 16\) is shared", f"does not shard evenly over {world} ranks")
+    for model, why in zip((tied, uneven), whys, strict=True):
+        fully_shard(model, mesh=mesh)
+        layers.use_fp8(model)
+        with pytest.raises(ValueError, match=why):
+            layers.gather_in_fp8(model)
+
+
 def _worker(world: int, rank: int, tmp: Path, device: str) -> None:
     torch.manual_seed(0)
     backend = "nccl" if device == "cuda" else "gloo"
@@ -135,6 +150,7 @@ def _worker(world: int, rank: int, tmp: Path, device: str) -> None:
         _fp8_all_gather_on_one_gpu(dev)
         dist.destroy_process_group()
         return
+    _fp8_all_gather_refusals(world)
     model = pith_models.build(qwen3_moe.TINY, "cpu", 0, mesh)
     _graph_breaks_only_at_fsdp_hooks(model)
     _router_logits_are_fp32(mesh)

@@ -264,12 +264,15 @@ def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> int:
         for pname, p in fp8_weights(m):
             if not isinstance(p, DTensor):
                 continue
-            if id(p) in tied or p.shape[0] % p.device_mesh.size() or (p.is_cuda and p.shape[-2] % 16):
-                raise ValueError(
-                    f"train.fp8_all_gather: {name}.{pname} {tuple(p.shape)} is shared with another module,"
-                    f" does not shard evenly over {p.device_mesh.size()} ranks or (CUDA) has rows not a"
-                    " multiple of 16; turn it off"
-                )
+            ranks = p.device_mesh.size()
+            why = (
+                "is shared with a module that does not quantise it" if id(p) in tied
+                else f"does not shard evenly over {ranks} ranks" if p.shape[0] % ranks
+                else "has rows not a multiple of 16 (CUDA's FP8 GEMMs)" if p.is_cuda and p.shape[-2] % 16
+                else None
+            )  # fmt: skip
+            if why:
+                raise ValueError(f"train.fp8_all_gather: {name}.{pname} {tuple(p.shape)} {why}; turn it off")
             local = p._local_tensor
             local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _fp8_gather_hooks(local, tuple(p.shape))
             hooked += 1
