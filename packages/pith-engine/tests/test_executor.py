@@ -115,3 +115,24 @@ def test_staged_forward_and_grads_equal_the_reference(comm):
     want = torch.autograd.grad(expected_BSV.square().sum(), params)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_a_seed_that_needs_no_gradient_never_reaches_an_output_made_after_it_was_freed():
+    """A loss term that needs no gradient (the aux losses off) seeded, then freed: CPython hands its
+    address to a later tensor, often a stage output. The tape's bookkeeping must not confuse the two
+    (it once keyed seeds by id() without keeping them alive: a stale gradient 1 or a crash)."""
+    from pith_engine.executor import Tape, drain
+
+    for _ in range(50):
+        tape = Tape()
+        x = torch.ones(3, requires_grad=True)
+        stale = torch.zeros(())
+        tape.seed(stale)
+        address = id(stale)
+        del stale
+        outs = [tape(lambda t: t * 2.0, x)]
+        while len(outs) < 50 and id(outs[-1]) != address:
+            outs.append(tape(lambda t: t * 2.0, x))
+        tape.seed(outs[0], torch.ones(3))  # only the first output carries a gradient
+        drain(tape.backward())
+        assert torch.equal(tape.grad(x), torch.full((3,), 2.0))

@@ -432,3 +432,16 @@ def test_fp8_sizes_the_gpu_gemms_refuse_are_named_before_anything_is_built():
     )
     assert fp8_size_problems(odd, model_config(odd.model)) == ["100 tokens a micro-batch"]
     assert fp8_size_problems(load_config(None, []), model_cfg) == []
+
+
+def test_with_the_aux_losses_off_micro_batches_train_like_one_batch_every_time(micro_config, tmp_path):
+    """Gradient accumulation over 4 micro-batches with no aux-loss gradient (lbl and z-loss 0)
+    gives the one-batch losses, in repeated runs (a stale aux-loss seed once corrupted some of them)."""
+    off = ["--train.lbl_coef=0", "--train.z_loss_coef=0", "--optim.eps=1e-3", "--train.steps=4"]
+    pretrain(micro_config(*off, "--train.micro_batch=4"), tmp_path / "whole")
+    whole = _losses(tmp_path / "whole")
+    for i in range(3):
+        run = tmp_path / f"micro{i}"
+        pretrain(micro_config(*off, "--train.micro_batch=1"), run)
+        assert _losses(run) == pytest.approx(whole, rel=1e-5)
+

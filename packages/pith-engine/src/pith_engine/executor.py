@@ -206,8 +206,10 @@ class Tape:
     term). `backward()` (a generator of steps, as run_layer) then runs the segments newest first, each
     one torch.autograd.backward(its seeded outputs, their grads), an exchange's reverse issued and
     yielded on: parameters accumulate their .grad as usual, and each input leaf's grad becomes the grad
-    of the tensor it was detached from. What is left is keyed by id() of the tensors the tape did not
-    produce (the chunk's input).
+    of the tensor it was detached from; `grad(t)` then hands out what reached a tensor the tape did not
+    produce (the chunk's input). Gradients are kept beside the tensor they belong to, looked up by its
+    id(): the entry keeps the tensor alive, so a freed tensor's address, reused by a later one, never
+    finds a stale gradient (a seeded aux loss that needed no gradient once did, 9 steps in 100 wrong).
 
     final: this is the step's last backward of the modules its segments name as `owner`: each such
     FSDP module reduces its gradients in that segment's backward and in no other (they accumulate
@@ -218,7 +220,7 @@ class Tape:
         self.final, self.trace, self.tag = final, trace, tag
         # (input leaves, the tensors they were detached from, outputs, owner or an exchange's splits, name)
         self.segments = []
-        self.grads: dict[int, Tensor] = {}
+        self.grads: dict[int, tuple[Tensor, Tensor]] = {}  # id(t) -> (t, its gradient)
 
     def _log(self, piece: str) -> None:
         if self.trace is not None:
@@ -247,12 +249,21 @@ class Tape:
         return received
 
     def seed(self, t: Tensor, grad: Tensor | None = None) -> None:
-        self.grads[id(t)] = torch.ones_like(t) if grad is None else grad
+        """Give output t its gradient (ones: a loss term); a t that needs no gradient (an aux loss
+        switched off) has nothing to back-propagate."""
+        if t.requires_grad:
+            self._add(t, torch.ones_like(t) if grad is None else grad)
 
-    def _add(self, src: Tensor, grad: Tensor | None) -> None:
+    def _add(self, t: Tensor, grad: Tensor | None) -> None:
         if grad is not None:
-            key = id(src)
-            self.grads[key] = grad if key not in self.grads else self.grads[key] + grad
+            held = self.grads.get(id(t))
+            self.grads[id(t)] = (t, grad if held is None else held[1] + grad)
+
+    def grad(self, t: Tensor) -> Tensor | None:
+        """The gradient that reached t (and leave it): the seeds of an output, or an input's."""
+        held = self.grads.pop(id(t), None)
+        assert held is None or held[0] is t
+        return None if held is None else held[1]
 
     def backward(self) -> Steps:
         while self.segments:
@@ -260,14 +271,14 @@ class Tape:
             if isinstance(owner, tuple):  # an exchange: its gradients travel back the other way
                 # Every rank issues the reverse exchange (a collective), with zeros where none came.
                 out_splits, in_splits, group = owner
-                grads = [self.grads.pop(id(r), None) for r in outputs]
+                grads = [self.grad(r) for r in outputs]
                 grads = [torch.zeros_like(r) if g is None else g for g, r in zip(grads, outputs)]
                 pending = [Pending(g, in_splits, out_splits, group) for g in grads]
                 yield
                 for src, p in zip(sources, pending):
                     self._add(src, p.wait())
                 continue
-            roots = [(t, self.grads.pop(id(t))) for t in outputs if id(t) in self.grads]
+            roots = [(t, g) for t in outputs if (g := self.grad(t)) is not None]
             if not roots:
                 continue
             sync = self.final and isinstance(owner, FSDPModule)
@@ -281,7 +292,6 @@ class Tape:
                 owner.set_requires_gradient_sync(False)
             for leaf, src in zip(leaves, sources):
                 self._add(src, leaf.grad)
-        return self.grads
 
 
 def run_layer(

@@ -329,9 +329,9 @@ class _Run:
         tape.tag = f"B{a.chunk}.{a.micro}"
         if h_out is not None:
             tape.seed(h_out, self.data.pop((Op.B, a.chunk + 1, a.micro)))
-        grads = yield from tape.backward()
+        yield from tape.backward()
         if h_in is not None:
-            self.data[(Op.B, a.chunk, a.micro)] = grads[id(h_in)]
+            self.data[(Op.B, a.chunk, a.micro)] = tape.grad(h_in)
 
     def transfer(self, batch: list[P2P]) -> None:
         """One batch_isend_irecv for consecutive transfers; the receives land in self.data."""
