@@ -98,7 +98,8 @@ def test_a_truncated_tokens_file_is_named_with_the_fix(tmp_path, byte_data):
 @given(val_windows=st.integers(1, 11), micro_batch=st.integers(1, 4), ranks=st.integers(1, 5))
 def test_validation_covers_every_window_once_whatever_the_layout(byte_data, val_windows, micro_batch, ranks):
     """Formerly the remainder of val_windows / ranks was dropped (a layout-dependent validation loss,
-    NaN with fewer windows than ranks)."""
+    NaN with fewer windows than ranks); then the padding rows' ignored labels were written into their
+    inputs too (an embedding IndexError in validation)."""
     loader = WindowLoader(PackedDataset(str(byte_data)), 16, val_windows, seed=0)
     shares = [list(loader.val_batches(micro_batch, r, ranks)) for r in range(ranks)]
     assert len({len(s) for s in shares}) == 1  # every rank runs the same number of batches
@@ -106,6 +107,7 @@ def test_validation_covers_every_window_once_whatever_the_layout(byte_data, val_
     for share in shares:
         for inputs_BS, labels_BS in share:
             assert inputs_BS.shape == labels_BS.shape == (micro_batch, 16)
+            assert (inputs_BS >= 0).all()  # padding rows' labels once overwrote their inputs (a view)
             kept = (labels_BS != -100).all(1)
             assert ((labels_BS == -100).all(1) | kept).all()  # a row counts whole or not at all
             counted += [tuple(row.tolist()) for row in inputs_BS[kept]]

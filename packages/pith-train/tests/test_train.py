@@ -445,3 +445,32 @@ def test_with_the_aux_losses_off_micro_batches_train_like_one_batch_every_time(m
         pretrain(micro_config(*off, "--train.micro_batch=1"), run)
         assert _losses(run) == pytest.approx(whole, rel=1e-5)
 
+
+def test_unaligned_validation_windows_validate_as_aligned_ones(micro_config, tmp_path):
+    """3 validation windows in micro-batches of 2 pad the last batch (ignored labels): the padding once
+    wrote -100 into its inputs too (IndexError in the embedding). The losses equal micro-batches of 1."""
+    val = ["--data.val_windows=3", "--log.eval_every=2", "--train.steps=4", "--optim.eps=1e-3"]
+    for micro in (1, 2):
+        pretrain(micro_config(*val, f"--train.micro_batch={micro}"), tmp_path / f"m{micro}")
+    rows = [
+        {
+            r["step"]: r["val_loss"]
+            for r in map(json.loads, (tmp_path / d / "metrics.jsonl").open())
+            if "val_loss" in r
+        }
+        for d in ("m1", "m2")
+    ]
+    assert sorted(rows[0]) == [2, 4] and rows[1] == pytest.approx(rows[0], rel=1e-5)
+
+
+def test_a_failing_validation_keeps_the_trained_step_checkpointed_and_logged(
+    micro_config, tmp_path, monkeypatch
+):
+    def broken(*args):
+        raise RuntimeError("validation broke")
+
+    monkeypatch.setattr(train, "evaluate", broken)
+    with pytest.raises(RuntimeError, match="validation broke"):
+        pretrain(micro_config("--log.eval_every=2"), tmp_path)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")] == ["step_000002"]
+    assert sorted(_losses(tmp_path)) == [1, 2]

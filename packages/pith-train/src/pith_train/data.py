@@ -79,8 +79,8 @@ class WindowLoader:
 
     def windows(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         rows = np.stack([self.tokens[i * self.S : i * self.S + self.S + 1] for i in ids]).astype(np.int64)
-        t_BS1 = torch.from_numpy(rows)
-        return t_BS1[:, :-1], t_BS1[:, 1:]
+        # Two tensors, not two views of one: a caller writing labels (val_batches' padding) leaves inputs.
+        return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
 
     def _train_id(self, k: int) -> int:
         epoch, i = divmod(k, self.num_train)

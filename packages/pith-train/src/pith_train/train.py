@@ -275,9 +275,15 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
                 "expert_load_max_over_mean": load,
                 "memory_gib": peak_memory_gib(device),
             }
-            if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == cfg.train.steps:
-                record["val_loss"] = evaluate(stages, loader.val_batches(cfg.train.micro_batch, *data_slice))
-            metrics.write(**record)
+            signum = stop.requested(device)
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last or signum:
+                path = save(step)  # before validation: a failure there must not lose the trained step
+            try:
+                if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == cfg.train.steps:
+                    val = loader.val_batches(cfg.train.micro_batch, *data_slice)
+                    record["val_loss"] = evaluate(stages, val)
+            finally:
+                metrics.write(**record)
             bar.update(1)
             bar.set_postfix(
                 loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{record['mfu']:.1%}",
@@ -285,9 +291,6 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
             )  # fmt: skip
             if main and log_every and (step % log_every == 0 or step == last):
                 bar.write(log_line(record, cfg.train.steps), file=sys.stderr)
-            signum = stop.requested(device)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last or signum:
-                path = save(step)
             if signum and step < last:
                 bar.close()
                 raise Interrupted(signum, step, path)
