@@ -39,6 +39,12 @@ def test_printed_config_reads_back_equal(tmp_path):
         ("", ["--train.steps=0"], "train.steps must be >= 1"),
         ("", ["--train.cuda_graph=true", "--parallel.cp=2"], "train.cuda_graph runs on one process"),
         ("", ["--train.fp8_all_gather=true"], "train.fp8_all_gather gathers the FP8 GEMMs' weights"),
+        ("", ["--train.lr=-1"], "train.lr must be > 0, got -1.0"),
+        ("", ["--optim.grad_clip=-1"], "optim.grad_clip must be >= 0 (0 turns clipping off), got -1.0"),
+        ("", ["--optim.beta1=1"], "optim.beta1 must be in [0, 1), got 1.0"),
+        ("", ["--optim.beta2=-0.5"], "optim.beta2 must be in [0, 1), got -0.5"),
+        ("", ["--optim.eps=0"], "optim.eps must be > 0, got 0.0"),
+        ("", ["--optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0, got -0.1"),
     ],
 )
 def test_bad_config_raises_naming_the_problem(tmp_path, toml, overrides, message):

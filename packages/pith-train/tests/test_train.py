@@ -307,6 +307,7 @@ def test_a_wsd_run_extends_before_its_decay_and_micro_batch_may_change(micro_con
             "data.seq_len=128 is more than the model's max_position_embeddings \\(64\\)",
         ),
         (["--log.wandb=my-project"], "wandb is not installed"),
+        (["--train.cuda_graph=true", "--train.device=cpu"], "train.cuda_graph needs a CUDA device"),
     ],
 )
 def test_unusable_settings_stop_before_compute(micro_config, tmp_path, overrides, message):

@@ -319,8 +319,18 @@ def validate(cfg: Config) -> None:
             f"optim.min_lr_ratio={o.min_lr_ratio} and optim.decay_fraction={o.decay_fraction}"
             " must be in [0, 1]"
         )
-    if o.warmup_steps < 0 or t.lr <= 0:
-        raise ValueError(f"optim.warmup_steps={o.warmup_steps} must be >= 0 and train.lr={t.lr} > 0")
+    ranges = {  # key: (value, allowed, what the fix is)
+        "train.lr": (t.lr, t.lr > 0, "> 0"),
+        "optim.warmup_steps": (o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
+        "optim.grad_clip": (o.grad_clip, o.grad_clip >= 0, ">= 0 (0 turns clipping off)"),
+        "optim.beta1": (o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
+        "optim.beta2": (o.beta2, 0 <= o.beta2 < 1, "in [0, 1)"),
+        "optim.eps": (o.eps, o.eps > 0, "> 0"),
+        "optim.weight_decay": (o.weight_decay, o.weight_decay >= 0, ">= 0"),
+    }
+    for key, (value, ok, allowed) in ranges.items():
+        if not ok:
+            raise ValueError(f"{key} must be {allowed}, got {value}")
 
 
 def to_toml(cfg: Config) -> str:

@@ -167,6 +167,8 @@ def _device(cfg: Config) -> torch.device:
         raise ValueError("train.device is cuda, but torch sees no CUDA device")
     use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     if not use_cuda:
+        if cfg.train.cuda_graph:
+            raise ValueError("train.cuda_graph needs a CUDA device, and this run is on the CPU: turn it off")
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
 
