@@ -21,6 +21,7 @@ from pith_train import train
 from pith_train.cli import main
 from pith_train.config import load_config, model_config
 from pith_train.optim import build_optimizer, lr_at
+from pith_train.optim import build_optimizer as train_build
 from pith_train.train import flops_per_token, fp8_size_problems, parallel_layout, pretrain, step_settings
 
 
@@ -290,6 +291,26 @@ def test_resume_is_checked_against_the_run(micro_config, tmp_path, overrides, me
         "step_000002",
         "step_000004",
     ]
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_a_resume_trains_with_the_config_optimizer_settings_and_says_so(
+    micro_config, tmp_path, monkeypatch, capsys, name
+):
+    built = []
+    monkeypatch.setattr(train, "build_optimizer", lambda *a: built.append(train_build(*a)) or built[-1])
+    pretrain(micro_config(f"--optim.name={name}"), tmp_path, stop_at=2)
+    new = ["--optim.weight_decay=0.0", "--optim.beta2=0.999", "--optim.eps=1e-6", "--optim.muon_momentum=0.8"]
+    pretrain(micro_config(f"--optim.name={name}", *new), tmp_path)
+    groups = built[-1].param_groups
+    assert [g["weight_decay"] for g in groups] == [0.0] * len(groups)
+    adamw = [g for g in groups if "betas" in g]
+    assert adamw and all(g["betas"] == (0.9, 0.999) and g["eps"] == 1e-6 for g in adamw)
+    assert all(g["momentum"] == 0.8 for g in groups if "momentum" in g)
+    assert len(adamw) < len(groups) if name == "muon" else len(adamw) == len(groups)
+    line = "optim.beta1/beta2 (0.9, 0.95) -> (0.9, 0.999), optim.eps 1e-08 -> 1e-06"
+    line += ", optim.muon_momentum 0.95 -> 0.8" if name == "muon" else ""
+    assert line + ", optim.weight_decay 0.1 -> 0.0" in capsys.readouterr().out
 
 
 def test_a_wsd_run_extends_before_its_decay_and_micro_batch_may_change(micro_config, tmp_path):
