@@ -257,14 +257,28 @@ def test_nan_stop_names_the_last_intact_checkpoint(micro_config, tmp_path, monke
         pretrain(micro_config("--checkpoint.every=1", "--checkpoint.keep=3"), tmp_path)
 
 
-def test_a_fresh_run_refuses_a_directory_holding_another_run(micro_config, tmp_path):
-    pretrain(micro_config(), tmp_path, stop_at=2)
+def test_a_fresh_run_refuses_a_directory_holding_another_run_naming_everything_there(micro_config, tmp_path):
+    pretrain(micro_config("--checkpoint.every=1", "--checkpoint.keep=3"), tmp_path, stop_at=2)
     before = {p.name: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
-    with pytest.raises(
-        ValueError, match=r"resume is false, but .* holds an earlier run \(step_000002, metrics"
-    ):
-        pretrain(micro_config("--checkpoint.resume=false"), tmp_path)
+    held = (
+        r"holds an earlier run \(checkpoints/step_000001, checkpoints/step_000002, config.toml, metrics.jsonl"
+    )
+    with pytest.raises(ValueError, match=rf"checkpoint.resume is false, but .* {held}, tensorboard/events"):
+        pretrain(micro_config("--checkpoint.resume=false", "--checkpoint.keep=3"), tmp_path)
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before  # nothing touched
+
+
+def test_a_run_whose_checkpoints_are_all_damaged_is_never_restarted_silently(micro_config, tmp_path, capsys):
+    pretrain(micro_config("--checkpoint.every=1"), tmp_path, stop_at=2)
+    for step in (1, 2):
+        _damage(tmp_path / "checkpoints" / f"step_00000{step}", "weights")
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="no intact checkpoint"):  # the first launch moves them aside
+        pretrain(micro_config("--checkpoint.every=1"), tmp_path)
+    held = r"holds an earlier run \(checkpoints/step_000001.damaged, checkpoints/step_000002.damaged, metrics"
+    with pytest.raises(ValueError, match=rf"there is no intact checkpoint to resume from, but .* {held}"):
+        pretrain(micro_config("--checkpoint.every=1"), tmp_path)  # the same command again
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
 
 
 @pytest.mark.parametrize(

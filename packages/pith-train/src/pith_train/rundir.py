@@ -1,8 +1,10 @@
 """The run directory across launches: what a new launch may do with what earlier ones left there.
 
-- checkpoint.resume = false in a directory that holds a run (checkpoints or metrics) is an error:
-  the new run would otherwise interleave its checkpoints and metrics with the old run's, and `prune`
-  (newest step numbers first) would delete the new run's checkpoints as soon as they were written.
+- A fresh start in a directory that holds a run (checkpoints, damaged ones too, metrics, event files,
+  its plot or config) is an error: with checkpoint.resume = false, or when no checkpoint is intact.
+  The new run would otherwise overwrite the old run's metrics, or interleave its checkpoints and
+  metrics with them, and `prune` (newest step numbers first) would delete the new run's checkpoints
+  as soon as they were written.
 - Resuming continues the run saved in the checkpoint, so a launch must agree with it on the model
   (the checkpoint's config.json), on what fixes the data order (DATA_ORDER) and on the learning
   rates of the steps already trained; the parallel layout, batch split, logging and checkpoint
@@ -62,15 +64,21 @@ def check_writable(directory: Path) -> None:
         raise ValueError(f"{directory} cannot be written ({e}): fix it or choose another --run-dir") from None
 
 
-def check_fresh(run_dir: Path, ckpt_root: Path) -> None:
-    """checkpoint.resume = false: the directory must not hold another run."""
-    held = [p.name for p in checkpoint.checkpoints(ckpt_root)] + [
-        n for n in ("metrics.jsonl",) if (run_dir / n).exists()
-    ]
-    if held:
+def history(run_dir: Path, config: bool = True) -> list[str]:
+    """What earlier launches left in run_dir (paths relative to it): checkpoints, intact or damaged,
+    metrics.jsonl, TensorBoard's event files, metrics.png, and with `config` its config.toml."""
+    found = [*Path(run_dir, "checkpoints").glob("step_*"), *Path(run_dir, "tensorboard").glob("events.*")]
+    found += [run_dir / n for n in ("metrics.jsonl", "metrics.png", *["config.toml"] * config)]
+    return sorted(str(p.relative_to(run_dir)) for p in found if p.exists())
+
+
+def refuse_history(run_dir: Path, why: str, config: bool = True) -> None:
+    """ValueError naming what an earlier run left in run_dir, when it left anything: `why` a fresh
+    start there would lose or mix it."""
+    if held := history(run_dir, config):
         raise ValueError(
-            f"checkpoint.resume is false, but {run_dir} holds an earlier run ({', '.join(held)}): choose"
-            " a new --run-dir, or move that run's files away (nothing was changed)"
+            f"{why}, but {run_dir} holds an earlier run ({', '.join(held)}): choose a new --run-dir, or"
+            " move those files away (nothing was changed)"
         )
 
 
@@ -125,10 +133,12 @@ def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
             f"log.wandb={cfg.log.wandb!r}, but wandb is not installed: pip install wandb, or unset it"
         )
     if not cfg.checkpoint.resume:
-        check_fresh(run_dir, ckpt_root)
+        refuse_history(run_dir, "checkpoint.resume is false")
         return None
     resume_from = checkpoint.latest_intact(ckpt_root, mesh, warn)
-    if resume_from is not None:
+    if resume_from is None:  # a config.toml alone: a launch that stopped before its first step
+        refuse_history(run_dir, "there is no intact checkpoint to resume from", config=False)
+    else:
         check_resume(resume_from, cfg, model_cfg.to_hf())
     return resume_from
 
