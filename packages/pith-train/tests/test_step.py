@@ -4,6 +4,7 @@ the step as a CUDA graph (StepGraph) against the eager step."""
 
 import copy
 import inspect
+import math
 import re
 
 import pith_models
@@ -131,6 +132,25 @@ def test_a_non_finite_step_leaves_weights_moments_and_biases_and_then_raises(
     assert all(torch.equal(b, torch.zeros_like(b)) for b in biases)
     with pytest.raises(FloatingPointError, match="loss is nan"):
         step_values(*out)
+
+
+def test_a_skipped_step_is_a_no_op_for_adamw_step_counts_included():
+    """A non-finite grad_scale leaves weights, moments and step counts: the next update's bias
+    corrections are those of the steps actually taken (the count once advanced on the host)."""
+    gen = torch.Generator().manual_seed(0)
+    w0, grads = torch.randn(5, 3, generator=gen), [torch.randn(5, 3, generator=gen) for _ in range(2)]
+    runs = []
+    for scales in ([1.0, 1.0], [1.0, math.nan, 1.0]):
+        w = torch.nn.Parameter(w0.clone())
+        opt = AdamW([w], lr=1e-2, betas=(0.9, 0.95))
+        for i, scale in enumerate(scales):
+            w.grad = grads[min(i, 1)].clone()
+            opt.step(grad_scale=torch.tensor([scale]))
+            opt.zero_grad()
+        runs.append((w.detach(), opt.state[w]))
+    (w, st), (w_skip, st_skip) = runs
+    assert torch.equal(w_skip, w) and st_skip["step"].item() == st["step"].item() == 2
+    assert all(torch.equal(st_skip[k], st[k]) for k in ("exp_avg", "exp_avg_sq"))
 
 
 def _bf16_steps(keep: bool, monkeypatch, micro: int) -> tuple[list[Tensor], list[Tensor]]:

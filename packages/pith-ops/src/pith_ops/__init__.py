@@ -4,7 +4,7 @@ Each operator module holds its Triton kernel(s), launcher, custom-op registratio
 and a plain-PyTorch `*_reference` that is its specification.
 """
 
-from pith_ops.adamw import adamw_, adamw_reference_
+from pith_ops.adamw import adamw_, adamw_reference_, step_constants
 from pith_ops.cast import cast, drop_grad, grad, keep, keep_grads, kept_copy, stand_in, weight_grad
 from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from pith_ops.fp8_grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_reference
@@ -31,6 +31,7 @@ __all__ = [
     "FP8Rows",
     "adamw_",
     "adamw_reference_",
+    "step_constants",
     "apply_rope",
     "cast",
     "cols_from_rows",

@@ -40,8 +40,8 @@ from pith_ops.fp8_quant import (
 
 @triton.jit
 def _adamw_kernel(
-    p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, copy_ptr, q_ptr, amax_ptr, amax_new_ptr, N, RC, decay, rest1,
-    beta2, rest2, step_size, bc2_sqrt, eps, COPY: tl.constexpr, FP8: tl.constexpr, ALIGNED: tl.constexpr,
+    p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, bias_ptr, copy_ptr, q_ptr, amax_ptr, amax_new_ptr, N, RC, decay,
+    rest1, beta2, rest2, eps, COPY: tl.constexpr, FP8: tl.constexpr, ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     """BLOCK elements of p (flat); with FP8, p is [B, R, C] flat and element i of batch entry i // RC."""
@@ -54,8 +54,8 @@ def _adamw_kernel(
         m = tl.load(m_ptr + offs, mask=mask)
         m = tl.fma(rest1, g - m, m)  # m.lerp_(g, rest1), as torch's vectorised CPU lerp computes it
         v = tl.load(v_ptr + offs, mask=mask) * beta2 + rest2 * (g * g)
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-        p = p - step_size * tl.div_rn(m, denom)
+        denom = tl.div_rn(tl.sqrt_rn(v), tl.load(bias_ptr + 1)) + eps
+        p = p - tl.load(bias_ptr) * tl.div_rn(m, denom)
         tl.store(p_ptr + offs, p, mask=mask)
         if COPY:  # bf16 by round to nearest even on the bits, as torch's cast (the interpreter truncates)
             bits = p.to(tl.uint32, bitcast=True)
@@ -84,19 +84,22 @@ def _amax_into(amax_ptr, b, values, mask, ALIGNED: tl.constexpr):
         tl.atomic_max(amax_ptr + b, values, mask=mask)
 
 
-def _constants(lr: float, beta1: float, beta2: float, weight_decay: float, step: int):
-    """(decay factor, 1 - beta1, 1 - beta2, step size, sqrt of the second bias correction), in double
-    on the host as torch.optim.AdamW computes them (the kernel gets them rounded to fp32, as torch's
-    tensor ops do)."""
-    return 1 - lr * weight_decay, 1 - beta1, 1 - beta2, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5
+def step_constants(lr: float, beta1: float, beta2: float, step: int | Tensor, device=None) -> Tensor:
+    """(step size, sqrt of the second bias correction) of update number `step` (1-based): [..., 2] fp32,
+    computed in double as torch.optim.AdamW computes them on the host, then rounded to fp32 (as its
+    tensor ops round them). A tensor of step counts gives them for each, on its device, with no host
+    read: a trainer can count only the steps that were not skipped (adamw_'s non-finite scale)."""
+    step = torch.as_tensor(step, dtype=torch.float64, device=device)
+    return torch.stack([lr / (1 - beta1**step), (1 - beta2**step).sqrt()], -1).float()
 
 
 def adamw_(
     p: Tensor, g: Tensor, m: Tensor, v: Tensor, scale: Tensor, *,
-    lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, step: int,
+    lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, step: int | Tensor,
     copy: Tensor | None = None, fp8: FP8Weight | None = None,
 ) -> None:  # fmt: skip
-    """In place: AdamW step number `step` (1-based) of parameter p with gradient g * scale and moments
+    """In place: AdamW step number `step` (1-based; or a Tensor: its step_constants, on p's device) of
+    parameter p with gradient g * scale and moments
     m, v (fp32, contiguous, one shape; g may be bf16: a kept gradient, pith_ops.cast); nothing is
     written when scale (a one-element fp32 tensor on p's device) is not finite. copy (bf16, p's shape,
     contiguous): set to the new p in bf16 and kept as p's cast (pith_ops.cast). fp8: p's kept FP8
@@ -112,9 +115,12 @@ def adamw_(
         if t.shape != p.shape:
             raise ValueError(f"{name}: expected the parameter's shape {tuple(p.shape)}, got {tuple(t.shape)}")
     check("scale", scale, dtypes=(torch.float32,), device=p.device)
-    if scale.numel() != 1 or step < 1:
+    if isinstance(step, Tensor):
+        check("step", step, dtypes=(torch.float32,), device=p.device)
+    if scale.numel() != 1 or (step.shape != (2,) if isinstance(step, Tensor) else step < 1):
         raise ValueError(
-            f"expected a one-element scale and step >= 1, got {scale.numel()} elements, step {step}"
+            f"expected a one-element scale and step >= 1 (or its step_constants), got {scale.numel()}"
+            f" elements, step {step}"
         )
     if fp8 is not None:
         if len(fp8) != 5 or p.ndim not in (2, 3) or fp8[0].shape != p.shape:
@@ -125,7 +131,7 @@ def adamw_(
     if not use_triton(p):
         kw = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, step=step)
         return adamw_reference_(p, g, m, v, scale, **kw, copy=copy, fp8=fp8)
-    decay, rest1, rest2, step_size, bc2_sqrt = _constants(lr, beta1, beta2, weight_decay, step)
+    bias = step if isinstance(step, Tensor) else step_constants(lr, beta1, beta2, step, p.device)
     amax_new = None if fp8 is None else torch.zeros_like(fp8.amax)
     # 4096 elements, 8 warps: 16 fp32 a thread, four 16-byte accesses per tensor.
     BLOCK = 4096
@@ -133,9 +139,8 @@ def adamw_(
         (p, p, 1) if fp8 is None else (fp8.q, fp8.amax, p[0].numel() if p.ndim == 3 else p.numel())
     )
     _adamw_kernel[(triton.cdiv(p.numel(), BLOCK),)](
-        p, g, m, v, scale, p if copy is None else copy, q, amax, p if amax_new is None else amax_new,
-        p.numel(), per_entry,
-        decay, rest1, beta2, rest2, step_size, bc2_sqrt, eps,
+        p, g, m, v, scale, bias, p if copy is None else copy, q, amax, p if amax_new is None else amax_new,
+        p.numel(), per_entry, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps,
         COPY=copy is not None, FP8=fp8 is not None, ALIGNED=per_entry % BLOCK == 0, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
     if fp8 is not None:  # the scales and the transposed copy of what the kernel wrote (fp8_quant)
@@ -147,16 +152,18 @@ def adamw_(
 @torch.no_grad()
 def adamw_reference_(
     p: Tensor, g: Tensor, m: Tensor, v: Tensor, scale: Tensor, *,
-    lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, step: int,
+    lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, step: int | Tensor,
     copy: Tensor | None = None, fp8: FP8Weight | None = None,
 ) -> None:  # fmt: skip
     """adamw_ in plain PyTorch: torch.optim.AdamW's single-tensor path on g * scale (no host read of
     scale: a non-finite one selects the old values); copy set to the new p cast to its dtype; fp8's
     copies set to quantize_weight_reference(new p, old amax) where scale is finite."""
-    decay, rest1, rest2, step_size, bc2_sqrt = _constants(lr, beta1, beta2, weight_decay, step)
+    step_size, bc2_sqrt = step if isinstance(step, Tensor) else step_constants(lr, beta1, beta2, step)
     g = g.to(p.dtype) * scale
-    p_new, m_new, v_new = p * decay, m.lerp(g, rest1), (v * beta2).addcmul_(g, g, value=rest2)
-    p_new.addcdiv_(m_new, v_new.sqrt().div_(bc2_sqrt).add_(eps), value=-step_size)
+    p_new, m_new, v_new = p * (1 - lr * weight_decay), m.lerp(g, 1 - beta1), v * beta2
+    v_new.addcmul_(g, g, value=1 - beta2)
+    # addcdiv_(m, denom, value=-step_size) as torch computes it, (value * m) / denom, bit for bit
+    p_new.add_(m_new.mul(-step_size).div_(v_new.sqrt().div_(bc2_sqrt).add_(eps)))
     finite = torch.isfinite(scale)
     for t, new in ((p, p_new), (m, m_new), (v, v_new)):
         t.copy_(torch.where(finite, new, t))

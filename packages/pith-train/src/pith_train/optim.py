@@ -17,10 +17,11 @@ class AdamW(torch.optim.AdamW):
     """torch's AdamW (its hyperparameters, state layout and checkpoints; amsgrad, maximize and tensor
     learning rates left out), stepped by pith_ops.adamw_: `step(grad_scale=coef)` scales every
     gradient by the device scalar coef inside the update (gradient clipping without a pass of its
-    own, measured in the pith-train README), and skips the update where coef is not finite. The step
-    count stays on the host, so the bias corrections need no sync. A weight with a kept bf16 cast
-    (pith_ops.cast: the expert and lm_head weights), or kept FP8 copies (train.fp8:
-    pith_engine.layers.FP8Switch.fp8_weight), gets them rewritten in the same pass, and its
+    own, measured in the pith-train README), and skips the update where coef is not finite: weights,
+    moments and step counts stay as they were. The step counts live on the device (as torch's
+    capturable AdamW keeps them), so the skip and the bias corrections need no host sync. A weight
+    with a kept bf16 cast (pith_ops.cast: the expert and lm_head weights), or kept FP8 copies
+    (train.fp8: pith_engine.layers.FP8Switch.fp8_weight), gets them rewritten in the same pass, and its
     gradient read in bf16 from that cast (pith_ops.grad: the kept gradients, bit for bit the widened
     ones), so zero_grad drops those too."""
 
@@ -38,28 +39,33 @@ class AdamW(torch.optim.AdamW):
     def step(self, closure=None, grad_scale: Tensor | None = None):
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                grad = pith_ops.grad(p)
-                if grad is None:
-                    continue
+            live = [(p, g) for p in group["params"] if (g := pith_ops.grad(p)) is not None]
+            if not live:
+                continue
+            device = local(live[0][0]).device
+            scale = torch.ones(1, device=device) if grad_scale is None else grad_scale
+            for p, _ in live:
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = torch.zeros((), device=device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if state["step"].device.type != "cpu":  # loaded from a fused torch AdamW's checkpoint
-                    state["step"] = state["step"].cpu()
-                state["step"] += 1
-                if grad_scale is None:
-                    grad_scale = torch.ones(1, device=local(p).device)
-                w = local(p)
+                # A checkpoint of a plain torch AdamW holds its counts on the host.
+                state["step"] = state["step"].to(device, torch.float32)
+            # The update's number where the step is not skipped, and its constants, for the group at once.
+            steps = torch.stack([self.state[p]["step"] for p, _ in live]) + 1
+            beta1, beta2 = group["betas"]
+            constants = pith_ops.step_constants(group["lr"], beta1, beta2, steps)
+            for (p, grad), bias in zip(live, constants):
+                state, w = self.state[p], local(p)
                 pith_ops.adamw_(
-                    w, *(local(t) for t in (grad, state["exp_avg"], state["exp_avg_sq"])), grad_scale,
+                    w, *(local(t) for t in (grad, state["exp_avg"], state["exp_avg_sq"])), scale,
                     lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                    eps=group["eps"], step=int(state["step"]), copy=pith_ops.kept_copy(w),
+                    eps=group["eps"], step=bias, copy=pith_ops.kept_copy(w),
                     fp8=pith_ops.kept_copy(w, torch.float8_e4m3fn),
                 )  # fmt: skip
+            taken = torch.isfinite(scale).float().reshape(())
+            torch._foreach_add_([self.state[p]["step"] for p, _ in live], taken)
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> AdamW | Chain:
