@@ -39,13 +39,14 @@ def subprocess_env():
 
 @pytest.fixture(scope="session")
 def pretrains_in_ranks(run_ranks):
-    """pretrains_in_ranks(nproc, [(run_dir, overrides), ...]): nproc processes under torchrun's
-    environment variables (conftest's run_ranks: forked from a process that has imported torch, whose
-    import costs more than training the micro model) train each run in turn (pretrains.py); fails with
-    every rank's output if any run fails. The rank logs go next to the first run's directory."""
+    """pretrains_in_ranks(nproc, [(run_dir, overrides or a pretrains.py object), ...]): nproc processes
+    under torchrun's environment variables (conftest's run_ranks: forked from a process that has
+    imported torch, whose import costs more than training the micro model) train each run in turn
+    (pretrains.py); fails with every rank's output if any run fails. The rank logs go next to the first
+    run's directory."""
 
-    def pretrains(nproc: int, runs: list[tuple[Path, list[str]]], timeout: float = 900) -> None:
-        args = [json.dumps(["--run-dir", str(run), *overrides]) for run, overrides in runs]
+    def pretrains(nproc: int, runs: list[tuple[Path, list[str] | dict]], timeout: float = 900) -> None:
+        args = [json.dumps(o if isinstance(o, dict) else ["--run-dir", str(run), *o]) for run, o in runs]
         run_ranks(Path(__file__).with_name("pretrains.py"), nproc, runs[0][0].parent, *args, timeout=timeout)
 
     return pretrains

@@ -147,7 +147,9 @@ def _split_optim(osd: dict, experts: set[str], mesh: Mesh) -> dict:
         scalars = {k: v for k, v in entry.items() if v.ndim == 0}
         for i, (e, _) in enumerate(next(iter(per_key.values()))):
             state[f"{name}.{e}"] = {**scalars, **{k: held[i][1] for k, held in per_key.items()}}
-    return {"state": state, "param_groups": osd["param_groups"]}
+    # Not the param groups: they name this rank's parameters (other ones on each pipeline rank), and
+    # their settings (betas, eps, weight decay) are the config's, which a resume may change.
+    return {"state": state}
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh) -> tuple[dict, dict | None]:
@@ -231,9 +233,7 @@ def load(
             )
     with torch.no_grad():
         _dcp(dcp.load, state, path, mesh)
-    if optimizer is not None:
-        # The entries were views of osd's tensors; non-tensor values (param_groups) came back new.
-        osd["param_groups"] = state["optim"]["param_groups"]
+    if optimizer is not None:  # the entries were views of osd's tensors; its groups are the optimizer's
         set_optimizer_state_dict(model, optimizer, osd)
     rng_file = path / f"rng.{_rank(mesh)}.pt"
     if rng_file.is_file():  # absent when resuming with more ranks than were saved: fresh streams then

@@ -89,26 +89,6 @@ def build_optimizer(model: nn.Module, cfg: Config) -> AdamW | Chain:
     return Chain(adamw, Muon(matrices, cfg.train.lr, o.muon_momentum, o.weight_decay, ns_dtype))
 
 
-# The config key of each optimizer setting a param group holds (AdamW's and Muon's).
-SETTINGS = {"betas": "optim.beta1/beta2", "eps": "optim.eps", "weight_decay": "optim.weight_decay"}
-SETTINGS["momentum"] = "optim.muon_momentum"
-
-
-def load_keeping_settings(optimizer, load) -> list[str]:
-    """load() (a checkpoint's state into `optimizer`, which also restores its param groups' settings),
-    then the settings the optimizer was built with again: the config says what trains from here on.
-    -> what changed, `key saved -> now`."""
-    built = [{k: g[k] for k in SETTINGS if k in g} for g in optimizer.param_groups]
-    load()
-    changed = {}
-    for group, want in zip(optimizer.param_groups, built):
-        for k, v in want.items():
-            if group[k] != v:
-                changed[SETTINGS[k]] = f"{SETTINGS[k]} {group[k]} -> {v}"
-                group[k] = v
-    return sorted(changed.values())
-
-
 def lr_at(step: int, cfg: Config) -> float:
     """The learning rate of update `step` (0-based) out of cfg.train.steps."""
     o, peak, total = cfg.optim, cfg.train.lr, cfg.train.steps

@@ -13,6 +13,7 @@
   their checks.
 """
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -26,6 +27,8 @@ from pith_train import config as config_mod
 from pith_train.config import Config
 from pith_train.optim import lr_at
 
+# The [optim] keys of the learning-rate schedule (checked against the steps trained, not reported).
+SCHEDULE = ("schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
 # The keys that decide which sequences each step trains on (see data.py's layout contract).
 DATA_ORDER = (
     "data.path",
@@ -82,8 +85,9 @@ def refuse_history(run_dir: Path, why: str, config: bool = True) -> None:
         )
 
 
-def check_resume(ckpt: Path, cfg: Config, model_hf: dict) -> None:
-    """ValueError unless `cfg` can continue the run saved in checkpoint `ckpt`."""
+def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
+    """ValueError unless `cfg` can continue the run saved in checkpoint `ckpt`; `warn` names the
+    optimizer settings that change (the config's apply: a checkpoint holds no settings, only state)."""
     saved_model = read_json(ckpt / "config.json")
     model_hf = json.loads(json.dumps(model_hf))  # tuples as lists, as the file has them
     if saved_model != model_hf:
@@ -106,6 +110,11 @@ def check_resume(ckpt: Path, cfg: Config, model_hf: dict) -> None:
             f"cannot resume {ckpt}: {', '.join(changed)} would change which sequences the remaining"
             f" steps train on; keep the run's values, or {fresh}"
         )
+    then, now = dataclasses.asdict(saved.optim), dataclasses.asdict(cfg.optim)
+    if changed := [
+        f"optim.{k} {then[k]} -> {v}" for k, v in now.items() if k not in SCHEDULE and then[k] != v
+    ]:
+        warn(f"resuming with the config's optimizer settings, not the run's: {', '.join(changed)}")
     step = read_json(ckpt / "trainer.json")["step"]
     for s in range(step):
         then, now = lr_at(s, saved), lr_at(s, cfg)
@@ -139,7 +148,7 @@ def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
     if resume_from is None:  # a config.toml alone: a launch that stopped before its first step
         refuse_history(run_dir, "there is no intact checkpoint to resume from", config=False)
     else:
-        check_resume(resume_from, cfg, model_cfg.to_hf())
+        check_resume(resume_from, cfg, model_cfg.to_hf(), warn)
     return resume_from
 
 

@@ -27,7 +27,7 @@ from pith_train import rundir
 from pith_train.config import Config, ModelConfig, model_config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.metrics import MetricsLog, log_line, peak_flops, peak_memory_gib
-from pith_train.optim import build_optimizer, load_keeping_settings, lr_at
+from pith_train.optim import build_optimizer, lr_at
 from pith_train.prepare import load_tokenizer, prepare, stdlib_corpus
 from pith_train.stopping import Interrupted, StopOnSignal
 
@@ -211,9 +211,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     optimizer = build_optimizer(model, cfg)
     step, cursor = 0, 0
     if resume_from is not None:
-        load = lambda: checkpoint.load(resume_from, model, optimizer, mesh, verify=False)  # verified
-        if changed := load_keeping_settings(optimizer, load):
-            warn(f"resuming with the config's optimizer settings, not the checkpoint's: {', '.join(changed)}")
+        checkpoint.load(resume_from, model, optimizer, mesh, verify=False)  # latest_intact verified it
         state = rundir.read_json(resume_from / "trainer.json")
         step, cursor = state["step"], state["cursor"]
     stages = trainer_stages(cfg, model, mesh)
