@@ -2,6 +2,7 @@
 model's parameters between Muon and AdamW, and (gloo, under torchrun's environment variables) dp2 / ep2 / dp2
 x ep2 training the single-process losses, with a checkpoint of one layout resuming in another."""
 
+import dataclasses
 import json
 import math
 import shutil
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import example, given
 from hypothesis import strategies as st
+from pith_engine.parallel import Layout, Mesh
 from pith_train.config import load_config
 from pith_train.muon import NS_COEFFICIENTS, Muon, _owners, hidden_matrices
 from pith_train.optim import build_optimizer
@@ -205,6 +207,15 @@ def _assert_same_losses(got, want, what, rtol=1e-5):
 # Adam's eps as in test_torchrun.py (fp32 summation-order noise in near-zero gradients); 5 steps.
 MUON = ["--optim.name=muon", "--optim.eps=1e-3", "--train.device=cpu", "--train.steps=5"]
 FP32_NS = ["--optim.muon_ns_dtype=float32"]
+
+
+def test_a_pipeline_rank_without_the_embedding_gives_muon_its_hidden_matrices():
+    """Pipeline ranks but the first hold no embedding or lm_head (Muon under pp once stopped there)."""
+    cfg = dataclasses.replace(pith_models.MODELS["qwen3-moe-tiny"], num_hidden_layers=4, mlp_only_layers=())
+    names = lambda m: {n for n, p in m.named_parameters() if any(p is q for q in hidden_matrices(m))}
+    ranks = [pith_models.build(cfg, mesh=Mesh(Layout(pp=2), torch.device("cpu"), pp_rank=r)) for r in (0, 1)]
+    first, second = map(names, ranks)
+    assert first and second and not first & second and first | second == names(pith_models.build(cfg))
 
 
 @pytest.mark.distributed

@@ -57,7 +57,8 @@ def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
     experts = [layer.experts for layer in model.layers.values() if layer.experts is not None]
     owners = [m for m in model.modules() if any(c is e for c in m.children() for e in experts)]
     routers = [c for m in owners for c in m.children() if isinstance(c, nn.Linear)]
-    adamw = {id(p) for m in (model.embed_tokens, model.lm_head, *routers) for p in m.parameters()}
+    ends = (model.embed_tokens, model.lm_head) if hasattr(model, "lm_head") else ()  # pipeline rank 0's
+    adamw = {id(p) for m in (*ends, *routers) for p in m.parameters()}
     stacked = {id(p) for e in experts for p in e.parameters()}
     return [
         p
