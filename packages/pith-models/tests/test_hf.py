@@ -5,6 +5,7 @@ Shape legend: B batch, S sequence, V vocabulary.
 
 import dataclasses
 import json
+import os
 
 import pith_models
 import pytest
@@ -80,6 +81,18 @@ def test_save_pretrained_writes_bf16_by_default(hf_dir, tmp_path):
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     assert set(tensors) == set(load_file(hf_dir / "model.safetensors"))
     assert qwen3_moe.Config.from_hf(json.loads((tmp_path / "config.json").read_text())) == CFG
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_exported_files_follow_the_umask(hf_dir, tmp_path, umask):
+    """safetensors writes its file 0600 whatever the umask (a model others could not read)."""
+    old = os.umask(umask)
+    try:
+        pith_models.save_pretrained(pith_models.from_pretrained(hf_dir), tmp_path / "out")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert modes == {"config.json": 0o666 & ~umask, "model.safetensors": 0o666 & ~umask}
 
 
 def test_hub_style_config_is_read():

@@ -290,9 +290,10 @@ def test_a_run_whose_checkpoints_are_all_damaged_is_never_restarted_silently(mic
         (["--model.name=qwen3-moe-tiny"], "another model than model.name='qwen3-moe-tiny'"),
         (
             ["--train.steps=12"],
-            r"step 4 had lr 0.00775, the new schedule gives 0.00973; the next step would jump from"
-            r" 0.00775 to 0.00895",
+            r"disagrees with step 4 of the 4 steps trained \(step 4 trained at lr 0.00775, the new"
+            r" schedule gives 0.00972862\).* schedule from step 0: --checkpoint.init_from=",
         ),
+        (["--train.steps=5", "--optim.warmup_steps=1"], "disagrees with step 1, steps 3-4 of the 4 steps"),
     ],
 )
 def test_resume_is_checked_against_the_run(micro_config, tmp_path, overrides, message):
@@ -324,6 +325,26 @@ def test_a_resume_trains_with_the_config_optimizer_settings_and_says_so(
     assert len(adamw) < len(groups) if name == "muon" else len(adamw) == len(groups)
     changes = "optim.muon_momentum 0.95 -> 0.8, optim.weight_decay 0.1 -> 0.0, optim.beta2 0.95 -> 0.999"
     assert f"not the run's: {changes}, optim.eps 1e-08 -> 1e-06" in capsys.readouterr().out
+
+
+def test_a_finished_cosine_run_extends_as_a_new_run_from_its_weights_and_optimizer_state(
+    micro_config, reference, tmp_path, capsys
+):
+    done = tmp_path / "done"
+    pretrain(micro_config(), done)  # 6 steps: its cosine schedule has decayed
+    ckpt = done / "checkpoints" / "step_000006"
+    longer = micro_config("--train.steps=4", f"--checkpoint.init_from={ckpt}")
+    pretrain(longer, tmp_path / "more")
+    note = "(step 6 of its run): its weights and optimizer state, this config's schedule from step 0, the"
+    assert note + " data from sequence 24" in capsys.readouterr().out  # 6 steps of 4: new sequences follow
+    losses = _losses(tmp_path / "more")
+    assert sorted(losses) == [1, 2, 3, 4] and losses[1] < reference[1] - 0.3  # trained weights
+    state = json.loads((tmp_path / "more" / "checkpoints" / "step_000004" / "trainer.json").read_text())
+    assert state == {"step": 4, "cursor": 24 + 16}
+    pretrain(longer, tmp_path / "more")  # finished: its own checkpoint, not init_from, decides
+    assert sorted(_losses(tmp_path / "more")) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="init_from='nope' is not a Pith checkpoint"):
+        pretrain(micro_config("--checkpoint.init_from=nope"), tmp_path / "bad")
 
 
 def test_a_wsd_run_extends_before_its_decay_and_micro_batch_may_change(micro_config, tmp_path):

@@ -33,6 +33,7 @@ on it and on nothing else of theirs):
 
 import itertools
 import json
+import os
 import re
 from pathlib import Path
 from types import ModuleType
@@ -224,5 +225,8 @@ def save_pretrained(model: nn.Module, path: str | Path, dtype: torch.dtype = tor
     # Fresh contiguous CPU copies: safetensors refuses views that share storage (the gate/up halves).
     hf_sd = {k: v.detach().contiguous().to("cpu", dtype, copy=True) for k, v in hf_sd.items()}
     save_file(hf_sd, path / "model.safetensors", metadata={"format": "pt"})
+    umask = os.umask(0)  # safetensors writes 0600: the user's umask decides, as for every other file
+    os.umask(umask)
+    os.chmod(path / "model.safetensors", 0o666 & ~umask)
     config = {**cfg.to_hf(), "torch_dtype": str(dtype).removeprefix("torch.")}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

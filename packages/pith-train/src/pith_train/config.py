@@ -100,6 +100,10 @@ class CheckpointConfig:
     every: int = 40  # steps between checkpoints (0 = only at the end); one is always written at the end
     keep: int = 2  # how many of the latest checkpoints to keep
     resume: bool = True  # continue from the latest checkpoint in RUN_DIR/checkpoints when there is one
+    # A checkpoint to start a new run from: its weights and optimizer state, this config's schedule from
+    # step 0, its data position when the data order is the same (to extend a finished cosine run, say).
+    # Read only while RUN_DIR has no checkpoint: a restarted run resumes from its own.
+    init_from: str = ""
 
 
 @dataclass

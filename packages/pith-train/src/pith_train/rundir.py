@@ -85,30 +85,48 @@ def refuse_history(run_dir: Path, why: str, config: bool = True) -> None:
         )
 
 
-def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
-    """ValueError unless `cfg` can continue the run saved in checkpoint `ckpt`; `warn` names the
-    optimizer settings that change (the config's apply: a checkpoint holds no settings, only state)."""
+def _model_check(ckpt: Path, cfg: Config, model_hf: dict, what: str) -> None:
     saved_model = read_json(ckpt / "config.json")
     model_hf = json.loads(json.dumps(model_hf))  # tuples as lists, as the file has them
     if saved_model != model_hf:
         changed = sorted(k for k in {*saved_model, *model_hf} if saved_model.get(k) != model_hf.get(k))
         raise ValueError(
-            f"cannot resume {ckpt}: it holds another model than model.name={cfg.model.name!r} builds"
+            f"cannot {what} {ckpt}: it holds another model than model.name={cfg.model.name!r} builds"
             f" (config.json differs in {changed}); use that model, or another --run-dir"
         )
-    if not (ckpt / "config.toml").is_file():
-        return
-    saved = config_mod.load_config(str(ckpt / "config.toml"))
-    changed = [
+
+
+def _data_changes(saved: Config, cfg: Config) -> list[str]:
+    return [
         f"{k} {_value(saved, k)!r} -> {_value(cfg, k)!r}"
         for k in DATA_ORDER
         if _value(saved, k) != _value(cfg, k)
     ]
-    fresh = f"train a new --run-dir from these weights with --model.name={ckpt}"
-    if changed:
+
+
+def _steps(steps: list[int]) -> str:
+    """1-based step numbers as runs: 'steps 13-120', 'step 4, steps 7-9'."""
+    runs = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(f"step {a + 1}" if a == b else f"steps {a + 1}-{b + 1}" for a, b in runs)
+
+
+def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
+    """ValueError unless `cfg` can continue the run saved in checkpoint `ckpt`; `warn` names the
+    optimizer settings that change (the config's apply: a checkpoint holds no settings, only state)."""
+    _model_check(ckpt, cfg, model_hf, "resume")
+    if not (ckpt / "config.toml").is_file():
+        return
+    saved = config_mod.load_config(str(ckpt / "config.toml"))
+    extend = f"--checkpoint.init_from={ckpt} in a new --run-dir (its weights and optimizer state, a new run)"
+    if changed := _data_changes(saved, cfg):
         raise ValueError(
             f"cannot resume {ckpt}: {', '.join(changed)} would change which sequences the remaining"
-            f" steps train on; keep the run's values, or {fresh}"
+            f" steps train on; keep the run's values, or start {extend}"
         )
     then, now = dataclasses.asdict(saved.optim), dataclasses.asdict(cfg.optim)
     if changed := [
@@ -116,20 +134,40 @@ def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
     ]:
         warn(f"resuming with the config's optimizer settings, not the run's: {', '.join(changed)}")
     step = read_json(ckpt / "trainer.json")["step"]
-    for s in range(step):
-        then, now = lr_at(s, saved), lr_at(s, cfg)
-        if not math.isclose(then, now, rel_tol=1e-9):
-            raise ValueError(
-                f"cannot resume {ckpt}: the new config's learning-rate schedule disagrees with the {step}"
-                f" steps already trained (step {s + 1} had lr {then:.3g}, the new schedule gives {now:.3g};"
-                f" the next step would jump from {lr_at(step - 1, saved):.3g} to {lr_at(step, cfg):.3g})."
-                f" To train longer, plan it with optim.schedule = 'wsd' before its decay, or {fresh}"
-            )
+    if wrong := [s for s in range(step) if not math.isclose(lr_at(s, saved), lr_at(s, cfg), rel_tol=1e-9)]:
+        s = wrong[0]
+        raise ValueError(
+            f"cannot resume {ckpt}: the new learning-rate schedule disagrees with {_steps(wrong)} of the"
+            f" {step} steps trained (step {s + 1} trained at lr {lr_at(s, saved):.6g}, the new schedule"
+            f" gives {lr_at(s, cfg):.6g}). To train longer, plan it with optim.schedule = 'wsd' before its"
+            f" decay, or continue with this config's schedule from step 0: {extend}"
+        )
+
+
+def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
+    """checkpoint.init_from: the checkpoint a new run starts from (its weights and optimizer state, at
+    step 0 of this config's schedule), checked whole, and the data position to start at: the source
+    run's when it read the same data in the same order (an extension trains on what it has not seen),
+    else 0. ValueError naming what is wrong."""
+    ckpt = Path(cfg.checkpoint.init_from)
+    if not (ckpt / ".metadata").is_file():
+        raise ValueError(f"checkpoint.init_from={str(ckpt)!r} is not a Pith checkpoint (no DCP .metadata)")
+    if wrong := checkpoint.problem(ckpt, mesh):
+        raise ValueError(f"checkpoint.init_from={str(ckpt)!r} is damaged: {wrong}")
+    _model_check(ckpt, cfg, model_hf, "start from")
+    trained = read_json(ckpt / "trainer.json")
+    saved = config_mod.load_config(str(ckpt / "config.toml"))
+    cursor = 0 if _data_changes(saved, cfg) else trained["cursor"]
+    warn(
+        f"starting from {ckpt} (step {trained['step']} of its run): its weights and optimizer state, this"
+        f" config's schedule from step 0, the data from sequence {cursor}"
+    )
+    return ckpt, cursor
 
 
 def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
     """The checks of a launch against its run directory, before anything is built or written:
-    -> the checkpoint to resume from (None: start at step 0)."""
+    -> the checkpoint to resume from (None: a new run, from checkpoint.init_from when set: check_init)."""
     ckpt_root = run_dir / "checkpoints"
     check_writable(ckpt_root)
     if cfg.data.seq_len > model_cfg.max_position_embeddings:

@@ -190,6 +190,9 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     model_cfg = model_config(cfg.model)
     warn = tqdm.write if main else lambda text: None
     resume_from = rundir.preflight(cfg, run_dir, model_cfg, mesh, warn)
+    init = None  # checkpoint.init_from: (the checkpoint, the data position)
+    if resume_from is None and cfg.checkpoint.init_from:
+        init = rundir.check_init(cfg, model_cfg.to_hf(), mesh, warn)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
     ds = open_data(cfg, run_dir, main)
@@ -214,6 +217,9 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
         checkpoint.load(resume_from, model, optimizer, mesh, verify=False)  # latest_intact verified it
         state = rundir.read_json(resume_from / "trainer.json")
         step, cursor = state["step"], state["cursor"]
+    elif init is not None:
+        checkpoint.load(init[0], model, optimizer, mesh, verify=False)  # check_init verified it
+        cursor = init[1]
     stages = trainer_stages(cfg, model, mesh)
     settings = step_settings(cfg, model)
     flops = flops_per_token(pith_models.build(model.cfg), cfg.data.seq_len)  # the whole model, on meta
