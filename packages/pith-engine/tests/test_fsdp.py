@@ -37,7 +37,8 @@ def _graph_breaks_only_at_fsdp_hooks(model: torch.nn.Module) -> None:
         where = [str(b.user_stack[-1].filename) for b in e.break_reasons]
         assert all("/fsdp/" in w for w in where), (i, where)
         assert e.graph_count == e.graph_break_count + 1, (i, e.graph_count, e.graph_break_count)
-        assert e.graph_break_count == (0 if layer.router is None else 3), (i, where)
+        # at the router unit's hooks (3 while router_logits held the autocast context around its call)
+        assert e.graph_break_count == (0 if layer.router is None else 2), (i, where)
 
 
 def _router_logits_are_fp32(mesh: parallel.Mesh) -> None:

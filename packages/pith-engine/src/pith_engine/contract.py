@@ -63,8 +63,8 @@ class DecoderLayer(Protocol):
     # experts under EP and shards it over dp x cp, apart from the rest of the layer. Its `fp8` flag
     # (pith_engine.layers.FP8Switch) says whether stage 2 sends it FP8 rows (stage3).
     experts: nn.Module | None
-    # The router: a module that stage1 calls (x_TD in fp32 -> logits_TE), so the engine can keep its
-    # weight fp32 under FSDP (its own unit); None for a dense layer.
+    # The router: a module that stage1 calls (x_TD -> fp32 logits_TE, pith_engine.layers.Router), so
+    # the engine can keep its weight fp32 under FSDP (its own unit); None for a dense layer.
     router: nn.Module | None
 
     def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out: ...

@@ -432,12 +432,17 @@ def routed_reference(
     return out_TD.to(x_TD.dtype)
 
 
-def router_logits(router: nn.Module, x_TD: Tensor) -> Tensor:
-    """The routing logits [T, E] in fp32, also under bf16 autocast (which would run the linear in bf16:
-    ~3 significant digits, enough to flip near-tied top-k choices). `router` is called as a module,
-    so its own FSDP unit (fp32 policy, pith_engine.parallel) gathers its weight in fp32."""
-    with torch.autocast(x_TD.device.type, enabled=False):  # fp64 rows for a float64 model (tests)
-        return router(x_TD.to(torch.promote_types(router.weight.dtype, torch.float32)))
+class Router(nn.Linear):
+    """The routing linear: logits [T, E] in fp32 (fp64 for a float64 model, tests) whatever the dtype
+    of its input and weight (bf16 weights, bf16 autocast): bf16 keeps ~3 significant digits, enough to
+    flip near-tied top-k choices. A module of its own, so FSDP can gather its weight in fp32 (its own
+    unit, pith_engine.parallel)."""
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        with torch.autocast(x_TD.device.type, enabled=False):
+            return nn.functional.linear(x_TD.to(dtype), self.weight.to(dtype), bias)
 
 
 def combine(h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:

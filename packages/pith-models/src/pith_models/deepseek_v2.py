@@ -44,13 +44,13 @@ from pith_engine.layers import (
     Experts,
     Linear,
     RMSNorm,
+    Router,
     combine,
     config_kwargs_from_hf,
     from_hf_swiglu_state_dict,
     init_normal,
     rope_inv_freq,
     rotary_positions,
-    router_logits,
     to_hf_swiglu_state_dict,
     yarn_mscale,
     yarn_params_from_hf,
@@ -264,7 +264,7 @@ class MoE(nn.Module):
         super().__init__()
         D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.cfg = cfg
-        self.gate = nn.Linear(D, E, bias=False)  # the router
+        self.gate = Router(D, E, bias=False)
         self.experts = Experts(E, D, F)
         self.shared_experts = MLP(D, cfg.n_shared_experts * F)
         # Aux-loss-free balancing: added to the scores for top-k selection only; the trainer updates it.
@@ -272,7 +272,7 @@ class MoE(nn.Module):
 
     def route(self, x_TD: Tensor) -> Routing:
         cfg = self.cfg
-        logits_TE = router_logits(self.gate, x_TD)
+        logits_TE = self.gate(x_TD)
         probs_TE = logits_TE.softmax(-1)
         select_TE = probs_TE.detach() + self.expert_bias
         if cfg.topk_method == "group_limited_greedy":
@@ -308,7 +308,7 @@ class Layer(nn.Module):
         return self.mlp.experts if isinstance(self.mlp, MoE) else None
 
     @property
-    def router(self) -> nn.Linear | None:
+    def router(self) -> Router | None:
         return self.mlp.gate if isinstance(self.mlp, MoE) else None
 
     def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out:

@@ -35,6 +35,7 @@ from pith_engine.layers import (
     FP8Switch,
     Linear,
     RMSNorm,
+    Router,
     combine,
     config_kwargs_from_hf,
     expert_gemm,
@@ -42,7 +43,6 @@ from pith_engine.layers import (
     rope_inv_freq,
     rotary_positions,
     routed_reference,
-    router_logits,
     yarn_mscale,
     yarn_params_from_hf,
 )
@@ -241,13 +241,13 @@ class MoE(nn.Module):
         super().__init__()
         D, E, F = cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
         self.top_k = cfg.num_experts_per_tok
-        self.router = nn.Linear(D, E)
+        self.router = Router(D, E)
         self.experts = Experts(E, D, F, cfg.swiglu_alpha, cfg.swiglu_limit)
         # Aux-loss-free balancing: added to the logits for top-k selection only; the trainer updates it.
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
 
     def route(self, x_TD: Tensor) -> Routing:
-        logits_TE = router_logits(self.router, x_TD)
+        logits_TE = self.router(x_TD)
         expert_ids_TK = torch.topk(logits_TE.detach() + self.expert_bias, self.top_k, dim=-1).indices
         weights_TK = logits_TE.gather(1, expert_ids_TK).softmax(-1)
         return Routing(x_TD, expert_ids_TK, weights_TK, logits_TE.softmax(-1), logits_TE)
@@ -270,7 +270,7 @@ class Layer(nn.Module):
         return self.mlp.experts
 
     @property
-    def router(self) -> nn.Linear:
+    def router(self) -> Router:
         return self.mlp.router
 
     def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out:

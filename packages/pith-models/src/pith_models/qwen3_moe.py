@@ -31,13 +31,13 @@ from pith_engine.layers import (
     Experts,
     Linear,
     RMSNorm,
+    Router,
     combine,
     config_kwargs_from_hf,
     from_hf_swiglu_state_dict,
     init_normal,
     rope_inv_freq,
     rotary_positions,
-    router_logits,
     to_hf_swiglu_state_dict,
 )
 from pith_engine.parallel import SINGLE, Mesh
@@ -173,13 +173,13 @@ class MoE(nn.Module):
         super().__init__()
         D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(D, E, bias=False)  # the router
+        self.gate = Router(D, E, bias=False)
         self.experts = Experts(E, D, F)
         # Aux-loss-free balancing: added to the scores for top-k selection only; the trainer updates it.
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
 
     def route(self, x_TD: Tensor) -> Routing:
-        logits_TE = router_logits(self.gate, x_TD)
+        logits_TE = self.gate(x_TD)
         probs_TE = logits_TE.softmax(-1)
         expert_ids_TK = torch.topk(probs_TE.detach() + self.expert_bias, self.top_k, dim=-1).indices
         weights_TK = probs_TE.gather(1, expert_ids_TK)
@@ -205,7 +205,7 @@ class Layer(nn.Module):
         return self.mlp.experts if isinstance(self.mlp, MoE) else None
 
     @property
-    def router(self) -> nn.Linear | None:
+    def router(self) -> Router | None:
         return self.mlp.gate if isinstance(self.mlp, MoE) else None
 
     def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out:
