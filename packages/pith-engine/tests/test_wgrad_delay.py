@@ -9,8 +9,10 @@ Shape legend: B batch, S sequence, D in features, O out features, N grouped rows
 hidden width.
 """
 
+import collections
 import copy
 
+import pith_models
 import pith_ops
 import pytest
 import torch
@@ -18,6 +20,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pith_engine import layers
 from pith_engine.layers import Experts, Linear, WeightGradQueue, set_wgrad_queue, use_fp8
+from pith_engine.parallel import Layout, Mesh
+from pith_engine.step import Aux, Stages, train_step
+from pith_models import qwen3_moe
 from pith_ops import _common, quantize_weight
 
 
@@ -98,6 +103,39 @@ def test_deferred_weight_grads_flow_through_the_weights_dtype_cast():
     batches = [((torch.randn(9, 8).half(), ends_E), torch.randn(9, 8).half())]
     _check_all_ways_equal(module, batches)
     assert module.w_gate_up.grad is None  # the checks ran on copies
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_linear_under_bf16_autocast_defers_the_plain_backward_bit_for_bit(kept):
+    """Under bf16 autocast (the trainer's CUDA forward; here CPU's) a queued Linear runs its GEMMs on
+    the bf16 casts of its fp32 weights, as autocast does, and its weights get the gradients of the
+    plain module (widened to fp32, or held in bf16 for an optimizer that keeps them: pith_ops.cast)."""
+    torch.manual_seed(0)
+    module = Linear(24, 40, bias=True)
+    x, dy = torch.randn(2, 5, 24), torch.randn(2, 5, 40).bfloat16()
+    got = []
+    for queue in (None, WeightGradQueue()):
+        m = copy.deepcopy(module)
+        set_wgrad_queue(m, queue)
+        if kept:
+            pith_ops.keep_grads(m.parameters())
+        x_leaf = x.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16):
+            y = m(x_leaf)
+        assert y.dtype == torch.bfloat16
+        if queue is None:
+            y.backward(dy)
+        else:
+            with queue.deferring():
+                y.backward(dy)
+            assert all(p.grad is None and pith_ops.grad(p) is None for p in m.parameters())
+            queue.run_all()
+        got.append([y, x_leaf.grad, *(pith_ops.grad(p) for p in m.parameters())])
+    plain, queued = got
+    for a, b in zip(plain, queued, strict=True):
+        assert torch.equal(a.float(), b.float())
+    if kept:  # held in bf16 (the plain module's autocast cast widens them into .grad)
+        assert all(g.dtype == torch.bfloat16 for g in queued[2:])
 
 
 def _compiled_with_a_queue(module, x, dy):
@@ -209,3 +247,34 @@ def test_fp8_linear_with_a_queue_compiles_to_one_graph_and_equals_eager():
     lin, _ = _fp8_modules(2)
     for a, b in _compiled_with_a_queue(lin, torch.randn(2, 3, 24), torch.randn(2, 3, 40)):
         assert torch.equal(a.grad, b.grad)
+
+
+def _attention_calls_and_grads(model, ac: str, micro):
+    """One train_step (pp=1, the weight-gradient queue on) -> (attention forwards per layer, losses,
+    the gradients)."""
+    model = copy.deepcopy(model)
+    calls = collections.Counter()
+    for i, layer in model.layers.items():
+        layer.self_attn.register_forward_hook(lambda *_, i=i: calls.update([i]))
+    grads = {}
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    opt.step = lambda grad_scale=None: grads.update({n: p.grad for n, p in model.named_parameters()})
+    stages = Stages(model, Mesh(Layout(), torch.device("cpu")), ac=ac, wgrad=True)
+    r = train_step(stages, opt, micro, 0.0, Aux(), 0.0, 0.0)
+    return dict(calls), r.loss, grads
+
+
+def test_full_checkpointing_with_the_queue_recomputes_each_stage_once(reference_ops):
+    """ac=full with deferred weight gradients: one recompute of stage 1 per micro-batch serves its
+    input gradient and, later, its weight gradients (2 attention calls per layer and micro-batch, the
+    forward and the recompute), and the gradients are those of ac=none."""
+    model = pith_models.build(qwen3_moe.TINY, "cpu", seed=0)
+    g = torch.Generator().manual_seed(0)
+    micro = [tuple(torch.randint(0, qwen3_moe.TINY.vocab_size, (2, 8), generator=g) for _ in "xy")] * 4
+    none_calls, none_loss, none_grads = _attention_calls_and_grads(model, "none", micro)
+    full_calls, full_loss, full_grads = _attention_calls_and_grads(model, "full", micro)
+    assert none_calls == {i: 4 for i in model.layers}
+    assert full_calls == {i: 8 for i in model.layers}
+    assert torch.equal(full_loss, none_loss)
+    for n, want in none_grads.items():
+        assert torch.equal(full_grads[n], want), n

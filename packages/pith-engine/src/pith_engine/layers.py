@@ -98,55 +98,43 @@ class WeightGradQueue:
 
 
 class _DeferWgrad(torch.autograd.Function):
-    """y = forward(x, *weights) with a backward whose weight gradients a WeightGradQueue may defer.
-
-    split = (forward_saving(x, *weights) -> (y, saved tensors), backward(saved, dy, need_dx) -> (dx or
-    None, closure -> weights' grads)) when the op has its backward in two halves
-    (pith_ops.grouped_gemm_backward, pith_ops.fp8_linear.backward, ...); split None: forward is
-    differentiated by autograd, its graph kept from the forward and asked for dx in the backward and
-    for the weights' grads by the closure (mm's backward computes only what is asked: no recompute)."""
+    """y = forward_saving(x, *weights)[0] with a backward whose weight gradients a WeightGradQueue may
+    defer. split = (forward_saving(x, *weights) -> (y, saved tensors), backward(saved, dy, need_dx) ->
+    (dx or None, closure -> weights' grads)): the op's backward in two halves (pith_ops.
+    grouped_gemm_backward, pith_ops.fp8_linear.backward, _linear_backward), the closure reading only
+    what the forward saved, so under activation checkpointing one recompute serves dx and the weights'
+    grads (a graph built inside the forward and asked twice recomputed its checkpointed stage 10 to 14
+    times a micro-batch, test_wgrad_delay)."""
 
     @staticmethod
-    def forward(ctx, queue: WeightGradQueue | None, forward: Callable, split: tuple | None, x, *weights):
+    def forward(ctx, queue: WeightGradQueue, split: tuple, x, *weights):
         ctx.queue, ctx.split, ctx.weights = queue, split, weights
-        if split is not None:
-            y, saved = split[0](x, *weights)
-            ctx.save_for_backward(*saved)
-            return y
-        ctx.leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x, *weights)]
-        with torch.enable_grad():
-            ctx.y = forward(*ctx.leaves)
-        return ctx.y.detach()
+        y, saved = split[0](x, *weights)
+        ctx.save_for_backward(*saved)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        need_dx, need_w = ctx.needs_input_grad[3], ctx.needs_input_grad[4:]
+        need_dx, need_w = ctx.needs_input_grad[2], ctx.needs_input_grad[3:]
         weights = [w for w, need in zip(ctx.weights, need_w) if need]
-        if ctx.split is not None:
-            dx, split_wgrad = ctx.split[1](ctx.saved_tensors, dy, need_dx)
-            wgrad = lambda: [g for g, need in zip(split_wgrad(), need_w) if need]
-        else:
-            x_leaf, *w_leaves = ctx.leaves
-            y, leaves = ctx.y, [w for w, need in zip(w_leaves, need_w) if need]
-            dx = torch.autograd.grad(y, x_leaf, dy, retain_graph=bool(leaves))[0] if need_dx else None
-            wgrad = lambda: torch.autograd.grad(y, leaves, dy) if leaves else ()
-            del ctx.y, ctx.leaves
-        if weights and ctx.queue is not None and ctx.queue.defer(tuple(weights), wgrad):
-            return None, None, None, dx, *(None for _ in need_w)
+        dx, split_wgrad = ctx.split[1](ctx.saved_tensors, dy, need_dx)
+        wgrad = lambda: [g for g, need in zip(split_wgrad(), need_w) if need]
+        if weights and ctx.queue.defer(tuple(weights), wgrad):
+            return None, None, dx, *(None for _ in need_w)
         grads = iter(pith_ops.weight_grad(w, g) for w, g in zip(weights, wgrad()))
-        return None, None, None, dx, *(next(grads) if need else None for need in need_w)
+        return None, None, dx, *(next(grads) if need else None for need in need_w)
 
 
 def defer_wgrad(
-    queue: WeightGradQueue | None, forward: Callable, split: tuple | None, x: Tensor, *weights: Tensor
+    queue: WeightGradQueue | None, forward: Callable, split: tuple, x: Tensor, *weights: Tensor
 ) -> Tensor:
-    """forward(x, *weights) (differentiable), its weight gradients deferrable to `queue` and handed to
-    the weights by pith_ops.weight_grad (a bf16 gradient of a weight that keeps its gradients stays
-    bf16, pith_ops.cast). Under torch.compile, whose traced backward cannot run Python: the plain call;
-    so too without a queue or a split backward."""
-    if torch.compiler.is_compiling() or (queue is None and split is None):
+    """forward(x, *weights) (differentiable), its weight gradients deferrable to `queue` through the
+    two halves of `split` (_DeferWgrad) and handed to the weights by pith_ops.weight_grad (a bf16
+    gradient of a weight that keeps its gradients stays bf16, pith_ops.cast). Without a queue, or under
+    torch.compile, whose traced backward cannot run Python: the plain call."""
+    if torch.compiler.is_compiling() or queue is None:
         return forward(x, *weights)
-    return _DeferWgrad.apply(queue, forward, split, x, *weights)
+    return _DeferWgrad.apply(queue, split, x, *weights)
 
 
 def set_wgrad_queue(model: nn.Module, queue: WeightGradQueue | None) -> None:
@@ -321,7 +309,8 @@ class Linear(FP8Switch, nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         weights = (self.weight,) if self.bias is None else (self.weight, self.bias)
         if not self.fp8:
-            return defer_wgrad(self.wgrad_queue, nn.functional.linear, None, x, *weights)
+            split = (_linear_forward, _linear_backward)
+            return defer_wgrad(self.wgrad_queue, nn.functional.linear, split, x, *weights)
         w8 = self.fp8_weight(self.weight, fp8_linear_weight)
         weights = (pith_ops.stand_in(self.weight, self.weight.dtype), *weights[1:])  # GatheredFP8's
         add_bias = lambda y, *bias: y + bias[0].to(y.dtype) if bias else y
@@ -340,6 +329,31 @@ class Linear(FP8Switch, nn.Linear):
         split = (split_forward, split_backward)
         y = defer_wgrad(self.wgrad_queue, plain, split, x.flatten(0, -2), *weights)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _linear_forward(x: Tensor, w_OI: Tensor, *bias_O: Tensor) -> tuple[Tensor, tuple]:
+    """nn.functional.linear, its GEMM operands cast as autocast casts them (a Function's forward runs
+    under the caller's autocast) and kept for _linear_backward."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    x_TI, w_OI = x.flatten(0, -2).to(dtype), w_OI.to(dtype)
+    y_TO = nn.functional.linear(x_TI, w_OI, *(b.to(dtype) for b in bias_O))
+    return y_TO.view(*x.shape[:-1], w_OI.shape[0]), (x_TI, w_OI, *bias_O)
+
+
+def _linear_backward(saved: tuple, dy: Tensor, need_dx: bool):
+    """The products of autograd's linear backward (mm's, a contiguous weight), bit for bit: dx now,
+    (dW, dbias) when called, in the GEMM's dtype (the weights' dtype casts widen them,
+    pith_ops.weight_grad)."""
+    x_TI, w_OI, *bias_O = saved
+    dy_TO = dy.flatten(0, -2)
+    dx = None
+    if need_dx:  # mm's backward multiplies transposed for a column-major x
+        column_major = x_TI.stride() == (1, x_TI.shape[0])
+        dx = (w_OI.t().mm(dy_TO.t()).t() if column_major else dy_TO.mm(w_OI)).reshape(
+            *dy.shape[:-1], w_OI.shape[1]
+        )
+    return dx, lambda: (dy_TO.t().mm(x_TI), *(dy_TO.sum(0) for _ in bias_O))
 
 
 def expert_gemm(
