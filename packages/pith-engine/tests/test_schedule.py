@@ -15,9 +15,11 @@ from pith_engine.schedule import (
     Action,
     Op,
     Overlap,
+    _simulate,
     check,
     dualpipev,
     forward_schedule,
+    rank_chunks,
     schedule,
     split_layers,
     timeline,
@@ -136,6 +138,24 @@ def test_all_ranks_simulated_together_meet_every_dependency_and_hold_2pp_activat
     # overlapped pair's forward and backward at once; the last rank runs its first pair F then B: +1.
     assert peak == ([2 * pp] * (pp - 1) + [2 * pp + 1] if pp > 1 else [1]), peak
     simulate([forward_schedule(pp, r, M) for r in range(pp)], pp, backward=False)
+
+
+@given(st.integers(1, 7), st.integers(1, 24))
+def test_the_forward_schedule_meets_every_dependency_and_pipelines_the_micro_batches(pp, M):
+    """Evaluation's schedule: each rank's forwards once each; every dependency met with all ranks
+    simulated together; its span 2M + 2pp - 2 forward times (the middle rank busy throughout after the
+    V's fill, until its drain), below the serial order's 2pp*M (each micro-batch down the V and back up
+    before the next) for M > 1."""
+    lists = [forward_schedule(pp, r, M) for r in range(pp)]
+    simulate(lists, pp, backward=False)
+    compute = [[a for a in lst if isinstance(a, Action)] for lst in lists]
+    for r, row in enumerate(compute):
+        assert sorted(row) == sorted(Action(Op.F, c, m) for c in rank_chunks(pp, r) for m in range(M))
+    serial = [[Action(Op.F, c, m) for m in range(M) for c in rank_chunks(pp, r)] for r in range(pp)]
+    span = lambda lists: max(times[-1][1] for times in _simulate(pp, lists, COSTS))
+    assert span(serial) == 2 * pp * M if pp > 1 else M
+    assert span(compute) == (2 * M + 2 * pp - 2 if pp > 1 else M)
+    assert span(compute) < span(serial) or M == 1 or pp == 1
 
 
 @pytest.mark.parametrize(

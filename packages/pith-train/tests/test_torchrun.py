@@ -1,8 +1,9 @@
 """`pith-train pretrain --parallel.*=...` under torchrun's environment variables trains like one process: 4
 gloo processes (conftest's run_ranks, pretrains.py) in cp2 x ep2, pp2 x ep2 and pp4 log (rank 0 only) the
-per-step global-batch losses of the single-process run, and a checkpoint written under pp2 x ep2 (and pp4)
-resumes on one process with the same losses; check-layout runs `torchrun ... -m pith_train pretrain` itself
-and reports agreement; layouts that cannot work stop before any compute with a message naming the numbers."""
+per-step global-batch losses and the validation loss of the single-process run, and a checkpoint written
+under pp2 x ep2 (and pp4) resumes on one process with the same losses; check-layout runs `torchrun ... -m
+pith_train pretrain` itself and reports agreement; layouts that cannot work stop before any compute with a
+message naming the numbers."""
 
 import dataclasses
 import json
@@ -20,8 +21,11 @@ COMPARABLE = ["--optim.eps=1e-3", "--train.device=cpu"]
 
 
 def _losses(run_dir) -> list[tuple[int, float]]:
+    """(step, loss) per step, and (step, validation loss) for each evaluation (the last step's)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows]
+    return [(r["step"], r["loss"]) for r in rows] + [
+        (r["step"], r["val_loss"]) for r in rows if "val_loss" in r
+    ]
 
 
 # cp2 x ep2: 4 sequences per step, one per data rank (dp*ep = 2) and micro-batch (2), as the single

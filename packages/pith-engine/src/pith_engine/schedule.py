@@ -251,10 +251,20 @@ def schedule(
 
 
 def forward_schedule(pp: int, rank: int, micro_batches: int) -> list[Action | P2P]:
-    """Forwards only (evaluation): each micro-batch down the V and back up, transfers included."""
-    lists = [
-        [Action(Op.F, c, m) for m in range(micro_batches) for c in rank_chunks(pp, r)] for r in range(pp)
-    ]
+    """Forwards only (evaluation), transfers included, pipelined like DualPipeV's forwards: a rank runs
+    2(pp-1-r) micro-batches down its first chunk while the first one travels to its second, then
+    alternates the two: 2M + 2pp - 2 forward times for M micro-batches (the middle rank's 2M forwards
+    between the V's fill and drain, the least possible), where one micro-batch down the V and back up
+    before the next started took 2pp*M (test_schedule)."""
+    M = micro_batches
+    if pp == 1:
+        return [Action(Op.F, 0, m) for m in range(M)]
+    lists = []
+    for r in range(pp):
+        a, b = rank_chunks(pp, r)
+        warm = min(M, 2 * (pp - 1 - r))
+        down, up = [Action(Op.F, a, m) for m in range(M)], [Action(Op.F, b, m) for m in range(M)]
+        lists.append(down[:warm] + [x for pair in zip(down[warm:], up) for x in pair] + up[M - warm :])
     return _with_p2p(pp, lists, rank)
 
 
