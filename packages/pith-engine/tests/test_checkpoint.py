@@ -4,9 +4,11 @@ visibility and pruning. A minimal model following the contract stands in for pit
 import json
 from pathlib import Path
 
+import pith_ops
 import pytest
 import torch
-from pith_engine import checkpoint
+from pith_engine import checkpoint, layers
+from pith_ops.fp8_quant import FP8Weight, quantize_weight, weight_amax
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -80,6 +82,56 @@ def test_round_trip_restores_model_optimizer_and_bias_exactly(tmp_path):
         o.step()
     for a, b in zip(model.parameters(), other.parameters()):
         assert torch.equal(a, b)
+
+
+class FP8Model(nn.Module):
+    """FP8 weights of both kinds: stacked experts (one scale each) and a Linear."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleDict({"0": nn.Module()})
+        self.layers["0"].experts = layers.Experts(E, D, F)
+        for p in self.layers["0"].experts.parameters():
+            nn.init.normal_(p)
+        self.lm_head = layers.Linear(D, 7, bias=False)
+        layers.use_fp8(self, lm_head=True)
+        pith_ops.keep_grads(self.parameters())  # as pith-train's optimizers: their FP8 copies are kept
+
+
+def _kept(model: nn.Module) -> list:
+    return [pith_ops.kept_copy(p, torch.float8_e4m3fn) for p in model.parameters()]
+
+
+def test_fp8_copies_with_their_delayed_scales_round_trip_exactly(tmp_path):
+    """A weight's kept FP8 copies carry the scale of its values before the last update (delayed
+    scaling: here each amax 3x its own, one power of two up or more): the checkpoint keeps one scale per
+    weight and per expert, and loading requantises the loaded weights with them, bit for bit. A model
+    whose optimizer keeps no copies loads none; a checkpoint without scales loads into one that would."""
+    model = FP8Model(0)
+    for p in model.parameters():
+        amax = weight_amax(p) * 3
+        pith_ops.keep(p, FP8Weight(*quantize_weight(p.detach(), amax), weight_amax(p)), torch.float8_e4m3fn)
+    checkpoint.save(tmp_path / "ckpt", model)
+    keys = set(FileSystemReader(tmp_path / "ckpt").read_metadata().state_dict_metadata)
+    assert {k for k in keys if k.startswith("fp8_scale.")} == {
+        "fp8_scale.lm_head.weight",
+        *(f"fp8_scale.layers.0.experts.{w}.{e}" for w in ("w_gate_up", "w_down") for e in range(E)),
+    }
+    other = FP8Model(1)
+    checkpoint.load(tmp_path / "ckpt", other)
+    for p, want, got in zip(other.parameters(), _kept(model), _kept(other), strict=True):
+        assert all(torch.equal(a.float(), b.float()) for a, b in zip(want, got, strict=True))
+        assert not torch.equal(got.scale_rows, quantize_weight(p.detach())[1])  # not the own amax's
+    unmarked = FP8Model(1)
+    for p in unmarked.parameters():
+        del p._pith_keep_grad
+    checkpoint.load(tmp_path / "ckpt", unmarked)
+    assert _kept(unmarked) == [None] * 3
+    checkpoint.save(tmp_path / "none", unmarked)
+    fresh = FP8Model(2)
+    checkpoint.load(tmp_path / "none", fresh)
+    assert _kept(fresh) == [None] * 3
 
 
 def test_only_complete_checkpoints_count_and_prune_keeps_the_newest(tmp_path):

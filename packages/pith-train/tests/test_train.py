@@ -49,13 +49,21 @@ def reference(micro_config, tmp_path_factory):
     return losses
 
 
-def test_stop_and_resume_reproduces_the_uninterrupted_losses_exactly(micro_config, reference, tmp_path):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_stop_and_resume_reproduces_the_uninterrupted_losses_exactly(micro_config, reference, tmp_path, fp8):
+    """Also in FP8, whose weights' kept e4m3 copies carry the scale of the weights before the last
+    update (delayed scaling): the checkpoint restores it, or the resumed run's first forward would
+    quantise with the loaded weights' own amax."""
+    flags = ["--train.fp8=true"] if fp8 else []
+    if fp8:
+        pretrain(micro_config(*flags), tmp_path / "straight")
+        reference = _losses(tmp_path / "straight")
     assert reference[6] < reference[1] - 0.3  # it learns
     run = tmp_path / "resumed"
-    pretrain(micro_config(), run, stop_at=3)
+    pretrain(micro_config(*flags), run, stop_at=3)
     assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["step_000002", "step_000003"]
-    pretrain(micro_config(), run)
-    assert _losses(run) == reference  # exact equality, fp32 on CPU
+    pretrain(micro_config(*flags), run)
+    assert _losses(run) == reference  # exact equality, on CPU
     assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["step_000004", "step_000006"]
 
 

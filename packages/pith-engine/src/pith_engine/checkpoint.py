@@ -13,7 +13,12 @@ Nothing in it depends on the parallel layout, so a checkpoint loads under any ot
   experts' entries, read straight into its shard rows.
 Loading is in place: entries are views of the parameters and of the optimizer's state.
 The routers' `expert_bias` buffers (aux-loss-free balancing state) are saved whether or not a model
-registers them as persistent.
+registers them as persistent. So is the scale of each FP8 weight's kept e4m3 copies (per expert for
+stacked experts): the optimizer's update writes them with the scale of the weight before it (delayed
+scaling, pith_ops.adamw_), which the weight loaded alone cannot give; loading requantises the weight
+with it. Under a layout that keeps no copies (FSDP quantises each gathered weight per call) there is
+nothing to save or restore, and a checkpoint without the entries loads (the first forward then
+quantises with the weight's own amax).
 
 A checkpoint is a directory: the DCP files, `files` written by rank 0 (the trainer's JSON, the model's
 config.json) and `rng.{rank}.pt`, and `manifest.json`: every other file's size and SHA-256. It is
@@ -33,13 +38,16 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import pith_ops
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from pith_ops.fp8_quant import FP8_MAX, FP8Weight, weight_amax
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule
 
+from pith_engine.layers import FP8Switch, fp8_weights
 from pith_engine.parallel import SINGLE, Mesh, expert_param_names, local_rows
 
 STEP_DIR = re.compile(r"step_(\d+)")
@@ -152,6 +160,27 @@ def _split_optim(osd: dict, experts: set[str], mesh: Mesh) -> dict:
     return {"state": state}
 
 
+def _fp8_scales(model: nn.Module, mesh: Mesh, kept_only: bool) -> tuple[dict[str, Tensor], list]:
+    """The scales of the FP8 weights' kept copies (one per weight or expert, as FP8Switch.fp8_weight keeps
+    them) -> (canonical entries, [(weight, its scales [B], its entries' names)]). kept_only: of the
+    weights that have copies (saving); else zeros for each weight that would keep them, to load into."""
+    experts = expert_param_names(model)
+    fp8 = {p for m in model.modules() if isinstance(m, FP8Switch) and m.fp8 for _, p in fp8_weights(m)}
+    entries, weights = {}, []
+    for name, p in model.named_parameters():
+        if p not in fp8 or not FP8Switch.keeps_copies(p) or not p.numel():
+            continue
+        kept = pith_ops.kept_copy(p, torch.float8_e4m3fn)
+        if kept_only and kept is None:
+            continue
+        B = p.shape[0] if p.ndim == 3 else 1  # quantize_weight's batch entries
+        scale_B = kept.scale_rows.reshape(B, -1)[:, 0] if kept_only else torch.zeros(B, device=p.device)
+        mine = _split_experts({name: scale_B}, experts, mesh)
+        entries.update(mine)
+        weights.append((p, scale_B, list(mine)))
+    return entries, weights
+
+
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh) -> tuple[dict, dict | None]:
     """The canonical state dict, every entry a view of this rank's live tensors; and the optimizer's
     own state dict (to give back to it after loading)."""
@@ -190,6 +219,7 @@ def save(
             (tmp / name).write_text(text)
     _barrier(mesh)
     state, _ = _state(model, optimizer, mesh)
+    state["fp8_scale"] = _fp8_scales(model, mesh, kept_only=True)[0]
     _dcp(dcp.save, state, tmp, mesh)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -223,8 +253,10 @@ def load(
     if verify and (wrong := problem(path, mesh)):
         raise CorruptCheckpoint(f"checkpoint {path} is damaged: {wrong}")
     state, osd = _state(model, optimizer, mesh)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    entries, fp8 = _fp8_scales(model, mesh, kept_only=False)
+    state["fp8_scale"] = {k: v for k, v in entries.items() if f"fp8_scale.{k}" in saved}
     if optimizer is not None:  # e.g. AdamW's exp_avg where Muon wants a momentum_buffer
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         wanted = [f"optim.state.{n}.{k}" for n, entry in state["optim"]["state"].items() for k in entry]
         if missing := [k for k in wanted if k not in saved]:
             raise ValueError(
@@ -233,6 +265,10 @@ def load(
             )
     with torch.no_grad():
         _dcp(dcp.load, state, path, mesh)
+        for w, scale_B, names in fp8:  # the copies as the update wrote them (448 * scale gives scale)
+            if all(n in state["fp8_scale"] for n in names):
+                copies = pith_ops.quantize_weight(w.detach(), scale_B * FP8_MAX)
+                pith_ops.keep(w, FP8Weight(*copies, weight_amax(w)), torch.float8_e4m3fn)
     if optimizer is not None:  # the entries were views of osd's tensors; its groups are the optimizer's
         set_optimizer_state_dict(model, optimizer, osd)
     rng_file = path / f"rng.{_rank(mesh)}.pt"

@@ -210,13 +210,15 @@ class FP8Switch:
         if kept is not None:
             return kept[:4]
         copies = quantize(w)
-        if (
-            w.__dict__.get("_pith_keep_grad")
-            and torch.is_grad_enabled()
-            and type(w) in (Tensor, nn.Parameter)
-        ):
+        if FP8Switch.keeps_copies(w) and torch.is_grad_enabled():
             pith_ops.keep(w, FP8Weight(*copies, weight_amax(w)), torch.float8_e4m3fn)
         return copies
+
+    @staticmethod
+    def keeps_copies(w: Tensor) -> bool:
+        """Whether fp8_weight keeps w's FP8 copies (in eager code): w is a weight its optimizer marks and
+        the optimizer's own tensor, not FSDP's sharded one."""
+        return bool(w.__dict__.get("_pith_keep_grad")) and type(w) in (Tensor, nn.Parameter)
 
 
 def use_fp8(model: nn.Module, enabled: bool = True, lm_head: bool = False) -> None:
