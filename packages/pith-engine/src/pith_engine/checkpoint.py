@@ -13,12 +13,9 @@ Nothing in it depends on the parallel layout, so a checkpoint loads under any ot
   experts' entries, read straight into its shard rows.
 Loading is in place: entries are views of the parameters and of the optimizer's state.
 The routers' `expert_bias` buffers (aux-loss-free balancing state) are saved whether or not a model
-registers them as persistent. So is the scale of each FP8 weight's kept e4m3 copies (per expert for
-stacked experts): the optimizer's update writes them with the scale of the weight before it (delayed
-scaling, pith_ops.adamw_), which the weight loaded alone cannot give; loading requantises the weight
-with it. Under a layout that keeps no copies (FSDP quantises each gathered weight per call) there is
-nothing to save or restore, and a checkpoint without the entries loads (the first forward then
-quantises with the weight's own amax).
+registers them as persistent. So is the scale of each FP8 weight's kept e4m3 copies (per expert), which
+the update wrote with the old weight's amax (delayed scaling, pith_ops.adamw_); loading requantises
+the weight with it. None where a layout keeps no copies (FSDP); a checkpoint without them still loads.
 
 A checkpoint is a directory: the DCP files, `files` written by rank 0 (the trainer's JSON, the model's
 config.json) and `rng.{rank}.pt`, and `manifest.json`: every other file's size and SHA-256. It is
@@ -161,9 +158,8 @@ def _split_optim(osd: dict, experts: set[str], mesh: Mesh) -> dict:
 
 
 def _fp8_scales(model: nn.Module, mesh: Mesh, kept_only: bool) -> tuple[dict[str, Tensor], list]:
-    """The scales of the FP8 weights' kept copies (one per weight or expert, as FP8Switch.fp8_weight keeps
-    them) -> (canonical entries, [(weight, its scales [B], its entries' names)]). kept_only: of the
-    weights that have copies (saving); else zeros for each weight that would keep them, to load into."""
+    """The FP8 weights' kept copies' scales -> (canonical entries, [(weight, scales [B], entry names)]):
+    of the weights holding copies (kept_only), else zeros to load into for those that would keep them."""
     experts = expert_param_names(model)
     fp8 = {p for m in model.modules() if isinstance(m, FP8Switch) and m.fp8 for _, p in fp8_weights(m)}
     entries, weights = {}, []

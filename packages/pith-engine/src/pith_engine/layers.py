@@ -98,13 +98,11 @@ class WeightGradQueue:
 
 
 class _DeferWgrad(torch.autograd.Function):
-    """y = forward_saving(x, *weights)[0] with a backward whose weight gradients a WeightGradQueue may
-    defer. split = (forward_saving(x, *weights) -> (y, saved tensors), backward(saved, dy, need_dx) ->
-    (dx or None, closure -> weights' grads)): the op's backward in two halves (pith_ops.
-    grouped_gemm_backward, pith_ops.fp8_linear.backward, _linear_backward), the closure reading only
-    what the forward saved, so under activation checkpointing one recompute serves dx and the weights'
-    grads (a graph built inside the forward and asked twice recomputed its checkpointed stage 10 to 14
-    times a micro-batch, test_wgrad_delay)."""
+    """y with a backward whose weight gradients a WeightGradQueue may defer. split = (forward_saving(x,
+    *weights) -> (y, saved tensors), backward(saved, dy, need_dx) -> (dx or None, closure -> weights'
+    grads)): the op's backward in two halves, the closure reading only what the forward saved, so under
+    activation checkpointing one recompute serves both (a graph built in the forward and asked twice
+    recomputed its checkpointed stage 10 to 14 times a micro-batch)."""
 
     @staticmethod
     def forward(ctx, queue: WeightGradQueue, split: tuple, x, *weights):
@@ -334,8 +332,8 @@ class Linear(FP8Switch, nn.Linear):
 
 
 def _linear_forward(x: Tensor, w_OI: Tensor, *bias_O: Tensor) -> tuple[Tensor, tuple]:
-    """nn.functional.linear, its GEMM operands cast as autocast casts them (a Function's forward runs
-    under the caller's autocast) and kept for _linear_backward."""
+    """nn.functional.linear on operands cast as autocast would (a Function's forward runs under the
+    caller's autocast), kept for _linear_backward."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     x_TI, w_OI = x.flatten(0, -2).to(dtype), w_OI.to(dtype)
@@ -344,9 +342,8 @@ def _linear_forward(x: Tensor, w_OI: Tensor, *bias_O: Tensor) -> tuple[Tensor, t
 
 
 def _linear_backward(saved: tuple, dy: Tensor, need_dx: bool):
-    """The products of autograd's linear backward (mm's, a contiguous weight), bit for bit: dx now,
-    (dW, dbias) when called, in the GEMM's dtype (the weights' dtype casts widen them,
-    pith_ops.weight_grad)."""
+    """Autograd's linear backward (mm's, a contiguous weight) bit for bit: dx now, (dW, dbias) in the
+    GEMM's dtype when called (pith_ops.weight_grad widens them)."""
     x_TI, w_OI, *bias_O = saved
     dy_TO = dy.flatten(0, -2)
     dx = None

@@ -251,11 +251,9 @@ def schedule(
 
 
 def forward_schedule(pp: int, rank: int, micro_batches: int) -> list[Action | P2P]:
-    """Forwards only (evaluation), transfers included, pipelined like DualPipeV's forwards: a rank runs
-    2(pp-1-r) micro-batches down its first chunk while the first one travels to its second, then
-    alternates the two: 2M + 2pp - 2 forward times for M micro-batches (the middle rank's 2M forwards
-    between the V's fill and drain, the least possible), where one micro-batch down the V and back up
-    before the next started took 2pp*M (test_schedule)."""
+    """Forwards only (evaluation), transfers included: rank r runs 2(pp-1-r) micro-batches down its first
+    chunk, then alternates its two, in 2M + 2pp - 2 forward times for M micro-batches (the least the V
+    allows; one micro-batch at a time took 2pp*M)."""
     M = micro_batches
     if pp == 1:
         return [Action(Op.F, 0, m) for m in range(M)]
