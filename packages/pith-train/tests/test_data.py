@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pith_train.data import PackedDataset, WindowLoader
-from pith_train.prepare import ByteTokenizer, find_inputs, load_tokenizer, prepare
+from pith_train.prepare import ByteTokenizer, find_inputs, load_tokenizer, prepare, stdlib_corpus
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 DOCS = ["héllo wörld\n", "second document, with more words than the first", "x"]
@@ -94,13 +94,35 @@ def test_a_truncated_tokens_file_is_named_with_the_fix(tmp_path, byte_data):
         PackedDataset(str(tmp_path / "ds"))
 
 
+@pytest.fixture(scope="module")
+def val_data(tmp_path_factory):
+    """Another byte dataset (a fourth standard-library file), for data.val_path."""
+    out = tmp_path_factory.mktemp("val") / "bytes"
+    prepare(stdlib_corpus()[3:4], str(out), "byte", progress=False, workers=1)
+    return out
+
+
+def _cut(ds: PackedDataset, seq_len: int, i: int) -> tuple:
+    """Window i's inputs, straight from the packed tokens."""
+    return tuple(ds.tokens[i * seq_len : (i + 1) * seq_len].astype(np.int64).tolist())
+
+
 @settings(max_examples=30)
-@given(val_windows=st.integers(1, 11), micro_batch=st.integers(1, 4), ranks=st.integers(1, 5))
-def test_validation_covers_every_window_once_whatever_the_layout(byte_data, val_windows, micro_batch, ranks):
+@given(
+    val_windows=st.integers(1, 11),
+    micro_batch=st.integers(1, 4),
+    ranks=st.integers(1, 5),
+    separate=st.booleans(),
+)
+def test_validation_covers_every_window_once_whatever_the_layout(
+    byte_data, val_data, val_windows, micro_batch, ranks, separate
+):
     """Formerly the remainder of val_windows / ranks was dropped (a layout-dependent validation loss,
     NaN with fewer windows than ranks); then the padding rows' ignored labels were written into their
-    inputs too (an embedding IndexError in validation)."""
-    loader = WindowLoader(PackedDataset(str(byte_data)), 16, val_windows, seed=0)
+    inputs too (an embedding IndexError in validation). Validated windows: one from each of
+    val_windows equal parts of the validation dataset (data.val_path's when `separate`)."""
+    ds, val_ds = PackedDataset(str(byte_data)), PackedDataset(str(val_data))
+    loader = WindowLoader(ds, 16, val_windows, seed=0, val_ds=val_ds if separate else None)
     shares = [list(loader.val_batches(micro_batch, r, ranks)) for r in range(ranks)]
     assert len({len(s) for s in shares}) == 1  # every rank runs the same number of batches
     counted = []
@@ -111,8 +133,31 @@ def test_validation_covers_every_window_once_whatever_the_layout(byte_data, val_
             kept = (labels_BS != -100).all(1)
             assert ((labels_BS == -100).all(1) | kept).all()  # a row counts whole or not at all
             counted += [tuple(row.tolist()) for row in inputs_BS[kept]]
-    expected = [tuple(x.tolist()) for x in next(iter(loader.val_batches(val_windows)))[0]]
-    assert sorted(counted) == sorted(expected)
+    source = val_ds if separate else ds
+    total = source.num_windows(16)
+    ids = sorted(loader.val_ids.tolist())
+    assert all(k * total <= i * val_windows < (k + 1) * total for k, i in enumerate(ids))  # one per part
+    assert sorted(counted) == sorted(_cut(source, 16, i) for i in ids)
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_an_epoch_trains_every_window_but_the_held_out_ones(byte_data, val_data, separate):
+    """Validation windows are held out of training, spread over the corpus (not its tail, which may be
+    one document) whatever the seed; with data.val_path nothing is held out. Each epoch trains every
+    other window once."""
+    ds, val_ds = PackedDataset(str(byte_data)), PackedDataset(str(val_data)) if separate else None
+    loaders = [WindowLoader(ds, 16, 8, seed, val_ds) for seed in (5, 6)]
+    held = set(loaders[0].val_ids.tolist()) if not separate else set()
+    assert np.array_equal(loaders[0].val_ids, loaders[1].val_ids)  # the seed does not choose them
+    total = ds.num_windows(16)
+    if not separate:
+        assert len(held) == 8 and min(held) < total // 8 and max(held) >= total * 7 // 8
+    expected = sorted(_cut(ds, 16, i) for i in range(total) if i not in held)
+    for loader in loaders:
+        for epoch in range(2):
+            first = epoch * loader.num_train
+            seen = [loader.step_batch(c, 1, 1)[0][0][0] for c in range(first, first + loader.num_train)]
+            assert sorted(tuple(x.tolist()) for x in seen) == expected
 
 
 def test_dataset_checks_tokenizer_and_vocab(tmp_path, byte_data):
@@ -143,16 +188,17 @@ def test_loader_is_deterministic_sharded_and_resumable(byte_data):
     ranks = [loader.step_batch(8, 8, 2, rank=r, ranks=2) for r in range(2)]
     for j in range(2):
         assert torch.equal(torch.cat([ranks[0][j][0], ranks[1][j][0]]), whole[j][0])
-    # An epoch visits every training window once; validation windows never appear in training.
-    n = loader.num_train
-    seen = torch.cat([loader.step_batch(c, 1, 1)[0][0] for c in range(n)])
-    starts = {int(loader._order[i]) for i in range(n)}
-    assert starts == set(range(n)) and seen.shape == (n, 16)
-    val = torch.stack([x for xs, ys in loader.val_batches(3) for x, y in zip(xs, ys) if (y != -100).all()])
-    assert val.shape == (8, 16)
-    assert torch.equal(val[0], torch.from_numpy(ds.tokens[n * 16 : n * 16 + 16].astype(np.int64)))
 
 
-def test_loader_rejects_too_little_data(byte_data):
-    with pytest.raises(ValueError, match="not more than data.val_windows"):
-        WindowLoader(PackedDataset(str(byte_data)), seq_len=4096, val_windows=16, seed=0)
+def test_loader_rejects_too_little_data(byte_data, val_data):
+    ds = PackedDataset(str(byte_data))
+    with pytest.raises(
+        ValueError,
+        match=r"has 2 windows of data.seq_len=4096, fewer than 17 \(16 held out \(data.val_windows\) and one",
+    ):
+        WindowLoader(ds, seq_len=4096, val_windows=16, seed=0)
+    with pytest.raises(
+        ValueError,
+        match=r"bytes has 0 windows of data.seq_len=4096, fewer than 2 \(data.val_windows\): lower data.val_",
+    ):
+        WindowLoader(ds, seq_len=4096, val_windows=2, seed=0, val_ds=PackedDataset(str(val_data)))

@@ -116,6 +116,8 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(micro_conf
         (["--model.name=qwen3-moe-tiny"], "vocab size 257 .* more than the model's 128"),
         (["--data.tokenizer={tmp}/tokenizer.json"], "was made with tokenizer byte"),
         (["--model.name={tmp}"], "needs a config.json"),
+        (["--data.val_path={tmp}"], "data.val_path '.*': no prepared dataset there"),
+        (["--data.path={tmp}", "--data.val_path={tmp}/"], "data.val_path is data.path"),
     ],
 )
 def test_bad_inputs_stop_before_any_compute(micro_args, tmp_path, overrides, message):
@@ -295,6 +297,7 @@ def test_a_run_whose_checkpoints_are_all_damaged_is_never_restarted_silently(mic
         (["--data.seq_len=16"], "data.seq_len 32 -> 16 would change which sequences"),
         (["--train.seed=1"], "train.seed 0 -> 1"),
         (["--train.global_batch=8"], "train.global_batch 4 -> 8"),
+        (["--data.val_path=elsewhere"], "data.val_path '' -> 'elsewhere' would change which sequences"),
         (["--model.name=qwen3-moe-tiny"], "another model than model.name='qwen3-moe-tiny'"),
         (
             ["--train.steps=12"],

@@ -29,7 +29,12 @@ class DataConfig:
     path: str = ""  # a dataset made by `pith-train prepare-data`; "" = built-in corpus, made in RUN_DIR/data
     tokenizer: str = "byte"  # "byte" or a tokenizer.json; must be the one the dataset was made with
     seq_len: int = 128  # tokens per training sequence
-    val_windows: int = 16  # sequences held out at the end of the dataset for the validation loss
+    # A dataset made by `pith-train prepare-data` with the same tokenizer, for the validation loss; all
+    # of data.path then trains. "" = data.path holds val_windows windows out, spread over it.
+    val_path: str = ""
+    # Sequences of the validation loss, spread evenly over val_path's windows (or data.path's): a fixed
+    # sample of a separate set each time, as Megatron's eval-iters is, not all of it.
+    val_windows: int = 16
 
 
 @dataclass

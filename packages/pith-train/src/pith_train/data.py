@@ -1,8 +1,11 @@
 """The packed dataset (made by prepare.py) and the loader of training windows.
 
 Training reads windows of seq_len + 1 tokens with stride seq_len (window i starts at i * seq_len):
-inputs are the first seq_len tokens, labels the last seq_len. The last `val_windows` windows are the
-validation split; the others are shuffled per epoch by a permutation seeded with (seed, epoch).
+inputs are the first seq_len tokens, labels the last seq_len. Validation scores `val_windows` windows
+spread evenly over a separate dataset (data.val_path; then every training window trains) or else
+over the training dataset, which holds them out: the middle window of each of val_windows equal
+parts, whatever the seed (a corpus's tail is often one document: the built-in corpus's is the end of
+zipimport.py). The training windows are shuffled per epoch by a permutation seeded with (seed, epoch).
 
 Data layout contract (the parallel engine relies on it): the sequences of optimizer step s are
 positions [cursor, cursor + G) of the shuffled order (cursor = sequences consumed before the step);
@@ -22,10 +25,10 @@ from pith_train.prepare import ByteTokenizer, HFTokenizer
 
 
 class PackedDataset:
-    def __init__(self, path: str):
+    def __init__(self, path: str, key: str = "data.path"):
         meta_path = Path(path) / "meta.json"
         if not meta_path.is_file():
-            raise ValueError(f"data.path {path!r}: no prepared dataset there (run `pith-train prepare-data`)")
+            raise ValueError(f"{key} {path!r}: no prepared dataset there (run `pith-train prepare-data`)")
         self.path = path
         try:
             self.meta = json.loads(meta_path.read_text())
@@ -61,33 +64,45 @@ class PackedDataset:
                 f" {self.meta['tokenizer']}), more than the model's {model_vocab}"
             )
 
+    def num_windows(self, seq_len: int) -> int:
+        return (len(self.tokens) - 1) // seq_len
+
+
+def windows(tokens: np.ndarray, seq_len: int, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs_BS, labels_BS) of windows `ids` of `tokens`."""
+    rows = np.stack([tokens[i * seq_len : (i + 1) * seq_len + 1] for i in ids]).astype(np.int64)
+    # Two tensors, not two views of one: a caller writing labels (val_batches' padding) leaves inputs.
+    return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+
 
 class WindowLoader:
-    """Fixed windows of a PackedDataset; which sequences a step gets depends only on (seed, cursor)."""
+    """Fixed windows of a PackedDataset (validated on those of `val_ds` when given); which sequences a
+    step gets depends only on (seed, cursor)."""
 
-    def __init__(self, ds: PackedDataset, seq_len: int, val_windows: int, seed: int):
+    def __init__(self, ds: PackedDataset, seq_len: int, val_windows: int, seed: int, val_ds=None):
         self.tokens, self.S, self.seed = ds.tokens, seq_len, seed
-        total = (len(ds.tokens) - 1) // seq_len
-        self.num_train = total - val_windows
-        if self.num_train < 1:
-            raise ValueError(
-                f"dataset {ds.path} has {len(ds.tokens)} tokens: {total} windows of data.seq_len={seq_len},"
-                f" not more than data.val_windows={val_windows}"
-            )
-        self.val_ids = np.arange(self.num_train, total)
+        val_from = val_ds or ds
+        total, val_total = ds.num_windows(seq_len), val_from.num_windows(seq_len)
+        held = 0 if val_ds else val_windows
+        train_needs = f"{held} held out (data.val_windows) and one to train"
+        for d, n, need, what in ((ds, total, held + 1, train_needs), (val_from, val_total, val_windows, "")):
+            if n < need:
+                raise ValueError(
+                    f"dataset {d.path} has {n} windows of data.seq_len={seq_len}, fewer than {need}"
+                    f" ({what or 'data.val_windows'}): lower data.val_windows or data.seq_len"
+                )
+        self.val_tokens = val_from.tokens
+        self.val_ids = (2 * np.arange(val_windows) + 1) * val_total // (2 * val_windows)
+        self.train_ids = np.setdiff1d(np.arange(total), self.val_ids) if held else np.arange(total)
+        self.num_train = len(self.train_ids)
         self._epoch, self._order = -1, None
-
-    def windows(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = np.stack([self.tokens[i * self.S : i * self.S + self.S + 1] for i in ids]).astype(np.int64)
-        # Two tensors, not two views of one: a caller writing labels (val_batches' padding) leaves inputs.
-        return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
 
     def _train_id(self, k: int) -> int:
         epoch, i = divmod(k, self.num_train)
         if epoch != self._epoch:
             rng = np.random.default_rng([self.seed, epoch])
             self._epoch, self._order = epoch, rng.permutation(self.num_train)
-        return int(self._order[i])
+        return int(self.train_ids[self._order[i]])
 
     def step_batch(
         self, cursor: int, global_batch: int, micro_batch: int, rank: int = 0, ranks: int = 1
@@ -96,7 +111,8 @@ class WindowLoader:
         out = []
         for j in range(global_batch // (micro_batch * ranks)):
             first = cursor + (j * ranks + rank) * micro_batch
-            out.append(self.windows(np.array([self._train_id(k) for k in range(first, first + micro_batch)])))
+            ids = np.array([self._train_id(k) for k in range(first, first + micro_batch)])
+            out.append(windows(self.tokens, self.S, ids))
         return out
 
     def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1, ignore_index: int = -100):
@@ -107,6 +123,6 @@ class WindowLoader:
         n, per_round = len(self.val_ids), micro_batch * ranks
         for first in range(0, n, per_round):
             ids = np.arange(first + rank * micro_batch, first + (rank + 1) * micro_batch)
-            inputs_BS, labels_BS = self.windows(self.val_ids[np.minimum(ids, n - 1)])
+            inputs_BS, labels_BS = windows(self.val_tokens, self.S, self.val_ids[np.minimum(ids, n - 1)])
             labels_BS[torch.from_numpy(ids >= n)] = ignore_index
             yield inputs_BS, labels_BS

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pith_train.config import Config, load_config
-from pith_train.data import PackedDataset, WindowLoader
+from pith_train.data import PackedDataset, windows
 from pith_train.prepare import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
@@ -43,12 +43,12 @@ def dataset_loss(model: nn.Module, ds: PackedDataset, seq_len: int, batch: int, 
     (all of them, or the first max_windows) -> (loss, tokens scored)."""
     if seq_len > model.cfg.max_position_embeddings:
         raise ValueError(f"--seq-len {seq_len} is more than the model's {model.cfg.max_position_embeddings}")
-    loader = WindowLoader(ds, seq_len, 0, 0)
-    n = min(loader.num_train, max_windows or loader.num_train)
+    n = min(ds.num_windows(seq_len), max_windows or ds.num_windows(seq_len))
     device = model.lm_head.weight.device
     total, count = 0.0, 0
     for first in range(0, n, batch):
-        inputs_BS, labels_BS = (t.to(device) for t in loader.windows(np.arange(first, min(n, first + batch))))
+        ids = np.arange(first, min(n, first + batch))
+        inputs_BS, labels_BS = (t.to(device) for t in windows(ds.tokens, seq_len, ids))
         with _autocast(device):
             logits_BSV = model(inputs_BS)
         total += F.cross_entropy(

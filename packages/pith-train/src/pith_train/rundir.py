@@ -34,6 +34,7 @@ DATA_ORDER = (
     "data.path",
     "data.tokenizer",
     "data.seq_len",
+    "data.val_path",  # with one, no training window is held out
     "data.val_windows",
     "train.seed",
     "train.global_batch",

@@ -146,8 +146,9 @@ def build_model(
     return built
 
 
-def open_data(cfg: Config, run_dir: Path, main: bool) -> PackedDataset:
-    """The configured dataset; the built-in corpus is prepared into RUN_DIR/data on first use."""
+def open_data(cfg: Config, run_dir: Path, main: bool) -> tuple[PackedDataset, PackedDataset | None]:
+    """The configured dataset and validation dataset (None: none configured); the built-in corpus is
+    prepared into RUN_DIR/data on first use."""
     tok = load_tokenizer(cfg.data.tokenizer)
     path = Path(cfg.data.path) if cfg.data.path else run_dir / "data"
     if not cfg.data.path and not (path / "meta.json").is_file():
@@ -157,9 +158,16 @@ def open_data(cfg: Config, run_dir: Path, main: bool) -> PackedDataset:
             dist.barrier()
     if not path.exists():
         raise ValueError(f"data.path {str(path)!r} does not exist")
+    val_path = cfg.data.val_path
+    if val_path and Path(val_path).resolve() == path.resolve():
+        raise ValueError(f"data.val_path is data.path ({val_path!r}): choose another dataset or none")
     ds = PackedDataset(str(path))
     ds.check_tokenizer(tok)
-    return ds
+    if not val_path:
+        return ds, None
+    val_ds = PackedDataset(val_path, "data.val_path")
+    val_ds.check_tokenizer(tok)
+    return ds, val_ds
 
 
 def _device(cfg: Config) -> torch.device:
@@ -195,7 +203,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
         init = rundir.check_init(cfg, model_cfg.to_hf(), mesh, warn)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    ds = open_data(cfg, run_dir, main)
+    ds, val_ds = open_data(cfg, run_dir, main)
     ds.check_vocab(model_cfg.vocab_size)
     bad = fp8_size_problems(cfg, model_cfg) if device.type == "cuda" else []
     if bad:
@@ -203,7 +211,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
             f"train.fp8 / train.fp8_lm_head on CUDA need multiples of 16, got {', '.join(bad)}: pad the"
             " model (e.g. --model.vocab_size), change data.seq_len or train.micro_batch, or turn FP8 off"
         )
-    loader = WindowLoader(ds, cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed)
+    loader = WindowLoader(ds, cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed, val_ds)
     if main:
         rundir.write_config(run_dir, cfg)
     torch.manual_seed(cfg.train.seed)
