@@ -154,7 +154,11 @@ def test_convert_carries_the_tokenizer_both_ways(micro_hf, tmp_path):
 
 def test_eval_reports_the_reference_loss_of_every_window(trained, byte_data, capsys):
     main(["eval", str(trained), "--data", str(byte_data), "--batch", "3", "--max-windows", "7"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [  # not a terminal: progress lines, each a tenth of the windows or more
+        f"{n}/7 windows, loss so far {float(line.split()[-1]):.4f}"
+        for n, line in zip((3, 6, 7), err.splitlines())
+    ]
     loss, perplexity = float(out.split()[1]), float(out.split()[3])
     assert (
         perplexity == pytest.approx(math.exp(loss), rel=1e-4)
@@ -227,19 +231,25 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
     "argv, message",
     [
         (
-            ["eval", "{tmp}", "--data", "{data}", "--tokenizer", "byte"],
+            ["eval", "{tmp}", "--data", "{data}", "--tokenizer", "byte", "--seq-len", "32"],
             "a model directory needs a config.json",
         ),
+        (
+            ["eval", "{hf}", "--data", "{data}", "--tokenizer", "byte"],
+            "has no run config (config.toml) giving the window length: pass --seq-len",
+        ),
+        (["eval", "{ckpt}", "--data", "{data}", "--cpu-threads", "-1"], "--cpu-threads must be >= 0"),
+        (["eval", "{ckpt}", "--data", "{data}", "--seq-len", "60000"], "not one window of --seq-len 60000"),
         (["generate", "{ckpt}", "--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["generate", "{tmp}", "--prompt", "x"], "no tokenizer.json and no run config"),
         (["eval", "{damaged}", "--data", "{data}", "--tokenizer", "byte"], "is damaged: manifest.json"),
     ],
 )
-def test_inference_commands_fail_with_one_line(trained, byte_data, tmp_path, capsys, argv, message):
+def test_inference_commands_fail_with_one_line(trained, byte_data, micro_hf, tmp_path, capsys, argv, message):
     damaged = tmp_path / "damaged"
     shutil.copytree(trained, damaged)
     (damaged / "manifest.json").unlink()
-    names = {"tmp": tmp_path, "ckpt": trained, "damaged": damaged, "data": byte_data}
+    names = {"tmp": tmp_path, "ckpt": trained, "damaged": damaged, "data": byte_data, "hf": micro_hf}
     with pytest.raises(SystemExit) as e:
         main([a.format(**names) for a in argv])
     err = capsys.readouterr().err

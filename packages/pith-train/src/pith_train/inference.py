@@ -4,12 +4,14 @@
 Shape legend: B sequences, S sequence length, V vocabulary.
 """
 
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from pith_train.config import Config, load_config
 from pith_train.data import PackedDataset, windows
@@ -40,12 +42,16 @@ def _autocast(device: torch.device):
 @torch.no_grad()
 def dataset_loss(model: nn.Module, ds: PackedDataset, seq_len: int, batch: int, max_windows: int = 0):
     """Mean next-token cross-entropy over the dataset's windows of seq_len + 1 tokens at stride seq_len
-    (all of them, or the first max_windows) -> (loss, tokens scored)."""
+    (all of them, or the first max_windows) -> (loss, tokens scored). Progress on stderr: a bar on a
+    terminal, else a line per tenth of the windows."""
+    n = min(ds.num_windows(seq_len), max_windows or ds.num_windows(seq_len))
+    if n < 1:
+        raise ValueError(f"{ds.path} has {len(ds.tokens)} tokens, not one window of --seq-len {seq_len} + 1")
     if seq_len > model.cfg.max_position_embeddings:
         raise ValueError(f"--seq-len {seq_len} is more than the model's {model.cfg.max_position_embeddings}")
-    n = min(ds.num_windows(seq_len), max_windows or ds.num_windows(seq_len))
     device = model.lm_head.weight.device
-    total, count = 0.0, 0
+    total, count, lines = 0.0, 0, 0
+    bar = tqdm(total=n, unit="window", disable=not sys.stderr.isatty())
     for first in range(0, n, batch):
         ids = np.arange(first, min(n, first + batch))
         inputs_BS, labels_BS = (t.to(device) for t in windows(ds.tokens, seq_len, ids))
@@ -55,6 +61,11 @@ def dataset_loss(model: nn.Module, ds: PackedDataset, seq_len: int, batch: int, 
             logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="sum"
         ).item()
         count += labels_BS.numel()
+        bar.update(len(ids))
+        if bar.disable and (ids[-1] + 1) * 10 >= (lines + 1) * n:
+            lines += 1
+            print(f"{ids[-1] + 1}/{n} windows, loss so far {total / count:.4f}", file=sys.stderr)
+    bar.close()
     return total / count, count
 
 
