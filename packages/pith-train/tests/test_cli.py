@@ -135,21 +135,35 @@ def test_convert_after_default_training_exports_with_a_note_or_refuses(trained, 
     main(["convert", str(trained), str(tmp_path / "hf"), "--dtype", "float32"])
     out = capsys.readouterr().out
     assert "note: 2 MoE layers have a nonzero routing bias" in out and "routes without it" in out
-    assert "has no tokenizer.json to copy" in out  # a byte-tokenizer run
+    assert "need --tokenizer" not in out  # the run's config.toml went along, naming the byte tokenizer
     exported = pith_models.from_pretrained(tmp_path / "hf")
     for name, p in exported.state_dict().items():  # everything but the routing bias, exactly
         want = torch.zeros_like(p) if name.endswith("expert_bias") else model.state_dict()[name]
         assert torch.equal(p, want), name
 
 
-def test_convert_carries_the_tokenizer_both_ways(micro_hf, tmp_path):
+def test_convert_carries_the_tokenizer_and_the_run_config_both_ways(micro_hf, tmp_path):
     hf = tmp_path / "hf_in"
     shutil.copytree(micro_hf, hf)
-    (hf / "tokenizer.json").write_text('{"version": "1.0"}')
+    carried = {"tokenizer.json": '{"version": "1.0"}', "config.toml": "[data]\nseq_len = 48\n"}
+    for name, text in carried.items():
+        (hf / name).write_text(text)
     main(["convert", str(hf), str(tmp_path / "pith")])
-    assert (tmp_path / "pith" / "tokenizer.json").read_text() == '{"version": "1.0"}'
     main(["convert", str(tmp_path / "pith"), str(tmp_path / "hf_out")])
-    assert (tmp_path / "hf_out" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    for name, text in carried.items():
+        assert (tmp_path / "pith" / name).read_text() == (tmp_path / "hf_out" / name).read_text() == text
+
+
+def test_eval_and_generate_on_an_exported_byte_run_need_no_tokenizer_or_seq_len(
+    trained, byte_data, tmp_path, capsys
+):
+    """The export carries the run's config.toml: the byte tokenizer and data.seq_len (32) come from it."""
+    main(["convert", str(trained), str(tmp_path / "hf"), "--dtype", "float32"])
+    main(["eval", str(tmp_path / "hf"), "--data", str(byte_data), "--max-windows", "5"])
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out.startswith("loss ") and "(160 tokens of" in out and "windows of 32)" in out
+    main(["generate", str(tmp_path / "hf"), "--prompt", "def ", "--max-new-tokens", "3"])
+    assert capsys.readouterr().out.startswith("def ")
 
 
 def test_eval_reports_the_reference_loss_of_every_window(trained, byte_data, capsys):

@@ -92,7 +92,8 @@ def _routing_bias(model, refuse: bool) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> None:
     """HF directory -> Pith checkpoint, or Pith checkpoint -> HF directory (told apart by their files),
-    written under DST.tmp and renamed when complete; tokenizer.json goes along when there is one."""
+    written under DST.tmp and renamed when complete. tokenizer.json and the run's config.toml go along
+    when there are: eval and generate read the tokenizer (byte has no file) and seq_len there."""
     import json
 
     import pith_models
@@ -105,7 +106,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         raise ValueError(f"destination {args.dst!r} already exists")
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = src / "tokenizer.json"
+    carried = {n: (src / n).read_text() for n in ("tokenizer.json", "config.toml") if (src / n).is_file()}
     try:
         if (src / ".metadata").is_file():
             model = pith_models.build(config_from_hf(json.loads((src / "config.json").read_text())), "cpu")
@@ -113,15 +114,14 @@ def cmd_convert(args: argparse.Namespace) -> None:
             _routing_bias(model, args.refuse_routing_bias)
             dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
             pith_models.save_pretrained(model, tmp, dtype=dtype)
-            if tokenizer.is_file():
-                shutil.copy(tokenizer, tmp / "tokenizer.json")
+            for name, text in carried.items():
+                (tmp / name).write_text(text)
             done = f"Hugging Face directory {dst}"
         elif (src / "config.json").is_file():
             model = pith_models.from_pretrained(src)
-            files = {"config.json": json.dumps(model.cfg.to_hf(), indent=1)}
-            if tokenizer.is_file():
-                files["tokenizer.json"] = tokenizer.read_text()
-            checkpoint.save(tmp, model, files=files)
+            checkpoint.save(
+                tmp, model, files={"config.json": json.dumps(model.cfg.to_hf(), indent=1), **carried}
+            )
             done = f"Pith checkpoint {dst} (train from it with --model.name={dst})"
         else:
             raise ValueError(
@@ -130,7 +130,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
         tmp.rename(dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"wrote {done}" + ("" if tokenizer.is_file() else f"; {src} has no tokenizer.json to copy"))
+    note = f"; {src} has no tokenizer.json or config.toml: eval and generate need --tokenizer"
+    print(f"wrote {done}" + ("" if carried else note))
 
 
 def _device(args: argparse.Namespace):

@@ -19,7 +19,8 @@ from pith_train.prepare import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
 def run_config(path: Path) -> Config | None:
-    """The training config a checkpoint carries (None for a converted or Hugging Face directory)."""
+    """The config of the run that trained a checkpoint or its Hugging Face export (`pith-train convert`
+    carries it), or None (a directory from elsewhere)."""
     return load_config(str(path / "config.toml")) if (path / "config.toml").is_file() else None
 
 
