@@ -1,8 +1,10 @@
+import dataclasses
 import json
 import math
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pith_models
@@ -11,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pith_train.cli import main
-from pith_train.data import PackedDataset
+from pith_train.data import PackedDataset, WindowLoader, windows
 from pith_train.inference import top_p_keep
-from pith_train.prepare import ByteTokenizer
-from pith_train.train import build_model
+from pith_train.prepare import ByteTokenizer, HFTokenizer, stdlib_corpus
+from pith_train.train import build_model, pretrain
 from safetensors.torch import load_file
 
 
@@ -268,3 +270,56 @@ def test_inference_commands_fail_with_one_line(trained, byte_data, micro_hf, tmp
         main([a.format(**names) for a in argv])
     err = capsys.readouterr().err
     assert e.value.code == 1 and message in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_prepare_data_trains_a_bpe_tokenizer_that_round_trips_and_a_model_trains_on_it(
+    micro_config, micro_hf, tmp_path, capsys
+):
+    """--train-tokenizer 300 on three standard-library files and .jsonl rows: every document decodes
+    back to its text; a micro model of 320 rows trains on it, validated on a second dataset
+    (data.val_path) made with that tokenizer, whose logged validation loss is the float64 reference
+    loss of the spread validation windows."""
+    docs = ["héllo wörld ☃", "  two  spaces\tand a tab\n", "<|endoftext|> as text", ""]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in docs) + "\n")
+    files = [*stdlib_corpus()[:3], str(tmp_path / "rows.jsonl")]
+    train_ds, val_ds = tmp_path / "train", tmp_path / "val"
+    for bad, message in (
+        ("--tokenizer=byte", "not allowed with argument"),
+        ("--workers=1", "257: 256 bytes, EOS and one merge need 258 or more"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["prepare-data", *files, "--out", str(train_ds), "--train-tokenizer", "257", bad])
+        assert message in capsys.readouterr().err and not train_ds.exists()
+    main(["prepare-data", *files, "--out", str(train_ds), "--train-tokenizer", "300", "--workers", "2"])
+    tokenizer = train_ds / "tokenizer.json"
+    assert f"--data.tokenizer={tokenizer} --model.vocab_size=320" in capsys.readouterr().out
+    tok, ds = HFTokenizer(str(tokenizer)), PackedDataset(str(train_ds))
+    meta = ds.meta
+    assert meta["tokenizer"] == str(tokenizer) and meta["tokenizer_hash"] == tok.hash
+    assert meta["vocab_size"] == tok.vocab_size == 300 and tok.eos_id == tok.tok.token_to_id("<|endoftext|>")
+    texts = [Path(f).read_text(encoding="utf-8") for f in files[:3]] + docs
+    starts = np.concatenate([[0], ds.doc_ends[:-1]])
+    assert len(starts) == len(texts)
+    for text, start, end in zip(texts, starts, ds.doc_ends):
+        ids = ds.tokens[start:end].tolist()
+        assert ids[-1] == tok.eos_id and tok.decode(ids[:-1]) == text
+    assert len(ds.tokens) < 0.75 * sum(len(t.encode()) for t in texts)  # 43 merges shorten the text (0.71)
+    main(["prepare-data", stdlib_corpus()[3], "--out", str(val_ds), "--tokenizer", str(tokenizer)])
+    hf = tmp_path / "micro320"
+    micro = dataclasses.replace(pith_models.from_pretrained(micro_hf).cfg, vocab_size=320)
+    pith_models.save_pretrained(pith_models.build(micro, "cpu"), hf)
+    run = tmp_path / "run"
+    cfg = micro_config(
+        f"--model.name={hf}", f"--data.path={train_ds}", f"--data.tokenizer={tokenizer}",
+        f"--data.val_path={val_ds}", "--train.steps=4",
+    )  # fmt: skip
+    out = pretrain(cfg, run)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["loss"] < rows[0]["loss"] and out["val_loss"] == rows[-1]["val_loss"]
+    model = build_model(f"{out['checkpoints']}/step_000004", torch.device("cpu"), seed=0).double()
+    val = PackedDataset(str(val_ds))
+    inputs, labels = windows(val.tokens, 32, WindowLoader(ds, 32, 4, 0, val).val_ids)
+    with torch.no_grad():
+        logits = model.reference_forward(inputs)
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    assert out["val_loss"] == pytest.approx(float(want), rel=1e-4)

@@ -165,7 +165,9 @@ def test_dataset_checks_tokenizer_and_vocab(tmp_path, byte_data):
     ds.check_tokenizer(ByteTokenizer())
     with pytest.raises(ValueError, match="made with tokenizer byte"):
         ds.check_tokenizer(load_tokenizer(_bpe(tmp_path)))
-    with pytest.raises(ValueError, match="vocab size 257 .* more than the model's 128"):
+    with pytest.raises(
+        ValueError, match="vocab size 257 .* more than the model's 128: train with --model.vocab_size=320 "
+    ):
         ds.check_vocab(128)
     with pytest.raises(ValueError, match="no prepared dataset"):
         PackedDataset(str(tmp_path))

@@ -14,10 +14,16 @@ from pathlib import Path
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> None:
-    from pith_train.prepare import find_inputs, prepare
+    from pith_train.prepare import find_inputs, padded_vocab, prepare
 
-    meta = prepare(find_inputs(args.inputs), args.out, args.tokenizer, args.text_field, args.workers)
+    tokenizer, vocab = args.tokenizer or "byte", args.train_tokenizer
+    meta = prepare(
+        find_inputs(args.inputs), args.out, tokenizer, args.text_field, args.workers, train_vocab=vocab
+    )
     print(f"wrote {args.out}: {meta['num_tokens']:,} tokens in {meta['num_docs']:,} documents")
+    if vocab:
+        train = f"--data.tokenizer={meta['tokenizer']} --model.vocab_size={padded_vocab(meta['vocab_size'])}"
+        print(f"train on it with --data.path={args.out} {train}")
 
 
 def _config_and_overrides(rest: list[str]) -> tuple[str | None, list[str]]:
@@ -260,7 +266,15 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("prepare-data", help="tokenize .txt/.jsonl files into a packed dataset")
     p.add_argument("inputs", nargs="+", help="files, or directories searched for .txt and .jsonl files")
     p.add_argument("--out", required=True, help="dataset directory to create")
-    p.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer.json")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--tokenizer", help="'byte' (the default) or a Hugging Face tokenizer.json")
+    which.add_argument(
+        "--train-tokenizer",
+        type=int,
+        default=0,
+        metavar="VOCAB",
+        help="train a byte-level BPE of VOCAB tokens on the inputs instead, written to OUT/tokenizer.json",
+    )
     p.add_argument("--text-field", default="text", help="the JSON field holding a .jsonl line's text")
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: one per CPU)")
     p.set_defaults(run=cmd_prepare_data)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pith_train.prepare import ByteTokenizer, HFTokenizer
+from pith_train.prepare import ByteTokenizer, HFTokenizer, padded_vocab
 
 
 class PackedDataset:
@@ -58,10 +58,12 @@ class PackedDataset:
 
     def check_vocab(self, model_vocab: int) -> None:
         """Every token id must have a row in the model's embedding."""
-        if self.meta["vocab_size"] > model_vocab:
+        vocab = self.meta["vocab_size"]
+        if vocab > model_vocab:
             raise ValueError(
-                f"dataset {self.path} has vocab size {self.meta['vocab_size']} (tokenizer"
-                f" {self.meta['tokenizer']}), more than the model's {model_vocab}"
+                f"dataset {self.path} has vocab size {vocab} (tokenizer {self.meta['tokenizer']}), more than"
+                f" the model's {model_vocab}: train with --model.vocab_size={padded_vocab(vocab)} (the"
+                " dataset's, rounded up to a multiple of 64)"
             )
 
     def num_windows(self, seq_len: int) -> int:

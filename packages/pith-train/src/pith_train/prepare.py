@@ -64,6 +64,12 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=False)
 
 
+def padded_vocab(vocab_size: int) -> int:
+    """The model vocabulary to suggest for a tokenizer's: rounded up to a multiple of 64, as the GEMMs
+    (and FP8's multiples of 16) prefer; the extra rows are never a label."""
+    return -(-vocab_size // 64) * 64
+
+
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     """ "byte" or the path of a tokenizer.json."""
     if spec == "byte":
@@ -81,11 +87,11 @@ def _init_worker(spec: str) -> None:
     _worker_tokenizer = load_tokenizer(spec)
 
 
-def _read_documents(path: str, text_field: str) -> list[str]:
+def _read_documents(path: str, text_field: str):
     """A .jsonl file gives one document per line (its `text_field`); any other file is one document."""
     if not path.endswith(".jsonl"):
-        return [Path(path).read_text(encoding="utf-8", errors="replace")]
-    docs = []
+        yield Path(path).read_text(encoding="utf-8", errors="replace")
+        return
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -96,15 +102,14 @@ def _read_documents(path: str, text_field: str) -> list[str]:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e}); fix or remove that line") from None
             if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
                 raise ValueError(f"{path}:{n}: expected a JSON object with a string field {text_field!r}")
-            docs.append(row[text_field])
-    return docs
+            yield row[text_field]
 
 
 def _tokenize_file(args: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
     """-> (tokens of every document, each followed by EOS; each document's length including EOS)."""
     path, text_field = args
     tok = _worker_tokenizer
-    docs = [np.append(ids, tok.eos_id) for ids in tok.encode_batch(_read_documents(path, text_field))]
+    docs = [np.append(ids, tok.eos_id) for ids in tok.encode_batch(list(_read_documents(path, text_field)))]
     if not docs:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     return np.concatenate(docs), np.asarray([len(d) for d in docs], np.int64)
@@ -125,6 +130,25 @@ def find_inputs(paths: list[str]) -> list[str]:
     return files
 
 
+def train_bpe(files: list[str], text_field: str, vocab_size: int, path: Path, progress: bool) -> None:
+    """A byte-level BPE tokenizer of `vocab_size` tokens (the 256 bytes, <|endoftext|> and merges; as
+    GPT-2's, any text round-trips) trained on the documents of `files`, written to `path`. The
+    documents stream in, one at a time; the tokenizers library counts their words in parallel."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
+    tok.train_from_iterator((doc for f in files for doc in _read_documents(f, text_field)), trainer)
+    tok.save(str(path))
+
+
 def prepare(
     files: list[str],
     out_dir: str,
@@ -132,15 +156,24 @@ def prepare(
     text_field: str = "text",
     workers: int | None = None,
     progress: bool = True,
+    train_vocab: int = 0,
 ) -> dict:
-    """Tokenize `files` in parallel into a packed dataset at `out_dir`; returns its metadata."""
-    tok = load_tokenizer(tokenizer)  # fails here, before any worker starts, on a bad spec
-    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    """Tokenize `files` in parallel into a packed dataset at `out_dir`; returns its metadata. With
+    `train_vocab`, `tokenizer` is ignored: a byte-level BPE of that size is trained on the files first
+    and written to OUT_DIR/tokenizer.json (train_bpe)."""
     out, tmp = Path(out_dir), Path(f"{out_dir}.tmp")
     if out.exists():
         raise ValueError(f"output {out_dir!r} already exists; remove it or choose another")
+    if train_vocab and train_vocab < 258:
+        raise ValueError(f"--train-tokenizer {train_vocab}: 256 bytes, EOS and one merge need 258 or more")
+    tok = None if train_vocab else load_tokenizer(tokenizer)  # fails here, before any writing, on a bad spec
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    if train_vocab:
+        tokenizer = str(tmp / "tokenizer.json")
+        train_bpe(files, text_field, train_vocab, Path(tokenizer), progress)
+        tok = load_tokenizer(tokenizer)
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     workers = workers or min(len(files), os.cpu_count() or 1)
     num_tokens, doc_ends = 0, []
     bar = tqdm(total=len(files), unit="file", disable=not progress, desc="tokenizing")
@@ -165,7 +198,7 @@ def prepare(
     bar.close()
     np.concatenate(doc_ends or [np.zeros(0, np.int64)]).tofile(tmp / "doc_ends.bin")
     meta = {
-        "tokenizer": tok.name,
+        "tokenizer": str(out.resolve() / "tokenizer.json") if train_vocab else tok.name,
         "tokenizer_hash": tok.hash,
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
