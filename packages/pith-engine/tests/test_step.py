@@ -112,6 +112,24 @@ def test_aux_losses_match_their_definitions():
     assert math.isclose(float(layer_aux(r, z_only, T, SINGLE)[0]), parts, rel_tol=1e-6)
 
 
+def test_load_balancing_gradient_matches_its_float64_formula():
+    """The router logits' gradient of the load-balancing loss (the loads f_e count top-k choices, so
+    they carry none): with g_e = coef * E * f_e / (T * layers * M),
+    d/dlogit_tj = p_tj (g_j - sum_e p_te g_e)."""
+    T, E, K, layers, M, coef = 12, 5, 2, 3, 2, 0.3
+    r = _routing(T, E, K, 1)
+    logits_TE = r.logits_TE.clone().requires_grad_()
+    probs_TE = logits_TE.softmax(-1)
+    r_grad = r._replace(probs_TE=probs_TE, logits_TE=logits_TE)
+    layer_aux(r_grad, Aux(coef, 0.0, layers, M), T, SINGLE)[0].backward()
+    f_E = torch.stack([(r.expert_ids_TK == e).sum() for e in range(E)]).double() / (T * K)
+    g_E = coef * E * f_E / (T * layers * M)
+    p_TE = r.probs_TE
+    want_TE = p_TE * (g_E - (p_TE * g_E).sum(-1, keepdim=True))
+    # the counts are float32 in layer_aux: 1e-7 relative, cancelling in the bracket
+    torch.testing.assert_close(logits_TE.grad, want_TE, rtol=1e-6, atol=1e-6 * float(want_TE.abs().max()))
+
+
 def test_expert_bias_moves_toward_balance():
     bias = torch.zeros(4)
     update_expert_bias({3: bias}, {3: torch.tensor([10.0, 2.0, 4.0, 0.0])}, rate=0.01)

@@ -70,7 +70,8 @@ def byte_data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def micro_args(micro_hf, byte_data):
-    """Overrides for 6 steps of 4 sequences of 32 tokens in 2 micro-batches, checkpoints every 2 steps."""
+    """Overrides for 6 steps of 4 sequences of 32 tokens in 2 micro-batches, checkpoints every 2 steps,
+    the routing bias trained."""
     return [
         f"--model.name={micro_hf}",
         f"--data.path={byte_data}",
@@ -81,6 +82,7 @@ def micro_args(micro_hf, byte_data):
         "--train.micro_batch=2",
         "--train.lr=1e-2",
         "--train.z_loss_coef=1e-3",
+        "--train.bias_rate=1e-2",  # off by default; on here so resume, checkpoints and convert carry it
         "--optim.warmup_steps=2",
         "--checkpoint.every=2",
         "--log.progress=false",

@@ -84,10 +84,16 @@ def test_cli_reports_bad_overrides_and_prints_config(capsys, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_default_command_trains_tiny_moe_on_the_builtin_corpus(tmp_path, subprocess_env):
-    """`python -m pith_train pretrain` with only the size reduced: prepares the corpus, trains, saves."""
-    run = tmp_path / "run"
-    small = ["--train.steps=2", "--data.seq_len=32", "--train.global_batch=2", "--train.micro_batch=2"]
+# The default run (`pith-train pretrain`: 120 steps) shortened to the steps its experts take to balance
+# out of the collapse they start in (max/mean load 3.9 of 4 at step 1; with train.lbl_coef=1e-3 and no
+# bias, 4.0 at step 60): ~20 s on one CPU core.
+DEFAULT_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, subprocess_env):
+    """`python -m pith_train pretrain` with only train.steps reduced: (run directory, stdout)."""
+    run = tmp_path_factory.mktemp("default") / "run"
     proc = subprocess.run(
         [
             sys.executable,
@@ -96,30 +102,64 @@ def test_default_command_trains_tiny_moe_on_the_builtin_corpus(tmp_path, subproc
             "pretrain",
             "--run-dir",
             str(run),
-            *small,
-            "--data.val_windows=2",
+            f"--train.steps={DEFAULT_STEPS}",
         ],
         env=subprocess_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"run directory  {run}" in proc.stdout and "checkpoints" in proc.stdout
+    return run, proc.stdout
+
+
+def test_default_command_trains_tiny_moe_on_the_builtin_corpus(default_run):
+    """It prepares the corpus, trains, saves."""
+    run, stdout = default_run
+    assert f"run directory  {run}" in stdout and "checkpoints" in stdout
     meta = json.loads((run / "data" / "meta.json").read_text())
     assert meta["tokenizer"] == "byte" and meta["num_files"] > 100
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and "val_loss" in rows[-1]
+    assert [r["step"] for r in rows] == list(range(1, DEFAULT_STEPS + 1)) and "val_loss" in rows[-1]
     assert {"loss", "lr", "tokens_per_s", "mfu", "grad_norm", "aux", "expert_load_max_over_mean"} <= set(
         rows[0]
     )
-    assert (run / "checkpoints" / "step_000002" / ".metadata").is_file()
+    assert (run / "checkpoints" / f"step_{DEFAULT_STEPS:06d}" / ".metadata").is_file()
     assert 'name = "tiny-moe"' in (run / "config.toml").read_text()
+
+
+def test_default_run_ends_with_every_moe_layer_balanced(default_run):
+    """Final max/mean expert load <= 2 in each of tiny-moe's 4 MoE layers (8 experts, top-2: at most 4)."""
+    load = json.loads((default_run[0] / "metrics.jsonl").read_text().splitlines()[-1])[
+        "expert_load_max_over_mean"
+    ]
+    assert len(load) == 4 and max(load) <= 2.0, load
+
+
+def test_default_run_exports_to_hugging_face_exactly(default_run, tmp_path, capsys):
+    """The fp32 export gives the checkpoint's logits and, under `eval`, its loss."""
+    run = default_run[0]
+    ckpt, hf = run / "checkpoints" / f"step_{DEFAULT_STEPS:06d}", tmp_path / "hf"
+    main(["convert", str(ckpt), str(hf), "--dtype", "float32"])
+    convert_out = capsys.readouterr().out
+    tokens = torch.from_numpy(PackedDataset(str(run / "data")).tokens[: 4 * 128].astype(np.int64)).view(
+        4, 128
+    )
+    with torch.no_grad():
+        want = build_model(str(ckpt), torch.device("cpu"), seed=0).reference_forward(tokens)
+        got = pith_models.from_pretrained(hf).reference_forward(tokens)
+    assert want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    losses = []
+    for model, extra in ((ckpt, []), (hf, ["--tokenizer", "byte", "--seq-len", "128"])):
+        main(["eval", str(model), "--data", str(run / "data"), "--max-windows", "8", *extra])
+        losses.append(capsys.readouterr().out.split()[1])
+    assert losses[0] == losses[1] and "routing bias" not in convert_out
 
 
 @pytest.fixture(scope="module")
 def trained(micro_config, tmp_path_factory):
-    """A 3-step micro run with the default bias_rate: its routing biases are nonzero."""
+    """A 3-step micro run with the routing bias on (micro_args' train.bias_rate): it is nonzero."""
     from pith_train.train import pretrain
 
     run = tmp_path_factory.mktemp("trained")
@@ -127,7 +167,7 @@ def trained(micro_config, tmp_path_factory):
     return run / "checkpoints" / "step_000003"
 
 
-def test_convert_after_default_training_exports_with_a_note_or_refuses(trained, tmp_path, capsys):
+def test_convert_of_a_run_with_routing_bias_exports_with_a_note_or_refuses(trained, tmp_path, capsys):
     model = build_model(str(trained), torch.device("cpu"), seed=0)
     assert any(b.any() for n, b in model.named_buffers() if n.endswith("expert_bias"))
     with pytest.raises(SystemExit):
