@@ -89,7 +89,7 @@ def _routing_bias(model, refuse: bool) -> None:
     print(
         f"note: {what}; Hugging Face {family} has no selection-only bias, so the export routes without it"
         " and may pick other top-k experts than the trained model. --refuse-routing-bias stops instead;"
-        " --train.bias_rate=0 trains without it."
+        " --train.bias_rate=0 (the default) trains without it."
     )
     with torch.no_grad():
         for b in biases:
