@@ -55,13 +55,11 @@ class TrainConfig:
     # The step's forward and backward as one CUDA graph, captured at the second step (one CUDA process;
     # pith_engine.step.StepGraph): the host launches one graph, not the step's kernels one by one.
     cuda_graph: bool = False
-    # Global-batch load-balancing loss coefficient (0 = off). The default run (120 steps, CPU) ends at
-    # max/mean expert load <= 1.57 in every layer over seeds 0-2 with 3e-2 and no bias, at the old
-    # default's validation loss (pith-train README, "Expert balance"); 1e-3 alone collapses (4.0 of 4).
+    # Global-batch load-balancing loss coefficient (0 = off). 3e-2 alone ends the default run at max/mean
+    # load <= 1.57 per layer (seeds 0-2), 1e-3 alone at 3.96 of 4 (pith-train README, Expert balance).
     lbl_coef: float = 3e-2
     z_loss_coef: float = 0.0  # router z-loss coefficient (0 = off)
-    # Aux-loss-free balancing: expert-bias step after each update (0 = off). Off by default: no supported
-    # Hugging Face family holds the bias, so `convert` drops it and the export routes differently.
+    # Aux-loss-free balancing: expert-bias step after each update (0 = off); no HF family can hold it.
     bias_rate: float = 0.0
     # Intra-op threads when training on CPU (0 = torch's default). On a busy 2-core machine one thread
     # ran the default run at 0.5-1 s/step, two threads at 7-12 s/step (OpenMP spin-waits).
