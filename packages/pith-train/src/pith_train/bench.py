@@ -46,6 +46,7 @@ from pith_train.config import load_config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.metrics import peak_flops
 from pith_train.optim import build_optimizer
+from pith_train.plan import check
 from pith_train.train import apply_fp8, flops_per_token, parallel_layout, step_settings, trainer_stages
 
 WORKLOAD = dataclasses.replace(qwen3_moe.QWEN3_30B_A3B, num_hidden_layers=4)
@@ -338,6 +339,7 @@ def run(
         )
     if cuda:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    check(cfg, model_cfg, dev, f"bench --dp {dp} --cp {cp} --ep {ep}")  # before anything is built
     _set_grouped_gemm_backend(grouped_gemm)
     torch.manual_seed(seed)
     mesh = parallel_layout(cfg, dev)  # one process without torchrun: no groups, local experts

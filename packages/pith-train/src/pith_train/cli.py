@@ -1,5 +1,5 @@
 """The `pith-train` command (also `python -m pith_train`): prepare-data, pretrain, check-layout, eval,
-generate, convert, bench, plot, schedule.
+generate, convert, bench, plan, plot, schedule.
 
 Each subcommand is a parser built in `main` plus one function taking the parsed arguments; a new
 subcommand adds both. Errors a user can fix (ValueError, OSError) are one line on stderr and exit 1.
@@ -233,6 +233,33 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(f"wrote {args.json}")
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    import torch
+
+    from pith_train import plan
+    from pith_train.config import load_config, model_config, validate
+
+    cfg = load_config(*_config_and_overrides(args.rest))
+    p = cfg.parallel
+    if args.gpus is not None:  # the data ranks that fill N GPUs
+        if args.gpus < 1 or args.gpus % (p.pp * p.cp * p.ep):
+            raise ValueError(f"--gpus {args.gpus}: expected a multiple of pp*cp*ep = {p.pp * p.cp * p.ep}")
+        p.dp = args.gpus // (p.pp * p.cp * p.ep)
+        validate(cfg)
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        raise ValueError(f"--gpu-memory {args.gpu_memory}: expected the GiB of one card, > 0")
+    m, cuda = plan.model_shape(model_config(cfg.model)), cfg.train.device != "cpu"
+    plan.valid(cfg, m)
+    capacity, what = (args.gpu_memory * plan.GIB, "--gpu-memory") if args.gpu_memory else (None, "")
+    if not args.gpu_memory and (not cuda or torch.cuda.is_available()):  # this card, or this machine's RAM
+        ranks = 1 if cuda else p.pp * p.dp * p.cp * p.ep
+        capacity, what = plan.device_memory(torch.device("cuda" if cuda else "cpu"), ranks)
+    out = plan.plan(cfg, m, cuda, capacity)
+    print(plan.report(cfg, m, out, what, [] if out.fits else plan.changes(cfg, m, cuda, capacity)))
+    if not out.fits:
+        sys.exit(1)
+
+
 def cmd_plot(args: argparse.Namespace) -> None:
     from pith_train.metrics import plot
 
@@ -359,6 +386,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default="bench.json", help="where the measurements go")
     p.set_defaults(run=cmd_bench)
 
+    p = sub.add_parser(
+        "plan",
+        help="memory per rank of a run, term by term, and whether it fits the card (plan.py)",
+        usage="pith-train plan [CONFIG.toml] [--section.key=value ...] [--gpus N] [--gpu-memory GiB]",
+    )
+    p.add_argument("--gpus", type=int, help="plan on N GPUs: parallel.dp = N / (pp*cp*ep)")
+    p.add_argument("--gpu-memory", type=float, help="GiB per card (default: this machine's card, if any)")
+    p.set_defaults(run=cmd_plan)
+
     p = sub.add_parser("plot", help="PNG of loss and throughput against step")
     p.add_argument("run_dir")
     p.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
@@ -371,9 +407,9 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(run=cmd_schedule)
 
     args, unknown = parser.parse_known_args(argv)
-    if unknown and args.command not in ("pretrain", "check-layout"):
+    if unknown and args.command not in ("pretrain", "check-layout", "plan"):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.rest = unknown  # pretrain, check-layout: the config file and the overrides
+    args.rest = unknown  # pretrain, check-layout, plan: the config file and the overrides
     try:
         args.run(args)
     except (ValueError, FloatingPointError, OSError) as e:  # bad input, a diverged run, a full disk

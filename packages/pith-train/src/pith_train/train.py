@@ -23,7 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from pith_train import config as config_mod
-from pith_train import rundir
+from pith_train import plan, rundir
 from pith_train.config import Config, ModelConfig, model_config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.metrics import MetricsLog, log_line, peak_flops, peak_memory_gib
@@ -188,6 +188,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     Returns a summary: final step, last loss, validation loss, and the run's paths.
     """
     device = _device(cfg)
+    plan.check(cfg, model_config(cfg.model), device, "pretrain CONFIG")  # before anything is built
     if device.type == "cpu" and cfg.train.cpu_threads:
         torch.set_num_threads(cfg.train.cpu_threads)
     mesh = parallel_layout(cfg, device)

@@ -1,0 +1,292 @@
+"""`pith-train plan`: the memory one rank of a run holds, from its config alone; `check` runs it before
+`pretrain` and `bench` build anything, so a run that cannot fit is refused instead of killed.
+
+The model is built on the meta device. Each term is bytes from its parameter counts, the layout and the
+batch, its formula commented with the code it follows, for measurements on a card to correct
+(benchmarks/plan_vs_measured.py). Two moments compete for the peak: the start of the backward (the
+activations of the micro-batches in flight, the gradients of those done, FSDP's gathered weights, one
+layer's backward or the loss's forward) and the optimizer step (every gradient, Muon's buffers); the plan
+reports the larger, of the pipeline rank holding the most. The device must hold total * SLACK + CONTEXT.
+
+Shape legend: T tokens per micro-batch on one rank, D hidden, E experts, K top-k, F expert width,
+V vocabulary, L layers, b bytes of the compute dtype (bf16 on CUDA, fp32 on CPU).
+"""
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import pith_models
+import torch
+from pith_engine import schedule
+from pith_engine.parallel import Layout, check_layout, held_layers, num_experts
+from torch import nn
+
+from pith_train.config import Config, validate
+from pith_train.muon import hidden_matrices
+
+GIB = 2**30
+SLACK = 1.05  # reserved / allocated: 54.8 / 52.1 GiB, the bench on an H200 (expandable segments)
+CONTEXT = GIB  # the CUDA context and libraries' workspaces (on CPU: Python and torch); not measured
+LOGITS = 2**29  # pith_ops.cross_entropy.CHUNK_LOGITS: the logits the fused loss holds at once
+FSDP_UNIT = 10  # bytes an element of the unit at work: gathered, the next prefetched, 2+4 for its grads
+
+
+class Layer(NamedTuple):
+    dense: int  # parameters outside the routed experts (attention, norms, router, shared or dense MLP)
+    experts: int  # the routed experts' (all E of them)
+    gemm: int  # of which the 3-D GEMM weights (kept casts, FP8 copies, Muon)
+    linear: int  # the projections' (pith_engine.layers.Linear)
+    muon: int  # the hidden matrices Muon takes outside the experts
+    io: int  # sum over the projections of in + out features: what stage 1 keeps per token
+    F: int  # expert width; 0 for a dense layer
+
+
+class Model(NamedTuple):
+    layers: list[Layer]
+    root: int  # embedding, final norm, lm_head: pipeline rank 0's
+    lm_head: int
+    E: int
+    cfg: Any  # the model's config
+
+
+def model_shape(model_cfg) -> Model:
+    model = pith_models.build(model_cfg)  # meta
+    muon, layers, count = {id(p) for p in hidden_matrices(model)}, [], lambda ps: sum(p.numel() for p in ps)
+    for layer in held_layers(model).values():
+        ex = list(layer.experts.parameters()) if layer.experts is not None else []
+        lin = [x for x in layer.modules() if isinstance(x, nn.Linear) and x is not layer.router]
+        mats = [p for p in layer.parameters() if id(p) in muon and p.ndim == 2]
+        layers.append(Layer(
+            count(layer.parameters()) - count(ex), count(ex), count(p for p in ex if p.ndim == 3),
+            count(p for x in lin for p in x.parameters()), count(mats),
+            sum(x.in_features + x.out_features for x in lin), layer.experts.w_down.shape[1] if ex else 0,
+        ))  # fmt: skip
+    root = count(p for n, p in model.named_parameters() if not n.startswith("layers."))
+    return Model(layers, root, model.lm_head.weight.numel(), num_experts(model), model.cfg)
+
+
+def in_flight(cfg: Config, L: int, rank: int) -> dict[int, float]:
+    """Layer -> micro-batches whose activations of it pipeline rank `rank` holds at its peak. pp=1: one;
+    two when the schedule pairs F(m+1) with B(m) and nothing yields between them (no EP exchange, so
+    F(m+1) runs whole first: pith_engine.executor.interleave); under EP they interleave at each
+    exchange, a layer of F(m+1) for each layer B(m) frees. DualPipeV: rank r holds 2pp-r-1 (+1 on the
+    last rank) micro-batches of chunk r and r+1 of chunk 2pp-1-r."""
+    p = cfg.parallel
+    if p.pp == 1:
+        paired = p.overlap and cfg.micro_batches > 1
+        return dict.fromkeys(range(L), 1 + paired * (1 if p.ep == 1 else 1 / L))
+    spans, (a, b) = schedule.split_layers(L, p.pp), schedule.rank_chunks(p.pp, rank)
+    return {
+        **dict.fromkeys(spans[a], 2 * p.pp - rank - 1 + (rank == p.pp - 1)),
+        **dict.fromkeys(spans[b], rank + 1),
+    }
+
+
+@dataclass
+class Plan:
+    terms: dict[str, float]  # bytes by term at the peak, adding up to the total
+    moment: str  # which peak
+    rank: int  # the pipeline rank
+    capacity: float | None = None  # bytes the device holds for this rank (None: not known)
+    total = property(lambda self: sum(self.terms.values()))
+    needs = property(lambda self: self.total * SLACK + CONTEXT)
+    fits = property(lambda self: self.capacity is None or self.needs <= self.capacity)
+
+
+def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
+    """Pipeline rank `rank`'s two moments."""
+    t, p, M, c = cfg.train, cfg.parallel, cfg.micro_batches, m.cfg
+    b, D, K, E, V = (2 if cuda else 4), c.hidden_size, c.num_experts_per_tok, m.E, c.vocab_size  # autocast
+    T = t.micro_batch * cfg.data.seq_len / p.cp
+    flight = in_flight(cfg, len(m.layers), rank)
+    mine, root, lm = [m.layers[i] for i in flight], m.root * (rank == 0), m.lm_head * (rank == 0)
+    # FSDP2 (pith_engine.parallel.parallelize): dense weights over dp*cp*ep, this EP rank's experts over
+    # dp*cp; a group of one rank shards nothing and leaves its weights plain tensors.
+    dense_ranks, expert_ranks = p.dp * p.cp * p.ep, p.dp * p.cp
+    dense, ex = sum(x.dense for x in mine) + root, sum(x.experts for x in mine) / p.ep
+    gemm, linear = sum(x.gemm for x in mine) / p.ep, sum(x.linear for x in mine)
+    local = dense / dense_ranks + ex / expert_ranks
+    whole = dense * (dense_ranks > 1) + ex * (expert_ranks > 1)  # what FSDP gathers
+    muon = cfg.optim.name == "muon"
+    muon_local = muon * (sum(x.muon for x in mine) / dense_ranks + gemm / expert_ranks)
+    # Plain weights read through pith_ops.cast / stand_in keep a bf16 cast or FP8 copies (2 bytes each)
+    # between steps, and AdamW's (keep_grads) their gradient in bf16 while one micro-batch is in it:
+    # the expert GEMMs', lm_head's, and the projections' in FP8 when eager (compiled ones quantise per call).
+    ex_plain, lm_plain = gemm * (expert_ranks == 1), lm * (dense_ranks == 1)
+    lin_plain = linear * (dense_ranks == 1 and t.fp8 and not (t.compile and cuda))
+    copies = 2 * (ex_plain * (t.fp8 or b == 2) + lm_plain * (t.fp8_lm_head or b == 2) + lin_plain)
+    kept_grad = (lm_plain + (not muon) * (ex_plain + lin_plain)) * (b == 2)
+
+    def grads(done: int, final: bool) -> float:  # after `done` micro-batches' backward
+        plain = kept_grad * (2 if done == 1 else 4) + (dense + ex - whole - kept_grad) * 4 if done else 0
+        # FSDP: unsharded fp32 accumulators until the last micro-batch reduce-scatters (step.py), then shards
+        return plain + (4 * (local - dense - ex + whole) if final else 4 * whole * (done > 0 or p.pp > 1))
+
+    static = {
+        "parameters": 4 * local,  # fp32 masters
+        "optimizer state": 4 * muon_local + 8 * (local - muon_local),  # Muon's momentum, AdamW's 2 moments
+        "weight copies": copies,
+    }
+    rows = 1 if t.fp8 else b  # the dispatched rows: e4m3 under FP8 (pith_ops.FP8Rows)
+    u = p.ep * (1 - (1 - 1 / p.ep) ** K)  # EP ranks a token is sent to (uniform routing, deduplicated)
+
+    def acts(x: Layer) -> float:  # one micro-batch, kept from its forward to its backward: each stage's
+        # inputs and outputs (pith_engine.executor.Tape) and what its ops save, less what `ac` recomputes
+        a = b * T * D  # the layer's output, the next one's input
+        if t.ac != "full":  # stage 1: each projection's input and output (~), the router's fp32 input
+            a += b * T * x.io + (4 - b) * T * D * bool(x.F)
+        if not x.F:
+            return a
+        # the residual after attention and the routed input; fp32 router logits and probs, int64 ids and
+        # fp32 weights; the dispatched rows and the experts' outputs; under EP the rows sent both ways
+        a += (2 * b * D + 8 * E + 12 * K) * T + (rows + b) * T * K * D
+        a += (2 * rows + 2 * b) * T * u * D * (p.ep > 1)
+        if t.ac == "none":  # stage 3: SwiGLU's input [2F], the down GEMM's [F]; under FP8 SwiGLU's bf16
+            # input, its e4m3 output and the column copies of both GEMMs' inputs (their weight gradients)
+            a += T * K * (2 * x.F * b + 2 * x.F + D if t.fp8 else 3 * x.F * b)
+        return a
+
+    act = sum(n * acts(m.layers[i]) for i, n in flight.items())
+    if rank == 0:  # the embedding's output; the fused loss's dh and dw (pith_ops.linear_cross_entropy
+        # computes them in its forward), for each micro-batch in flight
+        act += flight[0] * b * T * D + flight[next(reversed(flight))] * b * (T * D + V * D)
+    big = max(mine, key=lambda x: x.dense + x.experts / p.ep)
+    # Evaluation's forward (and one layer's backward's first half): the rows, the hidden [3F], the output
+    rows_work = b * T * K * (2 * D + 3 * big.F)
+    if rank == 0:  # the loss's forward: a chunk of logits; FP8: half, and e4m3 gradients of half the tokens
+        rows_work = max(rows_work, b * min(LOGITS, T * V) / (1 + t.fp8_lm_head) + t.fp8_lm_head * T * V / 2)
+    # one layer's backward: its rows' gradients, stage 3 (and under full, stage 1) recomputed, and its
+    # weights' gradients (plain ones; FSDP's count in the communication term)
+    work = max(rows_work, b * T * K * (2 * D + 3 * big.F * (1 + (t.ac != "none"))) + b * T * big.io * (
+        t.ac == "full") + 4 * big.dense * (dense_ranks == 1) + big.experts / p.ep * (expert_ranks == 1) * (
+        2 if b == 2 and not muon else 4))  # fmt: skip
+    unit = big.dense + big.experts / p.ep * (expert_ranks > 1)
+    comm = (2 * whole if p.pp > 1 else 2 * root + FSDP_UNIT * unit) * (dense_ranks > 1)  # pp>1: all gathered
+    comm += 2 * b * T * D * (p.cp > 1)  # ring attention: the key/value blocks in flight (~D wide)
+    done = max(0, M - int(max(flight.values()))) if p.pp == 1 else M - 1
+    start = {**static, "gradients": grads(done, False), "activations": act, "working set": work,
+             "communication": comm}  # fmt: skip
+    # Muon: U = G + mu * B of every matrix (fp32), their orthogonalised results (bf16), and NS5 on the
+    # batch of the largest shape (the experts' w_gate_up: 2/3 of their GEMM weights) a few times over
+    muon_work = 6 * muon_local + muon * 6 * 2 / 3 * gemm / expert_ranks
+    step = {**static, "gradients": grads(M, True), "optimizer working set": muon_work}
+    if t.cuda_graph and cuda:  # the graph's pool keeps the backward's peak between steps (StepGraph):
+        start["beside the CUDA-graph pool"] = muon_work + rows_work  # the optimizer and evaluation
+    return [Plan(start, "the start of the backward", rank), Plan(step, "the optimizer step", rank)]
+
+
+def plan(cfg: Config, m: Model, cuda: bool, capacity: float | None = None) -> Plan:
+    """The larger moment of the pipeline rank that holds the most."""
+    ranks = range(cfg.parallel.pp)
+    out = max((x for r in ranks for x in rank_plan(cfg, m, r, cuda)), key=lambda x: x.total)
+    out.capacity = capacity
+    return out
+
+
+def device_memory(device: torch.device, processes: int = 1) -> tuple[float, str]:
+    """(bytes one rank may use, what they are): the card's memory, or the RAM this machine has available
+    shared by its `processes`."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, props.name
+    with open("/proc/meminfo") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    return kib * 1024 / processes, "this machine's available RAM" + f" over {processes} processes" * (
+        processes > 1
+    )
+
+
+def valid(cfg: Config, m: Model, world: int | None = None) -> None:
+    """The layout checks of train.parallel_layout, for `world` processes (default: the layout's)."""
+    p = cfg.parallel
+    layout = Layout(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
+    check_layout(layout, world_size=world or layout.world, num_experts=m.E, seq_len=cfg.data.seq_len,
+                 global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch)  # fmt: skip
+    schedule.check(p.pp, cfg.micro_batches, len(m.layers))
+
+
+def _field(cfg: Config, key: str) -> tuple[object, str]:
+    section, name = key.split(".")
+    return getattr(cfg, section), name
+
+
+def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[tuple[str, Plan]]:
+    """The nearest changes that fit, the first of each kind: a stronger `ac`, a smaller micro-batch,
+    pipeline stages, more data ranks (the global batch grown alike); the last two also with ac full.
+    capacity: a card's bytes (more ranks take more cards), or a machine's (more ranks share it)."""
+    t, p, out = cfg.train, cfg.parallel, []
+    ac, full = ("none", "selective", "full"), ({}, {"train.ac": "full"})
+    mbs = [t.micro_batch >> i for i in range(t.micro_batch.bit_length())]  # it and its halves
+    for kind in (
+        [{"train.ac": a} for a in ac[ac.index(t.ac) + 1 :]],
+        [{"train.micro_batch": mb} for mb in mbs[1:]],
+        [{"parallel.pp": p.pp * n, **f, "train.micro_batch": mb} for n in (2, 4) for f in full for mb in mbs],
+        [{"parallel.dp": p.dp * n, "train.global_batch": t.global_batch * n, **f} for n in (2, 4, 8, 16, 32)
+         for f in full],
+    ):  # fmt: skip
+        for change in kind:
+            c = copy.deepcopy(cfg)
+            for key, value in change.items():  # as config.load_config sets --section.key=value
+                setattr(*_field(c, key), value)
+            try:
+                validate(c)
+                valid(c, m)
+            except ValueError:
+                continue
+            world = c.parallel.pp * c.parallel.dp * c.parallel.cp * c.parallel.ep
+            share = 1 if cuda or capacity is None else world / (p.pp * p.dp * p.cp * p.ep)
+            if (x := plan(c, m, cuda, capacity and capacity / share)).fits:
+                new = " ".join(f"--{k}={v}" for k, v in change.items() if getattr(*_field(cfg, k)) != v)
+                out.append((new + (f" ({world} GPUs)" if cuda and world > 1 else ""), x))
+                break
+    return out
+
+
+def terms(out: Plan) -> list[tuple[str, float]]:
+    return [(k, v / GIB) for k, v in sorted(out.terms.items(), key=lambda kv: -kv[1])]  # GiB, largest first
+
+
+def check(cfg: Config, model_cfg, device: torch.device, launch: str) -> Plan:
+    """Before a run builds anything: ValueError when its layout does not match the processes started
+    (naming torchrun, `launch` being what follows `-m pith_train`) or its plan does not fit `device`."""
+    p, m, started = cfg.parallel, model_shape(model_cfg), int(os.environ.get("WORLD_SIZE", 1))
+    world = p.pp * p.dp * p.cp * p.ep
+    try:
+        valid(cfg, m, started)
+    except ValueError as e:
+        if started == world:
+            raise
+        raise ValueError(
+            f"{e}: start it with torchrun --nproc-per-node {world} -m pith_train {launch}"
+        ) from None
+    capacity, what = device_memory(device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if (out := plan(cfg, m, device.type == "cuda", capacity)).fits:
+        return out
+    fixes = changes(cfg, m, device.type == "cuda", capacity)[:3]
+    fix = " or ".join(f"{text} ({x.needs / GIB:.1f} GiB)" for text, x in fixes) or "a smaller model"
+    raise ValueError(
+        f"plan: a rank of this run needs {out.needs / GIB:.1f} GiB (largest terms, GiB: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in terms(out)[:3])
+        + f") and {what} is {capacity / GIB:.1f} GiB; it fits with {fix} (`pith-train plan` lists the terms)"
+    )
+
+
+def report(cfg: Config, m: Model, out: Plan, what: str, fixes: list[tuple[str, Plan]]) -> str:
+    """What `pith-train plan` prints."""
+    p, t, n = cfg.parallel, cfg.train, sum(x.dense + x.experts for x in m.layers) + m.root
+    gap = abs((out.capacity or 0) - out.needs) / GIB
+    return "\n".join([
+        f"{cfg.model.name}, {n / 1e9:.2f}B parameters; ranks pp {p.pp} x dp {p.dp} x cp {p.cp} x ep {p.ep};"
+        f" {cfg.micro_batches} micro-batch(es) of {t.micro_batch} x {cfg.data.seq_len} tokens; ac {t.ac}"
+        + ", fp8" * t.fp8 + ", fp8 lm_head" * t.fp8_lm_head + ", CUDA graph" * t.cuda_graph,
+        f"pipeline rank {out.rank} at {out.moment}, GiB:",
+        *(f"  {k:<28}{v:9.2f}" for k, v in terms(out)),
+        f"  {'total (allocated)':<28}{out.total / GIB:9.2f}",
+        f"  {f'needs (x{SLACK} + {CONTEXT / GIB:g} GiB)':<28}{out.needs / GIB:9.2f}",
+        "fits: not known (no CUDA device here: give --gpu-memory GiB)" if out.capacity is None
+        else f"{'fits by' if out.fits else 'does not fit: short by'} {gap:.1f} GiB of {what}"
+        f" ({out.capacity / GIB:.1f} GiB)",
+        *(f"  fits with {text}: needs {x.needs / GIB:.1f} GiB" for text, x in fixes),
+    ])  # fmt: skip
