@@ -1,40 +1,9 @@
-"""estimate-memory: memory per GPU of training a model under a parallel layout, from the model built on
-the meta device (nothing is allocated): parameters, gradients, AdamW state, working copies of the
-weights, and activations by a documented formula. PASS if the total fits --gib.
+"""estimate-memory: memory per GPU of training a model under a parallel layout, by `pith-train plan`
+(pith_train.plan, its docstring has the terms and their formulas): the model is built on the meta
+device, nothing is allocated. PASS if the plan fits a card of --gib GiB (the plan adds the allocator's
+slack and the CUDA context itself).
 
-What the trainer holds (pith_train, pith_engine.parallel): fp32 master weights, fp32 gradients and two
-fp32 AdamW moments, each sharded by FSDP2 (experts split over ep, then sharded over dp x cp; the other
-weights sharded over dp x cp x ep), so each costs 4 bytes x (parameters / world) per GPU.
-
-Working copies in the compute dtype (b bytes): on one GPU autocast keeps a b-byte copy of the weights
-during forward and backward (b x all parameters; none for fp32); under FSDP a layer is all-gathered in
-b bytes while the next is prefetched (2 x b x the largest layer, its experts the EP rank's share) and
-its unsharded fp32 gradient waits for the reduce-scatter (4 x the largest layer); the root module
-(embedding, lm_head) stays gathered after the forward (b x its parameters).
-
-Activations saved for backward, one micro-batch of T = micro_batch x seq_len / cp tokens per GPU
-(expert rows T x K: balanced routing gives every EP rank T x K rows on average), per layer:
-    b x T x (sum over the layer's nn.Linear of in + out features  +  4 x D)     # matmul inputs/outputs,
-                                                                                # norms and residuals
-  + b x T x K x (sum over the layer's expert weights [E, in, out] of in + out)  # grouped-GEMM rows
-  + 4 x T x E x 2                                                               # fp32 router logits, probs
-plus b x T x D x 4 for the embedding output, final norm and the loss's dh, plus lm_head's weight
-gradient, which the fused loss computes in the forward (V x D in the weight's dtype).
-
-Pipeline parallelism (--pp): every figure is that of one pipeline rank, and the worst rank is
-reported. Rank r holds the layers of chunks r and 2pp-1-r (pith_engine.schedule.split_layers), rank 0
-also the embedding, final norm and lm_head; FSDP shards them over dp x cp x ep as above. Its units stay
-gathered through the step and accumulate unsharded fp32 gradients until their last backward (pith_engine
-step): (b + 4) bytes x the rank's parameters (experts: the EP rank's share) replace the per-layer
-working copies. At DualPipeV's peak rank r holds 2pp-r-1 (one more on the last rank) micro-batches'
-activations of chunk r and r+1 of chunk 2pp-1-r: about the activations of one micro-batch through all
-L layers (the embedding and loss terms counted once, on rank 0). Flash/SDPA
-attention keeps no S x S matrix. Against the bytes the staged forward saves (measured with
-saved_tensors_hooks on the tiny presets, skills/test_skills.py) it errs high by 10-60%: q, k and v
-read one input, counted three times. Not counted: transient buffers (one chunk of logits in the
-loss, a layer's backward working set), allocator fragmentation, CUDA context (~0.5 GiB).
-
-Shape legend: T tokens per GPU, D hidden, K top-k, E experts, V vocabulary, b compute-dtype bytes.
+Shape legend: none (the plan's are in pith_train/plan.py).
 """
 
 import argparse
@@ -43,119 +12,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # skills/, for _common
 import _common  # noqa: E402
-import pith_models  # noqa: E402
-from pith_engine import schedule  # noqa: E402
-from pith_engine.parallel import Layout, check_layout, expert_param_names, held_layers, num_experts  # noqa: E402
-from torch import nn  # noqa: E402
-
-BYTES = {"bf16": 2, "fp32": 4}  # --dtype: the compute dtype
-
-
-def rank_layers(model: nn.Module, pp: int, rank: int) -> dict[int, int]:
-    """Global index -> micro-batches whose activations of that layer pipeline rank `rank` holds at the
-    schedule's peak (module docstring); every layer once without pipeline parallelism."""
-    if pp == 1:
-        return dict.fromkeys(held_layers(model), 1)
-    spans = schedule.split_layers(model.cfg.num_hidden_layers, pp)
-    a, b = schedule.rank_chunks(pp, rank)
-    return {
-        **dict.fromkeys(spans[a], 2 * pp - rank - 1 + (rank == pp - 1)),
-        **dict.fromkeys(spans[b], rank + 1),
-    }
-
-
-def activation_bytes(
-    model: nn.Module, tokens: float, b: int, weight_bytes: int, pp: int = 1, rank: int = 0
-) -> float:
-    """The formula of the module docstring for `tokens` tokens on one GPU (pipeline rank `rank`)."""
-    cfg = model.cfg
-    D, V, K = cfg.hidden_size, cfg.vocab_size, cfg.num_experts_per_tok
-    total = b * tokens * D * 4 + weight_bytes * V * D if rank == 0 else 0.0
-    layers = held_layers(model)
-    for i, live in rank_layers(model, pp, rank).items():
-        layer = layers[i]
-        linear = sum(m.in_features + m.out_features for m in layer.modules() if isinstance(m, nn.Linear))
-        total += live * b * tokens * (linear + 4 * D)
-        if layer.experts is not None:
-            weights = [p for p in layer.experts.parameters() if p.ndim == 3]
-            total += live * b * tokens * K * sum(p.shape[1] + p.shape[2] for p in weights)
-            total += live * 4 * tokens * weights[0].shape[0] * 2
-    return total
-
-
-def estimate(
-    model: nn.Module, layout: Layout, micro_batch: int, seq_len: int, b: int, rank: int = 0
-) -> dict[str, float]:
-    """Bytes per GPU of pipeline rank `rank` by item (see the module docstring); the model may be on
-    the meta device."""
-    stage = layout.dp * layout.cp * layout.ep  # the ranks that shard one pipeline rank's weights
-    experts = expert_param_names(model)
-    layers = held_layers(model)
-    live = rank_layers(model, layout.pp, rank)
-    mine = {id(p) for i in live for p in layers[i].parameters()}
-    in_layers = {id(p) for layer in layers.values() for p in layer.parameters()}
-    params = {
-        n: p for n, p in model.named_parameters() if id(p) in mine or (rank == 0 and id(p) not in in_layers)
-    }
-    n_expert = sum(p.numel() for n, p in params.items() if n in experts)
-    n_dense = sum(p.numel() for n, p in params.items() if n not in experts)
-    shard = n_dense / stage + n_expert / (layout.ep * layout.dp * layout.cp)
-
-    def layer_numel(layer: nn.Module) -> float:
-        held = {id(p) for p in layer.experts.parameters()} if layer.experts is not None else set()
-        return sum(p.numel() / (layout.ep if id(p) in held else 1) for p in layer.parameters())
-
-    if layout.world == 1:
-        copies = b * (n_dense + n_expert) if b < 4 else 0.0
-    elif layout.pp > 1:  # gathered through the step, unsharded fp32 gradients until the last backward
-        copies = (b + 4) * (n_dense + n_expert / layout.ep)
-    else:
-        root = sum(p.numel() for p in model.parameters() if id(p) not in in_layers)
-        biggest = max(layer_numel(layer) for layer in layers.values())
-        copies = (2 * b + 4) * biggest + b * root
-    tokens = micro_batch * seq_len / layout.cp
-    return {
-        "parameters (fp32, sharded)": 4 * shard,
-        "gradients (fp32, sharded)": 4 * shard,
-        "AdamW moments (2 x fp32, sharded)": 8 * shard,
-        "weight copies in the compute dtype": copies,
-        f"activations ({tokens:g} tokens/GPU, formula)": activation_bytes(
-            model, tokens, b, 4 if layout.world == 1 else b, layout.pp, rank
-        ),
-    }
+from pith_train import plan  # noqa: E402
+from pith_train.config import load_config  # noqa: E402
 
 
 def main(argv: list[str] | None) -> tuple[bool, str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _common.add_model_args(parser, batch=(1, 4096))
-    parser.add_argument("--dtype", default="bf16", choices=sorted(BYTES), help="compute dtype")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="bf16: CUDA; fp32: CPU")
+    parser.add_argument("--ac", default="none", choices=["none", "selective", "full"], help="train.ac")
+    parser.add_argument("--fp8", action="store_true", help="train.fp8")
     for axis in ("pp", "dp", "ep", "cp"):
         parser.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} ranks")
-    parser.add_argument("--gib", type=float, required=True, help="memory budget per GPU, GiB")
+    parser.add_argument("--gib", type=float, required=True, help="memory of one card, GiB")
     args = parser.parse_args(argv)
-    cfg = _common.model_cfg(args)
-    model = pith_models.build(cfg)  # meta device
-    layout = Layout(pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep)
-    check_layout(
-        layout, world_size=layout.world, num_experts=num_experts(model), seq_len=args.seq_len,
-        global_batch=args.micro_batch * layout.data_ranks, micro_batch=args.micro_batch,
-    )  # fmt: skip
-    schedule.check(args.pp, 2 * args.pp, cfg.num_hidden_layers)
-    per_rank = [
-        estimate(model, layout, args.micro_batch, args.seq_len, BYTES[args.dtype], r) for r in range(args.pp)
-    ]
-    rank = max(range(args.pp), key=lambda r: sum(per_rank[r].values()))
-    items = per_rank[rank]
-    total = sum(items.values())
-    print(
-        f"{args.model}: {pith_models.param_count(model):,} parameters; pp={args.pp} dp={args.dp} ep={args.ep}"
-        f" cp={args.cp} ({layout.world} GPUs), micro-batch {args.micro_batch} x {args.seq_len} tokens,"
-        f" {args.dtype}" + (f"; pipeline rank {rank}, the largest" if args.pp > 1 else "")
-    )
-    for what, nbytes in [*items.items(), ("total per GPU", total)]:
-        print(f"  {what:<44} {nbytes / _common.GIB:10.3f} GiB")
-    fits = total <= args.gib * _common.GIB
-    return fits, f"{total / _common.GIB:.3f} GiB per GPU {'<=' if fits else '>'} budget {args.gib:g} GiB"
+    m = plan.model_shape(_common.model_cfg(args))  # meta device
+    # One micro-batch per data rank (2*pp under pipeline parallelism: DualPipeV's least).
+    per_step = args.micro_batch * args.dp * args.ep * (2 * args.pp if args.pp > 1 else 1)
+    cfg = load_config(None, [
+        f"model.name={args.model}", f"data.seq_len={args.seq_len}", f"train.micro_batch={args.micro_batch}",
+        f"train.global_batch={per_step}", f"train.ac={args.ac}", f"train.fp8={str(args.fp8).lower()}",
+        f"parallel.pp={args.pp}", f"parallel.dp={args.dp}", f"parallel.ep={args.ep}",
+        f"parallel.cp={args.cp}",
+    ])  # fmt: skip
+    plan.valid(cfg, m)  # experts over ep, sequence over 2*cp, layers over 2*pp chunks
+    cuda = args.dtype == "bf16"
+    out = plan.plan(cfg, m, cuda, args.gib * plan.GIB)
+    fixes = [] if out.fits else plan.changes(cfg, m, cuda, out.capacity)
+    print(plan.report(cfg, m, out, f"--gib {args.gib:g}", fixes))
+    print(f"  {'total per GPU (needs)':<28}{out.needs / plan.GIB:9.3f}")
+    sign = "<=" if out.fits else ">"
+    return out.fits, f"{out.needs / plan.GIB:.3f} GiB per GPU {sign} budget {args.gib:g} GiB"
 
 
 if __name__ == "__main__":

@@ -183,3 +183,11 @@ def test_a_run_that_cannot_fit_the_cpu_stops_within_seconds_before_it_allocates(
         assert usage.ru_maxrss < 2 * 2**20, f"{name}: {usage.ru_maxrss / 2**20:.1f} GiB resident"
     assert time.perf_counter() - start < 120  # importing torch is most of it (~10 s on a busy 2-core box)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench", "pretrain"]  # nothing written
+
+
+@pytest.mark.gpu
+def test_the_plan_of_two_bench_layers_is_within_15_percent_of_the_allocators_peak_on_a_card():
+    from pith_train import bench
+
+    r = bench.run(layers=2, batch=2, compile=False, steps=2, warmup=2, back_to_back=False)
+    assert 0.9 <= r["plan_gib"]["total"] / r["peak_allocated_gib"] <= 1.15, r["plan_gib"]

@@ -339,7 +339,7 @@ def run(
         )
     if cuda:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    check(cfg, model_cfg, dev, f"bench --dp {dp} --cp {cp} --ep {ep}")  # before anything is built
+    planned = check(cfg, model_cfg, dev, f"bench --dp {dp} --cp {cp} --ep {ep}")  # before anything is built
     _set_grouped_gemm_backend(grouped_gemm)
     torch.manual_seed(seed)
     mesh = parallel_layout(cfg, dev)  # one process without torchrun: no groups, local experts
@@ -455,6 +455,7 @@ def run(
         "mfu_989": f_full * tokens_per_s / (datasheet * mesh.layout.world),
         "peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / gib if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / gib if cuda else None,
+        "plan_gib": {"total": planned.total / gib, **{k: v / gib for k, v in planned.terms.items()}},
         "losses": [float(loss) for loss in losses],
         "memory_at_peak": at_peak,
     }
@@ -474,6 +475,7 @@ def summary(r: dict) -> str:
     """The measurements as a few lines of text."""
     mem = (
         f"peak memory {r['peak_allocated_gib']:.1f} GiB allocated, {r['peak_reserved_gib']:.1f} GiB reserved"
+        f" (pith-train plan: {r['plan_gib']['total']:.1f})"
         if r["peak_allocated_gib"] is not None
         else "peak memory: not tracked on cpu"
     )
