@@ -159,9 +159,10 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
         rows_work = max(rows_work, b * min(LOGITS, T * V) / (1 + t.fp8_lm_head) + t.fp8_lm_head * T * V / 2)
     # one layer's backward: its rows' gradients, stage 3 (and under full, stage 1) recomputed, and its
     # weights' gradients (plain ones; FSDP's count in the communication term)
-    work = max(rows_work, b * T * K * (2 * D + 3 * big.F * (1 + (t.ac != "none"))) + b * T * big.io * (
-        t.ac == "full") + 4 * big.dense * (dense_ranks == 1) + big.experts / p.ep * (expert_ranks == 1) * (
-        2 if b == 2 and not muon else 4))  # fmt: skip
+    recompute = b * T * K * 3 * big.F * (t.ac != "none") + b * T * big.io * (t.ac == "full")
+    wgrads = 4 * big.dense * (dense_ranks == 1) + (2 if b == 2 and not muon else 4) * big.experts / p.ep * (
+        expert_ranks == 1)  # fmt: skip
+    work = max(rows_work, b * T * K * (2 * D + 3 * big.F) + recompute + wgrads)
     unit = big.dense + big.experts / p.ep * (expert_ranks > 1)
     comm = (2 * whole if p.pp > 1 else 2 * root + FSDP_UNIT * unit) * (dense_ranks > 1)  # pp>1: all gathered
     comm += 2 * b * T * D * (p.cp > 1)  # ring attention: the key/value blocks in flight (~D wide)
@@ -193,9 +194,8 @@ def device_memory(device: torch.device, processes: int = 1) -> tuple[float, str]
         return props.total_memory, props.name
     with open("/proc/meminfo") as f:
         kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    return kib * 1024 / processes, "this machine's available RAM" + f" over {processes} processes" * (
-        processes > 1
-    )
+    share = f" over {processes} processes" if processes > 1 else ""
+    return kib * 1024 / processes, f"this machine's available RAM{share}"
 
 
 def valid(cfg: Config, m: Model, world: int | None = None) -> None:
