@@ -207,11 +207,6 @@ def valid(cfg: Config, m: Model, world: int | None = None) -> None:
     schedule.check(p.pp, cfg.micro_batches, len(m.layers))
 
 
-def _field(cfg: Config, key: str) -> tuple[object, str]:
-    section, name = key.split(".")
-    return getattr(cfg, section), name
-
-
 def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[tuple[str, Plan]]:
     """The nearest changes that fit, the first of each kind: a stronger `ac`, a smaller micro-batch,
     pipeline stages, more data ranks (the global batch grown alike); the last two also with ac full.
@@ -227,9 +222,11 @@ def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[t
          for f in full],
     ):  # fmt: skip
         for change in kind:
-            c = copy.deepcopy(cfg)
+            c, new = copy.deepcopy(cfg), []
             for key, value in change.items():  # as config.load_config sets --section.key=value
-                setattr(*_field(c, key), value)
+                section, name = key.split(".")
+                new += [f"--{key}={value}"] * (getattr(getattr(c, section), name) != value)
+                setattr(getattr(c, section), name, value)
             try:
                 validate(c)
                 valid(c, m)
@@ -238,8 +235,7 @@ def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[t
             world = c.parallel.pp * c.parallel.dp * c.parallel.cp * c.parallel.ep
             share = 1 if cuda or capacity is None else world / (p.pp * p.dp * p.cp * p.ep)
             if (x := plan(c, m, cuda, capacity and capacity / share)).fits:
-                new = " ".join(f"--{k}={v}" for k, v in change.items() if getattr(*_field(cfg, k)) != v)
-                out.append((new + (f" ({world} GPUs)" if cuda and world > 1 else ""), x))
+                out.append((" ".join(new) + (f" ({world} GPUs)" if cuda and world > 1 else ""), x))
                 break
     return out
 
