@@ -26,6 +26,7 @@ Shape legend: E experts, El experts per EP rank.
 """
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import pith_ops
@@ -198,6 +199,12 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     # with dp = cp = 1 (each EP rank's experts are its own; nothing to reduce over dp x cp).
     if mesh.dense_mesh is None or mesh.dense_mesh.size() == 1:
         return model
+    # FSDP2 warns, at every forward of a unit (12 lines a step on the tiny default), that a unit returned
+    # a view: stage 1's routed rows (the normed hidden states, flattened) and the epilogue's norm (its
+    # kernel's rows viewed as [B, S, D]). An in-place op on such a view would drop the unit's
+    # pre-backward hook; nothing writes into a stage output in place (the step hands each to the next
+    # segment detached, executor.Tape), and every layout's gradients equal one process's (the tests).
+    warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor")
     # cast_forward_inputs off: Positions carries fp32 rotary tables that must stay fp32.
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     fp32 = MixedPrecisionPolicy(

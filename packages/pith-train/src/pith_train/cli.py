@@ -6,7 +6,7 @@ subcommand adds both. Errors a user can fix (ValueError, OSError) are one line o
 """
 
 import argparse
-import shlex
+import os
 import shutil
 import sys
 import time
@@ -49,15 +49,19 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
         return
     import torch.distributed as dist
 
-    from pith_train.stopping import Interrupted
+    from pith_train import stopping
     from pith_train.train import pretrain
 
+    if "RANK" in os.environ and (args.run_dir is None or args.nproc_per_node):
+        raise ValueError("under torchrun give every rank the same --run-dir, and no --nproc-per-node")
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.nproc_per_node:  # the workers check the config again, each under torchrun's environment
+        sys.exit(stopping.launch_local(args.nproc_per_node, [*args.rest, "--run-dir", run_dir]))
     try:
         out = pretrain(cfg, run_dir)
-    except Interrupted as e:
+    except stopping.Interrupted as e:
         if not dist.is_initialized() or dist.get_rank() == 0:
-            hint = shlex.join(["pith-train", "pretrain", *args.rest, "--run-dir", run_dir])
+            hint = stopping.resume_command([*args.rest, "--run-dir", run_dir])
             print(f"pith-train pretrain: {e}\n  resume with: {hint}", file=sys.stderr)
         sys.exit(128 + e.signum)
     if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun rank 0 reports
@@ -309,9 +313,13 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser(
         "pretrain",
         help="train a model (defaults: tiny-moe on a built-in corpus)",
-        usage="pith-train pretrain [CONFIG.toml] [--section.key=value ...] [--run-dir DIR] [--print-config]",
+        usage="pith-train pretrain [CONFIG.toml] [--section.key=value ...] [--run-dir DIR]"
+        " [--nproc-per-node N] [--print-config]",
     )
     p.add_argument("--run-dir", help="where config, metrics and checkpoints go (default runs/TIMESTAMP)")
+    p.add_argument(
+        "--nproc-per-node", type=int, metavar="N", help="N processes on this machine, as torchrun starts them"
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(run=cmd_pretrain)
 

@@ -1,14 +1,23 @@
-"""Stopping a run on SIGINT (Ctrl-C) or SIGTERM (what a cluster scheduler sends before preemption).
+"""Stopping a run on SIGINT (Ctrl-C) or SIGTERM (what a cluster scheduler sends before preemption),
+and `pith-train pretrain --nproc-per-node N`, which starts a run's processes on one machine.
 
-The first signal asks the training loop to stop after the current step: it saves a checkpoint and
-raises Interrupted, which the CLI turns into a resume hint and exit status 128 + signal (130, 143).
-A second signal ends the process at once with the signal's default action; copies arriving within a
-second of the first count as the first, because a terminal's Ctrl-C reaches torchrun and its workers
-together and torchrun forwards its own copy to the workers.
+The first signal asks the training loop to stop after the current step: every rank saves the same
+checkpoint once and raises Interrupted, which the CLI turns into a resume hint (the launch line
+itself: resume_command) and exit status 128 + signal (130, 143). A second signal ends the process at
+once with the signal's default action; copies arriving within a second of the first count as the
+first, because a terminal's Ctrl-C reaches a launcher and its workers together and the launcher
+forwards its own copy to the workers.
+
+Under torchrun the workers behave so, but torchrun itself answers a signal with a traceback of its
+own (SignalException) and exit status 1, which no worker can change; `--nproc-per-node N` (one
+machine) starts the same processes with torchrun's environment and exits as one process would.
 """
 
 import os
+import shlex
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -62,3 +71,55 @@ class StopOnSignal:
         flag = torch.tensor(self.signum, device=device)
         dist.all_reduce(flag, dist.ReduceOp.MAX)
         return int(flag)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that continues this run: the launch line, as its launcher was started."""
+    if launched := os.environ.get("PITH_LAUNCH"):  # launch_local's
+        return launched
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if world == 1:
+        return shlex.join(["pith-train", "pretrain", *argv])
+    nodes = [] if world == local else ["--nnodes", str(world // local), "<your rendezvous flags>"]
+    return shlex.join(
+        ["torchrun", *nodes, "--nproc-per-node", str(local), "-m", "pith_train", "pretrain", *argv]
+    )
+
+
+def launch_local(nproc: int, argv: list[str]) -> int:
+    """`pith-train pretrain ARGV` in nproc processes on this machine, each with torchrun's environment
+    (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT): -> the exit status of the run. A signal reaches
+    the workers (forwarded once when it came to this process alone, e.g. a scheduler's SIGTERM) and
+    they stop as one process does; the status is theirs (130, 143). A worker that fails ends the
+    others (SIGTERM, then SIGKILL after 30 s), and its status is the run's."""
+    with socket.socket() as s:  # a free port for the env:// rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    env = {**os.environ, **{k: str(v) for k, v in env.items()}}
+    env["PITH_LAUNCH"] = shlex.join(["pith-train", "pretrain", "--nproc-per-node", str(nproc), *argv])
+    command = [sys.executable, "-m", "pith_train", "pretrain", *argv]
+    workers = [
+        subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)
+    ]
+    forward = lambda signum, frame: [w.send_signal(signum) for w in workers if w.poll() is None]
+    previous = {s: signal.signal(s, forward) for s in StopOnSignal.SIGNALS}
+    try:
+        while (codes := [w.poll() for w in workers]).count(None):
+            failed = [c for c in codes if c not in (None, 0, 128 + signal.SIGINT, 128 + signal.SIGTERM)]
+            if failed:
+                for w in workers:
+                    if w.poll() is None:
+                        w.terminate()
+                deadline = time.monotonic() + 30
+                for w in workers:
+                    try:
+                        w.wait(max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        w.kill()
+                return failed[0]
+            time.sleep(0.2)
+        return max(codes, key=lambda c: c != 0)  # a stop's status, or 0
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
