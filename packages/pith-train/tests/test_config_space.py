@@ -1,0 +1,253 @@
+"""The trainer's config space, drawn: hypothesis draws `pith-train pretrain` configurations from the
+valid space (model family; aux losses on or off: load balancing, z-loss, the routing bias; 1-4
+micro-batches; activation checkpointing none/selective/full; overlap and the weight-gradient delay on
+or off; FP8 on the CPU path; validation windows that need not fill a batch; AdamW or Muon; layouts of
+1, 2 and 4 processes over pp, dp, cp, ep and their products) and checks, for each:
+- it trains, validation included, without an error;
+- its per-step losses equal the plain run of the same config: one process, each micro-batch whole
+  (the same sequences, data layout contract), no recompute, overlap or delay, Adam eps 1e-3 as
+  check-layout compares (FP8: step 1 alike, later steps within FP8's own rounding, see FP8_RTOL);
+- stopped at a drawn step and resumed, it equals the uninterrupted run bit for bit;
+- every rank runs each of its layers' attention once per micro-batch and validation batch, twice
+  under ac=full (one recompute): counted by a forward hook.
+A new trainer option joins the draw in the commit that adds it. The `ci` profile draws 6 one-process
+configurations and 2 of each world size (deterministically); HYPOTHESIS_PROFILE=dev 16 times more.
+"""
+
+import dataclasses
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import pith_models
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from pith_engine.schedule import rank_chunks, split_layers
+from pith_models import deepseek_v2, gpt_oss
+from pith_train.config import load_config
+from pith_train.prepare import prepare, stdlib_corpus
+from pith_train.train import pretrain
+
+STEPS, SEQ = 3, 16
+# FP8 quantises a weight gradient's columns over the tokens of a micro-batch on one rank, so a layout
+# that splits the tokens rounds them otherwise (test_equivalence's check_fp8_layouts: 2.8e-4 at most).
+FP8_RTOL = 2e-3
+# Muon's Newton-Schulz in bf16 (its default) turns fp32 summation-order noise into flipped bf16
+# roundings (test_muon: 1.6e-5 at step 5 under ep2; 2.5e-5 seen here at step 3 under pp2 x ep2).
+MUON_BF16_RTOL = 1e-4
+FAMILIES = {  # 4 layers (2 chunks a pipeline rank of pp2), tiny widths; qwen3_moe: conftest's micro model's
+    "qwen3_moe": None,
+    "deepseek_v2": dataclasses.replace(deepseek_v2.TINY, num_hidden_layers=4, max_position_embeddings=64),
+    "gpt_oss": dataclasses.replace(gpt_oss.TINY, num_hidden_layers=4, layer_types=()),
+}
+LAYOUTS = {  # world size -> (pp, dp, cp, ep)
+    1: [(1, 1, 1, 1)],
+    2: [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)],
+    4: [(2, 1, 1, 2), (2, 2, 1, 1), (1, 2, 1, 2), (1, 1, 2, 2), (1, 1, 1, 4), (2, 1, 2, 1)],
+}
+
+
+@dataclasses.dataclass
+class Drawn:
+    family: str
+    layout: tuple[int, int, int, int]
+    micro_batches: int
+    micro_batch: int
+    options: list[str]  # every other override
+    stop_at: int
+    val_path: bool  # validation on a dataset of its own (data.val_path), not windows held out
+    init: bool  # from a checkpoint of a 2-step run (checkpoint.init_from), not from the HF weights
+
+    @property
+    def data_ranks(self) -> int:
+        return self.layout[1] * self.layout[3]
+
+    def overrides(self, setup: "Setup", plain: bool = False) -> list[str]:
+        pp, dp, cp, ep = (1, 1, 1, 1) if plain else self.layout
+        micro = self.micro_batch * (self.data_ranks if plain else 1)
+        options = [o for o in self.options if not plain or not o.startswith(("--train.ac", "--parallel"))]
+        sequences = self.micro_batches * self.micro_batch * self.data_ranks
+        plainly = ["--train.ac=none", "--parallel.overlap=false", "--parallel.wgrad_delay=false"] * plain
+        options += [f"--data.val_path={setup.val_data}"] * self.val_path
+        options += [
+            f"--checkpoint.init_from={setup.source(self.family, _option(self, 'optim.name'))}"
+        ] * self.init
+        return [
+            f"--model.name={setup.hf[self.family]}", f"--data.path={setup.data}", f"--data.seq_len={SEQ}",
+            f"--train.steps={STEPS}", f"--train.global_batch={sequences}", f"--train.micro_batch={micro}",
+            "--train.device=cpu", "--train.lr=1e-2", "--optim.eps=1e-3", "--optim.warmup_steps=1",
+            "--log.progress=false", "--log.tensorboard=false",
+            f"--parallel.pp={pp}", f"--parallel.dp={dp}", f"--parallel.cp={cp}", f"--parallel.ep={ep}",
+            *options, *plainly,
+        ]  # fmt: skip
+
+    def attention_calls(self, rank: int, val_windows: int, eval_every: int) -> int:
+        """What each rank's layers' attention must run over the uninterrupted run (module docstring)."""
+        pp = self.layout[0]
+        spans = split_layers(4, pp)
+        held = sum(len(spans[c]) for c in rank_chunks(pp, rank // (math.prod(self.layout) // pp)))
+        full = any(o == "--train.ac=full" for o in self.options)
+        evals = len({s for s in range(1, STEPS + 1) if (eval_every and s % eval_every == 0) or s == STEPS})
+        val_rounds = -(-val_windows // (self.micro_batch * self.data_ranks))
+        return held * (STEPS * self.micro_batches * (2 if full else 1) + evals * val_rounds)
+
+
+@st.composite
+def configs(draw, world: int) -> Drawn:
+    layout = draw(st.sampled_from(LAYOUTS[world]))
+    pp = layout[0]
+    micro_batches = draw(st.integers(2 * pp, 4) if pp > 1 else st.integers(1, 4))
+    fp8 = draw(st.booleans())
+    options = [
+        f"--data.val_windows={draw(st.integers(1, 5))}",
+        f"--log.eval_every={draw(st.sampled_from([0, 2]))}",
+        f"--train.lbl_coef={draw(st.sampled_from([0.0, 1e-2]))}",
+        f"--train.z_loss_coef={draw(st.sampled_from([0.0, 1e-3]))}",
+        f"--train.bias_rate={draw(st.sampled_from([0.0, 1e-2]))}",
+        f"--train.ac={draw(st.sampled_from(['none', 'selective', 'full']))}",
+        f"--parallel.overlap={draw(st.booleans())}".lower(),
+        f"--parallel.wgrad_delay={draw(st.booleans())}".lower(),
+        f"--train.fp8={fp8}".lower(),
+        f"--optim.name={draw(st.sampled_from(['adamw', 'muon']))}",
+        f"--optim.muon_ns_dtype={draw(st.sampled_from(['bfloat16', 'float32']))}",
+        f"--optim.schedule={draw(st.sampled_from(['cosine', 'wsd']))}",
+        f"--optim.grad_clip={draw(st.sampled_from([0.0, 0.5]))}",
+        f"--checkpoint.every={draw(st.sampled_from([0, 1]))}",
+    ]
+    if fp8:
+        options += [f"--train.fp8_lm_head={draw(st.booleans())}".lower()]
+        options += [f"--train.fp8_all_gather={draw(st.booleans())}".lower()]
+    family = draw(st.sampled_from(sorted(FAMILIES)))
+    micro_batch, stop_at = draw(st.sampled_from([1, 2])), draw(st.integers(1, 2))
+    return Drawn(
+        family, layout, micro_batches, micro_batch, options, stop_at, draw(st.booleans()), draw(st.booleans())
+    )
+
+
+def distinct(drawn: st.SearchStrategy) -> st.SearchStrategy:
+    """Two different configurations (one start of the processes trains both)."""
+    return st.lists(drawn, min_size=2, max_size=2, unique_by=repr)
+
+
+FIXTURES = HealthCheck.function_scoped_fixture  # the session's and module's, set up once
+
+
+class Setup:
+    """What the drawn runs read: each family's tiny model as a Hugging Face directory (fp32), the
+    training data, a validation dataset of other files, and checkpoints of 2 plain steps to start from
+    (made when first asked for, one per family and optimizer)."""
+
+    def __init__(self, root: Path, micro_hf: Path, data: Path):
+        self.root, self.data, self.val_data = root, data, root / "val"
+        prepare(stdlib_corpus()[3:5], str(self.val_data), "byte", progress=False, workers=1)
+        micro = dataclasses.replace(pith_models.from_pretrained(micro_hf).cfg, num_hidden_layers=4)
+        self.hf = {name: root / name for name in FAMILIES}
+        for name, cfg in FAMILIES.items():
+            pith_models.save_pretrained(
+                pith_models.build(cfg or micro, "cpu", seed=0), self.hf[name], torch.float32
+            )
+
+    def source(self, family: str, optimizer: str) -> Path:
+        run = self.root / f"source_{family}_{optimizer}"
+        if not run.exists():
+            args = [f"--model.name={self.hf[family]}", f"--data.path={self.data}", f"--data.seq_len={SEQ}"]
+            args += [
+                "--train.steps=2",
+                "--train.global_batch=4",
+                "--train.micro_batch=4",
+                "--train.device=cpu",
+            ]
+            pretrain(load_config(None, [*args, f"--optim.name={optimizer}", "--log.progress=false"]), run)
+        return run / "checkpoints" / "step_000002"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, micro_hf, byte_data) -> Setup:
+    return Setup(tmp_path_factory.mktemp("config_space"), micro_hf, byte_data)
+
+
+def _losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), rows
+    assert all("val_loss" in r for r in rows if r["step"] == STEPS)
+    return [r["loss"] for r in rows]
+
+
+def _option(drawn: Drawn, key: str) -> str:
+    return next(o for o in drawn.options if o.startswith(f"--{key}=")).partition("=")[2]
+
+
+def check(drawn: Drawn, root: Path, setup: Setup, calls: list[int]) -> None:
+    """The invariants of the module docstring, on the runs `root`/{full, resumed} of `drawn` (trained),
+    against the plain run, trained here; calls: each rank's attention calls in the full run."""
+    plain = pretrain(load_config(None, drawn.overrides(setup, plain=True)), root / "plain")
+    assert plain["step"] == STEPS
+    want, got = _losses(root / "plain"), _losses(root / "full")
+    fp8 = _option(drawn, "train.fp8") == "true"
+    muon_bf16 = _option(drawn, "optim.name") == "muon" and _option(drawn, "optim.muon_ns_dtype") == "bfloat16"
+    for step, (a, b) in enumerate(zip(got, want)):
+        rtol = FP8_RTOL if fp8 and step else MUON_BF16_RTOL if muon_bf16 and step else 1e-5
+        assert abs(a - b) <= rtol * abs(b), (drawn, got, want)
+    assert _losses(root / "resumed") == got, drawn  # bit for bit
+    val_windows, eval_every = int(_option(drawn, "data.val_windows")), int(_option(drawn, "log.eval_every"))
+    expected = [drawn.attention_calls(r, val_windows, eval_every) for r in range(len(calls))]
+    assert calls == expected, (drawn, calls, expected)
+
+
+class CountAttention:
+    """A global forward hook counting calls of modules named Attention (every family's; as pretrains.py)."""
+
+    def __enter__(self):
+        self.calls = []
+        count = lambda module, inputs, output: self.calls.append(type(module).__name__ == "Attention")
+        self.handle = torch.nn.modules.module.register_module_forward_hook(count)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+@settings(max_examples=settings.default.max_examples // 2, suppress_health_check=[FIXTURES])
+@given(drawn=configs(world=1))
+def test_one_process_configs_train_like_the_plain_run_and_resume_bit_for_bit(drawn, setup):
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        cfg = load_config(None, drawn.overrides(setup))
+        with CountAttention() as count:
+            pretrain(cfg, root / "full")
+        pretrain(cfg, root / "resumed", stop_at=drawn.stop_at)
+        pretrain(cfg, root / "resumed")
+        check(drawn, root, setup, [sum(count.calls)])
+
+
+@pytest.mark.distributed
+# No shrinking: each example starts processes (a failure shows the drawn configurations as they came).
+@settings(
+    max_examples=settings.default.max_examples // 12,
+    suppress_health_check=[FIXTURES],
+    phases=[Phase.generate],
+)
+@given(pairs=distinct(configs(world=2)), fours=distinct(configs(world=4)))
+def test_layouts_of_2_and_4_processes_train_like_the_plain_run_and_resume_bit_for_bit(
+    pairs, fours, setup, run_ranks
+):
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for world, drawn_list in ((2, pairs), (4, fours)):
+            runs = []
+            for i, drawn in enumerate(drawn_list):
+                args = drawn.overrides(setup)
+                d = root / f"w{world}_{i}"
+                runs += [
+                    {"run_dir": str(d / "full"), "argv": args, "count": True},
+                    {"run_dir": str(d / "resumed"), "argv": args, "stop_at": drawn.stop_at},
+                    {"run_dir": str(d / "resumed"), "argv": args},
+                ]
+            run_ranks(Path(__file__).with_name("pretrains.py"), world, root, *map(json.dumps, runs))
+            for i, drawn in enumerate(drawn_list):
+                d = root / f"w{world}_{i}"
+                calls = [int((d / "full" / f"attention_calls.{r}").read_text()) for r in range(world)]
+                check(drawn, d, setup, calls)
