@@ -105,6 +105,26 @@ def test_sizes_tokens_share_and_skills(tree):
     assert report["skills"] == ["profile"]
 
 
+def test_framework_sources_and_their_budget(tree, capsys):
+    """Without settings the framework is every source file outside tests, skills...; pyproject's
+    [tool.ate-bench] names its directories and a budget, which --check-budget enforces."""
+    (tree / "tests").mkdir()
+    (tree / "tests" / "test_x.py").write_text("x = 1\n")
+    f = inspect_tree(tree)["framework"]
+    chars = len(INDIRECT) + len(DIRECT) + len("def (:\n") + len(KERNEL_CU)
+    lines = sum(src.count("\n") for src in (INDIRECT, DIRECT, "def (:\n", KERNEL_CU))
+    assert (f["lines"], f["characters"], f["budget"], f["within_budget"]) == (lines, chars, None, None)
+    assert main(["inspect", str(tree), "--check-budget"]) == 1  # no budget stated
+    settings = '[tool.ate-bench]\nframework = ["pkg"]\nbudget = {{lines = {}, characters = 100000}}\n'
+    py_lines = lines - 3
+    for limit, within in ((py_lines, True), (py_lines - 1, False)):
+        (tree / "pyproject.toml").write_text(settings.format(limit))
+        f = inspect_tree(tree)["framework"]
+        assert (f["lines"], f["directories"], f["within_budget"]) == (py_lines, ["pkg"], within)
+        assert main(["inspect", str(tree), "--check-budget"]) == (0 if within else 1)
+        assert ("within" if within else "OVER") in capsys.readouterr().out
+
+
 def test_git_checkout_lists_only_files_git_knows(tree):
     (tree / ".gitignore").write_text("ignored/\n")
     (tree / "ignored").mkdir()

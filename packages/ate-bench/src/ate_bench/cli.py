@@ -9,7 +9,13 @@ from ate_bench.agents import make_agent
 from ate_bench.doctor import format_checks, run_checks
 from ate_bench.frameworks import load_framework
 from ate_bench.gpu import SCOPES
-from ate_bench.inspect_repo import format_table, inspect_tree, readme_table, write_readme_table
+from ate_bench.inspect_repo import (
+    format_table,
+    framework_lines,
+    inspect_tree,
+    readme_table,
+    write_readme_table,
+)
 from ate_bench.report import compare, write_report
 from ate_bench.runner import MAX_DISK_GB, run_suite
 from ate_bench.staging import stage
@@ -88,6 +94,12 @@ def cmd_metrics(args) -> int:
 
 def cmd_inspect(args) -> int:
     report = inspect_tree(Path(args.path))
+    if args.check_budget:
+        f = report["framework"]
+        print(
+            "\n".join(framework_lines(f)) if f["budget"] else "no [tool.ate-bench] budget in pyproject.toml"
+        )
+        return 0 if f["within_budget"] else 1
     if args.readme:
         if args.check:
             stale = readme_table(Path(args.readme)) != format_table(report)
@@ -199,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--json", action="store_true")
     insp.add_argument("--readme", help="write the table into this README's <!-- inspect --> block instead")
     insp.add_argument("--check", action="store_true", help="with --readme: exit 1 if the block is stale")
+    insp.add_argument(
+        "--check-budget",
+        action="store_true",
+        help="exit 1 when the framework sources exceed the stated budget",
+    )
     insp.set_defaults(handler=cmd_inspect)
 
     tasks = sub.add_parser("tasks", help="list the tasks")

@@ -17,12 +17,20 @@
     getattr_by_name    getattr(obj, name) with a non-literal name
     dynamic_import     importlib.import_module(...) or __import__(...)
 - Share of non-Python source lines, and the skills shipped (skills/*/SKILL.md).
+- The framework's own sources, apart from its tests, benchmarks, examples, docs, scripts and skills:
+  all lines (as `wc -l` counts them), characters and tokens, against a budget when the checkout states
+  one. A checkout names its framework directories and budget in pyproject.toml:
+      [tool.ate-bench]
+      framework = ["packages/a/src", "packages/b/src"]
+      budget = {lines = 11000, characters = 480000}
+  without it, every source file outside those other directories counts, and there is no budget.
 """
 
 import ast
 import os
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 CHARS_PER_TOKEN = 4
@@ -46,6 +54,7 @@ PATTERN_KINDS = (
     "dynamic_import",
 )
 CONTEXTS = {"fits_200k": 200_000, "fits_1m": 1_000_000}
+NOT_FRAMEWORK = {"tests", "test", "benchmarks", "examples", "docs", "scripts", "skills"}
 
 
 def skipped(directories) -> bool:
@@ -147,12 +156,31 @@ def python_patterns(source: str) -> list[tuple[str, int]]:
     )
 
 
+def framework_settings(root: Path) -> tuple[list[str] | None, dict | None]:
+    """pyproject.toml's [tool.ate-bench] framework directories and budget (None where absent)."""
+    try:
+        tool = tomllib.loads((root / "pyproject.toml").read_text()).get("tool", {}).get("ate-bench", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        tool = {}
+    return tool.get("framework"), tool.get("budget")
+
+
+def in_framework(relative: str, dirs: list[str] | None) -> bool:
+    parts = Path(relative).parts
+    if dirs is not None:
+        return any(relative.startswith(d.rstrip("/") + "/") for d in dirs)
+    name = parts[-1]
+    return not (NOT_FRAMEWORK & set(parts[:-1]) or name.startswith("test_") or name == "conftest.py")
+
+
 def inspect_tree(path: Path) -> dict:
     root = Path(path).resolve()
     if not root.is_dir():
         raise ValueError(f"expected a directory to inspect, got {str(path)!r}")
     languages: dict[str, dict] = {}
     source_chars = source_lines = python_lines = 0
+    framework_dirs, budget = framework_settings(root)
+    framework = {"lines": 0, "characters": 0}
     patterns = {kind: [] for kind in PATTERN_KINDS}
     unparsed = []
     for file in list_files(root):
@@ -172,10 +200,13 @@ def inspect_tree(path: Path) -> dict:
             continue
         source_chars += len(text)
         source_lines += lines
+        relative = file.relative_to(root).as_posix()
+        if in_framework(relative, framework_dirs):
+            framework["lines"] += text.count("\n")
+            framework["characters"] += len(text)
         if language != "Python":
             continue
         python_lines += lines
-        relative = file.relative_to(root).as_posix()
         try:
             for kind, line in python_patterns(text):
                 patterns[kind].append(f"{relative}:{line}")
@@ -196,6 +227,13 @@ def inspect_tree(path: Path) -> dict:
         "patterns": patterns,
         "unparsed_python": unparsed,
         "skills": skills,
+        "framework": {
+            **framework,
+            "approx_tokens": framework["characters"] // CHARS_PER_TOKEN,
+            "directories": framework_dirs,
+            "budget": budget,
+            "within_budget": None if budget is None else all(framework[k] <= v for k, v in budget.items()),
+        },
     }
 
 
@@ -213,6 +251,7 @@ def format_table(report: dict, max_locations: int = 8) -> str:
         f"non-Python share of source    {report['non_python_share'] * 100:.1f}%",
         f"skills shipped                {len(report['skills'])}"
         + (f" ({', '.join(report['skills'])})" if report["skills"] else ""),
+        *framework_lines(report["framework"]),
         "",
         "implicit indirection (Python)",
     ]
@@ -224,6 +263,18 @@ def format_table(report: dict, max_locations: int = 8) -> str:
     if report["unparsed_python"]:
         lines.append(f"  (not parsed: {', '.join(report['unparsed_python'])})")
     return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def framework_lines(f: dict) -> list[str]:
+    where = "pyproject [tool.ate-bench]" if f["directories"] is not None else "all but tests, benchmarks..."
+    lines = [
+        f"framework sources             {f['lines']:,} lines, {f['characters']:,} characters"
+        f" (~{f['approx_tokens']:,} tokens; {where})"
+    ]
+    if f["budget"] is not None:
+        limits = ", ".join(f"{v:,} {k}" for k, v in f["budget"].items())
+        lines.append(f"framework budget              {limits}: {'within' if f['within_budget'] else 'OVER'}")
+    return lines
 
 
 README_BLOCK = re.compile(r"(<!-- inspect -->\n```text\n)(.*?)(```)", re.DOTALL)
