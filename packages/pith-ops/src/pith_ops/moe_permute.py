@@ -1,32 +1,15 @@
-"""Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute).
+"""Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute). How the
+launches overlap and what they measured: the pith-ops README.
 
 Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows (T*K, plus per-expert
 padding when align > 1, or the caller's `rows`), C chunks of CT tokens (CT * K <= CHUNK routed entries),
 R rows of a tile.
 
-moe_permute is three launches with no host sync and no torch op between them: each chunk's per-expert
-counts; per expert, a scan over the chunks (its entries in earlier chunks), the last program to finish
-turning the totals into group starts and ends (padded to `align`); per chunk, each entry's slot (start
-+ earlier chunks' count + earlier entries of its expert in the chunk), then, in the same program, the
-chunk's token rows scattered to their K slots (each tile read once, stored K times), so the slot work
-overlaps other programs' row stores; on sm_90 and later it is launched dependent on the scan (PDL), so
-its programs compute their in-chunk ranks while the scan finishes. With padding or a given `rows` that
-program also writes the owner map row -> entry, and a fourth launch zero-fills the rows no entry owns.
-Eager calls skip the custom ops' dispatch layers (_common.eager_or_custom); torch.compile sees the
-custom ops (one opaque node each), whose bodies are the same functions.
-
-A negative expert id means no expert: the entry gets slot -1 and no row, and counts in no group (so
-a caller can route a subset of the entries, e.g. expert parallelism's rows by destination rank, with a
-static `rows` for the N it knows). Ids >= E and a `rows` too small for the entries are checked only
-for CPU tensors in eager mode: on CUDA the checks would cost a host sync per call, so there they are
-the caller's contract (a router's top-k cannot produce such ids).
-FP8 rows (FP8Rows: e4m3 rows, a scale each, quantised once per token) are permuted as bytes, their
-scales by the same slots: the expert GEMMs get the e4m3 copies of the T*K rows without a bf16 copy
-of them written (and quantised: K times the rows of quantising the T tokens) or, under expert
-parallelism, exchanged (half the bytes).
-moe_unpermute requires that no row of y is referenced by two (t, k) entries (true for the slots
-moe_permute returns); its backward scatters w * dout to the referenced rows of dy, computing the
-weight gradient from the same loads, and zero-fills the rows no slot references.
+A negative expert id routes nowhere (slot -1, no row, no group), so a caller can route a subset of the
+entries (expert parallelism's rows by destination rank) with a static `rows`. Ids >= E and a `rows` too
+small are checked only for CPU tensors in eager mode: on CUDA the check would be a host sync per call
+(a router's top-k cannot produce such ids). moe_unpermute requires that no row of y is referenced by
+two (t, k) entries (true for moe_permute's slots).
 """
 
 import functools
@@ -46,24 +29,21 @@ from pith_ops._common import (
 )
 from pith_ops.fp8_quant import FP8, FP8Rows
 
-# Experts per compare step of the chunk counts: on the GPU a [128, 64] compare is 64 values a thread at
-# 4 warps; the interpreter (CPU tests) pays per step, not per value.
+# Experts per compare step of the chunk counts: a [128, 64] compare is 64 values a thread at 4 warps;
+# the interpreter (CPU tests) pays per step, not per value.
 EXPERT_TILE = 256 if INTERPRET else 64
 # The per-expert scan is [SCAN_CHUNKS, EXPERT_SCAN] a step: 1024 chunks cover T=16384 at top-8 in one
-# step; at 8 warps that is 125 registers (sm_90 build), where 8 or 16 experts a program spill. The
-# interpreter pays per program (4096 experts in programs of 4: 35 s on CPU), and gets a short step so
-# that CPU tests with a few chunks go through the carried loop.
+# step, 125 registers at 8 warps (sm_90), where 8 or 16 experts a program spill. The interpreter pays
+# per program (4096 experts in programs of 4: 35 s on CPU); its short step takes the carried loop.
 EXPERT_SCAN = 256 if INTERPRET else 4
 SCAN_CHUNKS = 4 if INTERPRET else 1024
-# Entries a chunk holds at most: the in-chunk rank is a [CHUNK, CHUNK] compare; a chunk holds at least
-# one token, so this also bounds top-k. (A constexpr global: kernels read it.)
+# Entries a chunk holds at most (the in-chunk rank is a [CHUNK, CHUNK] compare); also bounds top-k.
 CHUNK = tl.constexpr(128)
 
 
 @triton.jit
 def _chunk_ids(ids_TK_ptr, c, T, K: tl.constexpr, CT: tl.constexpr):
-    """-> (entries, ok, ids) of chunk c: the CT * K <= CHUNK entries t * K + k of its CT tokens, in CHUNK
-    lanes; ids -1 (no expert) where not ok."""
+    """-> (entries, ok, ids) of chunk c's CT * K entries in CHUNK lanes; ids -1 where not ok."""
     j = tl.arange(0, CHUNK)
     entries = c * CT * K + j
     ok = (j < CT * K) & (entries < T * K)
@@ -74,12 +54,9 @@ def _chunk_ids(ids_TK_ptr, c, T, K: tl.constexpr, CT: tl.constexpr):
 def _chunk_histogram_kernel(
     ids_TK_ptr, counts_CE_ptr, arrivals_ptr, T, E, K: tl.constexpr, CT: tl.constexpr, ET: tl.constexpr
 ):  # fmt: skip
-    """counts[c, e] = entries of expert e in chunk c, by comparison against a tile of experts at a time
-    (ids < 0 match none); program 0 also resets the scan's arrival counter.
-
-    Compares rather than tl.histogram: its GPU lowering costs O(bins) per value and wants a power-of-two,
-    compile-time bin count.
-    """
+    """counts[c, e] = entries of expert e in chunk c; program 0 also resets the scan's arrival counter.
+    Compares rather than tl.histogram, whose GPU lowering costs O(bins) per value and wants a
+    power-of-two, compile-time bin count."""
     c = tl.program_id(0)
     if c == 0:
         tl.store(arrivals_ptr, 0)
@@ -95,10 +72,9 @@ def _histogram_scan_kernel(
     counts_CE_ptr, pre_CE_ptr, total_E_ptr, arrivals_ptr, starts_E_ptr, ends_E_ptr, C, E, align,
     CB: tl.constexpr, EB: tl.constexpr, E_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Per expert (EB of them a program): pre[c, e] = entries of e in chunks < c; total[e] = all of them.
-    The last program to finish turns the totals into group starts and ends (padded to `align`), so the
-    slot kernel gathers a start per entry instead of scanning E totals in each of its programs.
-    PDL: the slot kernel may start now (it waits for this grid before it reads what the grid writes)."""
+    """Per expert (EB a program): pre[c, e] = entries of e in chunks < c; total[e] = all of them. The
+    last program to finish turns the totals into group starts and ends (padded to `align`), so the slot
+    kernel gathers a start per entry instead of scanning E totals in each program."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     experts = tl.program_id(0) * EB + tl.arange(0, EB)
@@ -128,14 +104,13 @@ def _store_rows(
     src_TD_ptr, slots_TK_ptr, w_TK_ptr, y_ND_ptr, out_ND_ptr, dw_TK_ptr, tokens, T, D,
     K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """out[slots[t, k]] = src[t] for the program's token rows (slots < 0 skipped); WEIGHTED (moe_unpermute's
-    backward): out[slots[t, k]] = w[t, k] * src[t] and dw[t, k] = <src[t], y[slots[t, k]]>.
+    """out[slots[t, k]] = src[t] (slots < 0 skipped); WEIGHTED (moe_unpermute's backward): out[slots[t, k]]
+    = w[t, k] * src[t] and dw[t, k] = <src[t], y[slots[t, k]]>.
 
-    Each src tile is loaded once and stored to its K destinations (K unrolled, so the stores and, when
-    WEIGHTED, the y loads of all K are in flight together); gathering by output row instead would fetch
-    each src row K times, and src is larger than L2 at training sizes. The slots are loaded inside the
-    column loop (L1 hits): values computed before it would be hoisted by the compiler together with their
-    [ROWS, BLOCK_D] pointer broadcasts, K of them live at once (sm_90 build: 255 registers and spills).
+    Each src tile is loaded once and stored to its K slots (K unrolled: all K in flight); gathering by
+    output row would fetch each src row K times, and src outgrows L2 at training sizes. The slots are
+    loaded inside the column loop (L1 hits): hoisted, their [ROWS, BLOCK_D] pointer broadcasts are K
+    live at once (sm_90: 255 registers and spills).
     """
     tok_ok = tokens < T
     src_rows = tokens.to(tl.int64)[:, None] * D
@@ -162,12 +137,10 @@ def _store_rows(
         tl.store(dw_p, dot_RK, mask=tok_ok[:, None] & (ks[None, :] < K))
 
 
-# Store tile (TILE elements: the chunk's CT rows x TILE / CT columns) and warps of the fused slots +
-# scatter kernel, autotuned per shape on the GPU. Several programs per SM let one's row stores hide
-# another's index work: in the sm_90 build at top-8 the slot part alone takes 93 registers at 4 warps,
-# the whole kernel 95 with a 4096 tile (5 programs an SM), 128 with 16384 at 8 warps (2 an SM). Whole
-# rows a store win at D=2048 (H200, 2026-12-03: 32768 elements ~181 us, 16384 ~187, 4096 ~195). The
-# interpreter would run every config, so it gets one (the first: narrow tiles loop over columns).
+# Store tile (TILE elements: CT rows x TILE / CT columns) and warps of the slots + scatter kernel. Several
+# programs an SM let one's row stores hide another's index work (sm_90, top-8: 95 registers with a 4096
+# tile, 5 programs an SM; 128 with 16384 at 8 warps, 2 an SM). Whole rows a store win at D=2048 (H200:
+# 32768 elements ~181 us, 16384 ~187, 4096 ~195). The interpreter runs every config, so it gets one.
 _SLOTS_CONFIGS = [
     triton.Config({"TILE": t}, num_warps=w)
     for t, w in ((4096, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 8), (32768, 16), (32768, 32))
@@ -182,10 +155,9 @@ def _slots_scatter_kernel(
     K: tl.constexpr, K_P2: tl.constexpr, CT: tl.constexpr, HAS_OWNER: tl.constexpr, D_P2: tl.constexpr,
     PDL: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
-    """Per chunk: slot = start[e] + pre[c, e] + earlier entries of e in the chunk (-1 for ids < 0, which
-    the chunk counts never match); store the slots (and, with padding or a given N, the owner map
-    row -> entry), then the chunk's CT token rows to their K slots. PDL (launched while the scan still
-    runs): the in-chunk ranks are computed before waiting for the scan's grid."""
+    """Per chunk: slot = start[e] + pre[c, e] + earlier entries of e in the chunk (-1 for ids < 0); the
+    slots (and with HAS_OWNER the map row -> entry), then the chunk's token rows to their K slots. PDL:
+    the in-chunk ranks are computed before waiting for the scan's grid."""
     BLOCK_D: tl.constexpr = TILE // CT if TILE // CT < D_P2 else D_P2
     c = tl.program_id(0)
     entries, ok, ids = _chunk_ids(ids_TK_ptr, c, T, K, CT)
@@ -209,8 +181,7 @@ def _slots_scatter_kernel(
     )  # fmt: skip
 
 
-# Elements per program (ROWS = ELEMS / BLOCK_D token rows, at least one) and warps for the row kernels,
-# autotuned per shape on the GPU; the interpreter (CPU tests) would run every config, so it gets one.
+# Elements per program (ROWS = ELEMS / BLOCK_D token rows, at least one) and warps of the row kernels.
 _CONFIGS = [
     triton.Config({"ELEMS": e}, num_warps=w)
     for e, w in ((4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16), (2048, 4))
@@ -256,8 +227,8 @@ def _combine_kernel(
     y_ND_ptr, slots_TK_ptr, w_TK_ptr, out_TD_ptr, T, D,
     K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
 ):  # fmt: skip
-    """out[t] = sum_k w[t, k] * y[slots[t, k]] in fp32 (slots < 0 skipped; w = 1 without HAS_W).
-    K is unrolled so the K row gathers are in flight together rather than one load latency each."""
+    """out[t] = sum_k w[t, k] * y[slots[t, k]] in fp32 (slots < 0 skipped; w = 1 without HAS_W); K
+    unrolled so that the K row gathers are in flight together."""
     ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -330,12 +301,10 @@ def _has_pdl(device: torch.device) -> bool:
 
 
 def _static_rows(T: int, K: int, num_experts: int, align: int, rows: int | None) -> int:
-    if rows is not None:
-        return rows
-    return T * K + num_experts * (align - 1)  # align 1: no padding rows
+    return rows if rows is not None else T * K + num_experts * (align - 1)
 
 
-# --- moe_permute ---------------------------------------------------------------------------------
+# --- moe_permute
 
 
 def _permute_forward(
@@ -347,14 +316,11 @@ def _permute_forward(
     ids = expert_ids_TK.contiguous()
     x_ND = torch.empty(N, D, dtype=x_TD.dtype, device=dev)
     slots = torch.empty(T, K, dtype=torch.int64, device=dev)
-    # The owner map finds the rows no entry owns: padding, and those past the entries in a given N.
-    # Without either every row is some entry's (unless ids < 0 leave a tail, left unwritten).
+    # The owner map finds the rows no entry owns (padding, and those past the entries in a given N).
     owner = torch.full((N,), -1, dtype=torch.int32, device=dev) if rows is not None or align > 1 else None
     if T * K == 0:
         ends = torch.zeros(E, dtype=torch.int32, device=dev)
     else:
-        # Chunks of ct tokens, ct * K <= CHUNK entries (K <= CHUNK is checked). Three launches, no torch
-        # op between them: chunk counts, per-expert scans over the chunks, slots + row scatter.
         k_p2 = triton.next_power_of_2(K)
         ct = CHUNK.value // k_p2
         pdl = _has_pdl(dev)
@@ -381,7 +347,6 @@ def _permute_forward(
 
 
 def _permute_backward(dx_ND: Tensor, slots_TK: Tensor) -> Tensor:
-    # Each token's K copies sum back: the unweighted combine.
     return _combine(dx_ND.contiguous(), slots_TK)
 
 
@@ -447,8 +412,8 @@ class _StandIn(torch.autograd.Function):
 
 
 def _permute_fp8(x8: FP8Rows, expert_ids_TK: Tensor, num_experts: int, align: int, rows: int | None):
-    """moe_permute of FP8Rows: the e4m3 rows copied as bytes, the scales by the same slots (the
-    rows no entry owns get 0: zero rows either way), x by a stand-in."""
+    """The e4m3 rows permuted as bytes, the scales by the same slots (0 in rows no entry owns), x by a
+    stand-in."""
     check("x_TD.q", x8.q, ndim=2, dtypes=(FP8,), contiguous=True)
     check("x_TD.scale", x8.scale, ndim=1, dtypes=(torch.float32,), device=x8.q.device)
     if x8.x.shape != x8.q.shape or x8.scale.shape[0] != x8.q.shape[0]:
@@ -473,10 +438,8 @@ def moe_permute(
     *,
     rows: int | None = None,
 ) -> tuple[Tensor | FP8Rows, Tensor, Tensor]:
-    """-> (x_ND, slots_TK int64, group_ends_E int32); see moe_permute_reference for the layout. x_TD may
-    be byte rows (uint8: copied, no gradient), or FP8Rows (pith_ops.fp8_quant.fp8_rows: e4m3 rows with
-    their scales), which give FP8Rows: the e4m3 rows and scales permuted and a stand-in for x's rows
-    (strides 0, no memory) whose gradient goes back to x as a permutation's does."""
+    """-> (x_ND, slots_TK int64, group_ends_E int32), laid out as moe_permute_reference's. x_TD may be
+    bytes (uint8: no gradient), or FP8Rows (fp8_rows), which give FP8Rows."""
     if isinstance(x_TD, FP8Rows):
         return _permute_fp8(x_TD, expert_ids_TK, num_experts, align, rows)
     check("x_TD", x_TD, ndim=2, dtypes=(*FLOAT_DTYPES, torch.uint8), contiguous=True)
@@ -493,7 +456,7 @@ def moe_permute(
         raise ValueError(f"num_experts: expected 1..4096, got {num_experts}")
     if align < 1:
         raise ValueError(f"align: expected a positive row multiple, got {align}")
-    need = num_experts * (align - 1)  # rows: the padding, plus the routed entries
+    need = num_experts * (align - 1)
     # Data-dependent checks (a host sync on CUDA, a graph break under compile): eager CPU only.
     if not expert_ids_TK.is_cuda and not torch.compiler.is_compiling():
         hi = int(expert_ids_TK.max()) if expert_ids_TK.numel() else -1
@@ -508,7 +471,7 @@ def moe_permute(
     return _permute(x_TD, expert_ids_TK, num_experts, align, rows)
 
 
-# --- moe_unpermute -------------------------------------------------------------------------------
+# --- moe_unpermute
 
 
 def _unpermute_forward(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
@@ -520,7 +483,7 @@ def _unpermute_backward(
 ) -> tuple[Tensor, Tensor]:
     N = y_ND.shape[0]
     flat = slots_TK.reshape(-1)
-    # Owner map for the zero fill; row N is a sink for slots < 0, so no boolean mask (a sync) is needed.
+    # Owner map for the zero fill; row N is a sink for slots < 0 (a boolean mask would sync).
     inv = torch.full((N + 1,), -1, dtype=torch.int32, device=y_ND.device)
     inv.scatter_(
         0,
@@ -590,7 +553,7 @@ def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
     return _unpermute(y_ND, slots_TK, weights_TK)
 
 
-# --- specification -------------------------------------------------------------------------------
+# --- specification
 
 
 def moe_permute_reference(
