@@ -1,31 +1,21 @@
-"""Fused lm_head + cross-entropy: loss(h @ w.T, labels) without the full logits.
+"""Fused lm_head + cross-entropy: loss(h @ w.T, labels) without the full logits (the design and its
+measurements: the pith-ops README).
 
 Shape legend: T tokens, C tokens in one chunk, D model dim, V vocabulary.
 
-Full fp32 logits for 16,384 tokens x 151,936 words would take 10 GB. The forward walks the tokens in
-chunks of ~2^29 / V: one torch matmul gives the chunk's logits (in h's dtype), a Triton kernel
-computes each row's log-sum-exp and loss and overwrites the logits with d loss / d logits, and two
-more matmuls turn that into the chunk's dh rows and its share of dw. Gradients are therefore
-computed during the forward and kept for the backward, which only scales them by the incoming
-gradient (the usual fused linear cross-entropy; three matmuls per chunk instead of one now and two
-later, with no second pass over the vocabulary). dw accumulates across chunks in w's dtype with
-addmm (fp32 inside each matmul, one rounding per chunk): an fp32 accumulator would add ~3.7 GB of
-traffic per chunk, ~1.2 ms against ~10 ms of matmuls at the sizes above (estimated, not measured).
-Labels outside [0, V) other than ignore_index are checked only for CPU tensors in eager mode (a
-host sync on CUDA); on CUDA such a row reads no logit, so its loss is its log-sum-exp.
+The forward walks the tokens in chunks of CHUNK_LOGITS / V (full fp32 logits at 16,384 x 151,936
+would take 10 GB): a matmul gives the chunk's logits, a Triton kernel each row's loss, overwriting the
+logits with d loss / d logits, and two more matmuls the chunk's dh and its share of dw, kept for the
+backward, which only scales them. dw accumulates in w's dtype (fp32 inside each matmul): an fp32
+accumulator would add ~3.7 GB of traffic a chunk (estimated). Labels outside [0, V) other than
+ignore_index are checked only for CPU tensors in eager mode; on CUDA such a row's loss is its lse.
 
-FP8 (w8 = quantize_weight(w), pith_ops.fp8_quant, which a caller may keep while w is unchanged): all
-three GEMMs take e4m3 operands with power-of-two scales (torch._scaled_mm, bf16 out), the recipe of
-pith_ops.fp8_linear. h is quantised by rows once. The logits GEMM runs per chunk of a power of two
-rows (measured: fp8_chunk_rows); the kernel writes no bf16 gradient but its e4m3 rows, one scale per
-row, quantize_rows of its fp32 gradient bit for bit (the row's amax is known after the log-sum-exp
-pass: no third read of the logits), into a buffer of a part of the tokens (a byte a logit; the parts:
-FP8_WGRAD_PARTS), and dh's GEMM reads each chunk's rows. dw is, per part, one FP8 GEMM over the part's
-tokens per FP8_WGRAD_ROWS vocabulary rows, from the gradient rows and h8 requantised by columns over
-the part (cols_from_rows, as fp8_linear's wgrad), the parts' bf16 outputs added: a GEMM per token
-chunk would need a bf16 accumulation pass per chunk (measured ~2.7 ms a chunk against 2.6 ms for its
-bf16 GEMM, H200). The buffer lives within the op's forward, where the chunk logits take half the
-bf16 path's memory.
+FP8 (w8 = quantize_weight(w)): the three GEMMs take e4m3 operands (pith_ops.fp8_linear's recipe), in
+chunks of fp8_chunk_rows tokens. The kernel writes no bf16 gradient but its e4m3 rows, quantize_rows
+of the fp32 gradient bit for bit, into a buffer of one part of the tokens (FP8_WGRAD_PARTS). dh's GEMM
+reads each chunk's rows; dw is, per part, FP8 GEMMs over its tokens with h8 requantised by columns
+(cols_from_rows), the parts' bf16 outputs added: a GEMM per chunk would need a bf16 accumulation pass
+a chunk (measured ~2.7 ms, against 2.6 ms for its bf16 GEMM, H200).
 """
 
 import torch
@@ -52,32 +42,27 @@ from pith_ops.fp8_quant import (
 
 CHUNK_LOGITS = 2**29  # logits per chunk: 1 GiB in bf16; C = 3533 rows at V = 151,936
 BLOCK_V = 256 if INTERPRET else 4096
-# dh's FP8 GEMM with fast accumulation. Measured on an H200 at [3536, 151936] x [151936, 2048]: fast
-# 1539 us, relative error 2.9e-3 against the dequantised float64 product; fp32 promotion 1926 us,
-# 1.6e-3; bf16 3101 us; at 2048 rows fast 818 us, promotion 883 (random e4m3 data). On: the error
-# added is a tenth of the e4m3 gradient rows' own (~3e-2 relative, test_cross_entropy).
+# dh's FP8 GEMM with fast accumulation: at [3536, 151936] x [151936, 2048] (H200) 1539 us, relative
+# error 2.9e-3; fp32 promotion 1926 us, 1.6e-3; bf16 3101 us. The error added is a tenth of the e4m3
+# gradient rows' own (~3e-2).
 FAST = True
-# The FP8 weight gradient's GEMMs take this many vocabulary rows each (its transposed gradient rows:
-# 64 MiB for a part of 8,192 tokens).
+# Vocabulary rows of each FP8 weight-gradient GEMM (their transposed gradient rows: 64 MiB at 8,192 tokens).
 FP8_WGRAD_ROWS = 8192
-# The FP8 weight gradient runs once per part of the tokens (whole chunks), each part's gradient rows
-# buffered in e4m3 ([T / parts, V]) until its GEMMs have run, their bf16 outputs added into dw: 2
-# halves the buffer (2.3 -> 1.2 GiB at the bench's 16,384 x 151,936; it is live at the end of the
-# forward, when the most activations are) for one more bf16 pass over dw (~0.5 ms there by bytes and
-# bandwidth, not measured).
+# Parts of the tokens (whole chunks) whose e4m3 gradient rows are buffered ([T / parts, V]) for the
+# FP8 weight gradient: 2 halve the buffer (2.3 -> 1.2 GiB at 16,384 x 151,936, live when the most
+# activations are) for one more bf16 pass over dw (~0.5 ms, estimated).
 FP8_WGRAD_PARTS = 2
 
 
 def fp8_chunk_rows(V: int) -> int:
-    """Tokens per chunk under FP8: a power of two (at least 16, the FP8 GEMMs' multiple) within
-    CHUNK_LOGITS logits, 2048 at V = 151,936. Measured on an H200 (random e4m3 data, [C, 2048] x [2048,
-    151936] and back): C = 2048 runs the logits GEMM at 1511 TFLOP/s and dh's at 1557, C = 3520 at 1457
+    """Tokens per chunk under FP8: a power of two (at least 16) within CHUNK_LOGITS logits. At V =
+    151,936 (H200): C = 2048 runs the logits GEMM at 1511 TFLOP/s and dh's at 1557, C = 3520 at 1457
     and 1174."""
     return max(16, 1 << (max(1, CHUNK_LOGITS // max(V, 1)).bit_length() - 1))
 
 
 def fp8_wgrad_part_ends(T: int, V: int) -> list[int]:
-    """The token ends of the FP8 weight gradient's parts (FP8_WGRAD_PARTS of them at most, whole chunks)."""
+    """The token ends of the FP8 weight gradient's parts (at most FP8_WGRAD_PARTS, whole chunks)."""
     C, per_part = fp8_chunk_rows(V), -(-T // FP8_WGRAD_PARTS)
     P = max(1, -(-per_part // C)) * C
     return [*range(P, T, P), T] if T else []
@@ -89,14 +74,13 @@ def _ce_rows_kernel(
     WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr, BLOCK_V: tl.constexpr, STEPS: tl.constexpr,
 ):  # fmt: skip
     """Per row: loss = lse - logit[label] (0 if ignored); WRITE_GRAD: row <- g = (softmax - onehot) *
-    scale; WRITE_G8: g8 row, g8 scale <- quantize_rows(g) of the fp32 g (e4m3 or fp32 quotients),
-    with or without WRITE_GRAD."""
+    scale; WRITE_G8: g8 row, g8 scale <- quantize_rows(g) of the fp32 g."""
     row = tl.program_id(0)
     base = logits_CV_ptr + row.to(tl.int64) * V
     label = tl.load(labels_ptr + row).to(tl.int32)
     cols = tl.arange(0, BLOCK_V)
-    # Online log-sum-exp kept per lane, merged once at the end.
-    # Lanes start at the lowest finite fp32, not -inf, so m - m_new is never inf - inf.
+    # Online log-sum-exp per lane, merged at the end; lanes start at the lowest finite fp32, not -inf,
+    # so m - m_new is never inf - inf.
     m = tl.full([BLOCK_V], -3.4e38, tl.float32)
     s = tl.zeros([BLOCK_V], tl.float32)
     for v0 in range(0, V, BLOCK_V):
@@ -113,10 +97,9 @@ def _ce_rows_kernel(
     if WRITE_GRAD or WRITE_G8:
         scale = tl.where(valid, tl.load(scale_ptr), 0.0)
         if WRITE_G8:
-            # The row's largest |g| below, from the same fp32 expressions on the same inputs: exp is
-            # monotone and scale >= 0, so it is at the largest logit other than the label's, or at the
-            # label. Hence the scale is quantize_rows' own. The largest other logit: every lane's max
-            # but the label's lane, whose other STEPS - 1 values are read again (tracking it in the
+            # The row's largest |g| below, from the same fp32 expressions (so the scale is quantize_rows'
+            # own): at the largest logit other than the label's, or at the label. That logit is every
+            # lane's max but the label lane's, whose other values are read again (tracking it in the
             # loop above cost a compare and a select per logit).
             lane = tl.where(in_vocab, label % BLOCK_V, -1)
             others = tl.max(tl.where(cols == lane, -3.4e38, m), 0)
@@ -140,8 +123,7 @@ def _ce_rows_kernel(
 
 def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=None):
     """The kernel over a chunk's rows, or its math in torch (CPU without the interpreter; float64 logits
-    stay float64). write_grad: the gradient over the logits; g8: (g8_CV, g8_scale_C) buffers for the
-    gradient's quantize_rows, or None."""
+    stay float64). g8: (g8_CV, g8_scale_C) buffers for the gradient's quantize_rows, or None."""
     if use_triton(logits_CV) and logits_CV.dtype != torch.float64:  # g8 None: loss_C stands in, unread
         _ce_rows_kernel[(logits_CV.shape[0],)](
             logits_CV, labels_C, loss_C, scale, *(g8 or (loss_C, loss_C)), logits_CV.shape[1], ignore_index,
@@ -166,13 +148,12 @@ def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=No
 def _fp8_wgrad(
     g8_TV: Tensor, g8_scale_T: Tensor, h8_TD: Tensor, h8_scale_T: Tensor, dw_VD: Tensor, add: bool
 ) -> None:
-    """dw = g.T @ h into dw_VD (add: added to it) from the e4m3 rows of the gradient and of h, requantised
-    by columns over these T tokens and transposed (fp8_quant.cols_from_rows: fp8_linear's wgrad
-    operands), FP8_WGRAD_ROWS vocabulary rows a GEMM contracting over all the T tokens."""
+    """dw = g.T @ h into dw_VD (add: added to it) from the e4m3 rows of g and h, requantised by columns
+    over the T tokens (fp8_linear's wgrad operands), FP8_WGRAD_ROWS vocabulary rows a GEMM."""
     h8c_DT, h8c_scale_D = cols_from_rows(h8_TD, h8_scale_T)
     for v0 in range(0, g8_TV.shape[1], FP8_WGRAD_ROWS):
         g8c_VT, g8c_scale_V = cols_from_rows(g8_TV[:, v0 : v0 + FP8_WGRAD_ROWS], g8_scale_T)
-        # fp32 promotion: it contracts over the tokens (as fp8_linear.wgrad); bf16 out (into dw)
+        # fp32 promotion: it contracts over the tokens (as fp8_linear.wgrad)
         rows = dw_VD[v0 : v0 + FP8_WGRAD_ROWS]
         out = rows if rows.dtype == torch.bfloat16 and not add else None
         y = _mm(g8c_VT, g8c_scale_V[0], h8c_DT, h8c_scale_D[0], False, out)
@@ -283,8 +264,8 @@ def linear_cross_entropy(
     w8: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """cross_entropy(h @ w.T, labels) as an fp32 scalar: "mean" over non-ignored tokens, or "sum".
-    w8: quantize_weight(w_VD) (of w's current values), for FP8 logits, dh and dw GEMMs; on CUDA D and V
-    must then be multiples of 16. The gradient still reaches w through w_VD."""
+    w8: quantize_weight(w_VD) of w's current values, for FP8 GEMMs (on CUDA T, D and V multiples of
+    16); the gradient still reaches w through w_VD."""
     check("h_TD", h_TD, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     # With w8 w_VD's values are not read (its shape and dtype are dw's): any strides (pith_ops.stand_in).
     check("w_VD", w_VD, ndim=2, dtypes=(h_TD.dtype,), device=h_TD.device, contiguous=w8 is None)
@@ -341,11 +322,10 @@ def linear_cross_entropy_fp8_reference(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The FP8 path's specification in float64 -> (loss, dh_TD, dw_VD) for an upstream gradient dloss.
     x = h8 @ w8.T (dequantized); loss = cross_entropy(x, labels), reduced as linear_cross_entropy's;
-    g = d loss / d x exactly (0 when no token is kept); dh = dloss * g8 @ w8 with g8 =
-    quantize_rows_reference(g rounded to fp32), dequantised (the op quantises before the backward
-    applies dloss); dw = dloss * g8c @ h8c.T with g8c, h8c those e4m3 rows of g and h requantised by
-    columns over each part of the tokens (fp8_wgrad_part_ends; cols_from_rows_reference), dequantised.
-    Not modelled: the op's bf16 (h's dtype) logits and GEMM outputs, and their sum over the parts."""
+    g = d loss / d x (0 when no token is kept); dh = dloss * g8 @ w8 with g8 = quantize_rows_reference
+    of g in fp32 (quantised before dloss applies); dw = dloss * g8c @ h8c.T, g8 and h8 requantised by
+    columns over each part of the tokens (fp8_wgrad_part_ends). Not modelled: the op's bf16 logits and
+    GEMM outputs, and their sum over the parts."""
     h8_TD, w8_VD = dequantized(h_TD, w_VD)
     g_TV = h8_TD @ w8_VD.T  # the logits, overwritten with their gradient
     loss_T = g_TV.new_empty(g_TV.shape[0])

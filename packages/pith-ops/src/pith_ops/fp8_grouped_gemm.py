@@ -8,15 +8,12 @@ As pith_ops.fp8_linear, each GEMM's operands are scaled along the axis it contra
 - dgrad    dx = dy8 @ w8[e].T              dy8: dy by rows (over O); w8 in w's layout [E, I, O];
 - wgrad    dw[e] = x8c[e] @ dy8c[e].T      x8 and dy8 requantised by columns over each expert's rows
                                            and transposed (cols_from_rows).
-The forward keeps x8 and its scales. w8 = fp8_grouped_gemm_weight(w), a function of w alone (or w's
-kept copies, which the optimizer rewrites); `forward` and `backward` are the op without autograd, its
-backward in two halves (dx now, dw later, in bf16). On CUDA the GEMMs are torch._scaled_grouped_mm
-(CUTLASS) with fast accumulation; on CPU (where torch has no grouped FP8 GEMM) a loop over the
-experts multiplies the dequantised operands in fp32.
+The forward keeps x8 and its scales; w8, `forward` and `backward` as pith_ops.fp8_linear's. On CUDA
+the GEMMs are torch._scaled_grouped_mm (CUTLASS) with fast accumulation; on CPU (no grouped FP8 GEMM
+in torch) a loop over the experts multiplies the dequantised operands in fp32.
 On CUDA every group end must be a multiple of GROUP_ALIGN = 16 (moe_permute(..., align=16)): the
-wgrad contracts over each group's rows, and the FP8 kernel wants 16-byte multiples there (measured:
-a device-side assert otherwise; checking the ends here would cost a host sync). Rows past
-group_ends[-1] give zeros.
+wgrad contracts over each group's rows, where the FP8 kernel wants 16-byte multiples (a device-side
+assert otherwise; checking the ends would cost a host sync). Rows past group_ends[-1] give zeros.
 """
 
 import functools
@@ -44,9 +41,9 @@ GROUP_ALIGN = 16  # rows: what every group end must be a multiple of on CUDA (mo
 
 
 def _gmm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, ends: Tensor) -> Tensor:
-    """Grouped (a_q * a_scale) @ (b_q * b_scale) in bf16, b column-major. 2-D a [M, K] (rows in groups,
-    scale [M]) with 3-D b [E, K, N] (scale [E, N]) -> [M, N]; or 2-D a [M, Kt] with 2-D b [Kt, N], the
-    contraction in groups (scales [E*M], [E*N]) -> [E, M, N]."""
+    """Grouped (a_q * a_scale) @ (b_q * b_scale) in bf16, b column-major: a [M, K] (rows in groups, scale
+    [M]) with b [E, K, N] (scale [E, N]) -> [M, N]; or a [M, Kt] with b [Kt, N], the contraction in
+    groups (scales [E*M], [E*N]) -> [E, M, N]."""
     if a_q.is_cuda:
         y = torch._scaled_grouped_mm(
             a_q, b_q, a_scale, b_scale, offs=ends, out_dtype=torch.bfloat16, use_fast_accum=True
@@ -71,12 +68,11 @@ def dgrad(dy8_NO: Tensor, dy8_scale_N: Tensor, w8_EIO: Tensor, w8_scale_EI: Tens
 
 
 def wgrad(dy8_NO: Tensor, dy8_scale_N: Tensor, x8_NI: Tensor, x8_scale_N: Tensor, ends: Tensor) -> Tensor:
-    """dw_EIO[e] = x[rows of e].T @ dy[rows of e] (bf16) from both e4m3 row copies, requantised by
-    columns over each expert's rows."""
+    """dw_EIO[e] = x[rows of e].T @ dy[rows of e] (bf16) from both e4m3 row copies."""
     x8c_IN, x8c_scale_EI = cols_from_rows(x8_NI, x8_scale_N, ends)
     dy8c_ON, dy8c_scale_EO = cols_from_rows(dy8_NO, dy8_scale_N, ends)
-    # CUTLASS wants the contracted size N a multiple of 16 too: both operands widened to their storage
-    # (empty_cols pads rows to 16); the group ends never reach the padding, so it is never read.
+    # CUTLASS wants the contracted N a multiple of 16 too: both operands widened to their storage
+    # (empty_cols pads rows to 16), which the group ends never reach.
     width = (x8c_IN.shape[1] + 15) // 16 * 16
     a, b = (q.as_strided((q.shape[0], width), q.stride()) for q in (x8c_IN, dy8c_ON))
     return _gmm(a, x8c_scale_EI.flatten(), b.t(), dy8c_scale_EO.flatten(), ends)
@@ -86,9 +82,7 @@ def _forward(
     x_NI: Tensor, w_EIO: Tensor, w8_EIO: Tensor, w8_scale_EI: Tensor, w8t_EOI: Tensor, w8t_scale_EO: Tensor,
     ends: Tensor, x8_NI: Tensor | None = None, x8_scale_N: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """w_EIO is not read (w8's copies are): it is the input the weight gradient is for. x8_NI,
-    x8_scale_N: quantize_rows(x) when the pass writing x made them (pith_ops.swiglu_fp8), or the rows
-    dispatched in FP8 (pith_ops.FP8Rows, whose x is a stand-in); x is then not read either. -> (y,
+    """w_EIO is not read: it is the input the weight gradient is for; nor is x when x8 is given. -> (y,
     the x8 this made: empty when given, the backward keeps the given ones)."""
     made = quantize_rows(x_NI) if x8_NI is None else (x_NI.new_empty(0, dtype=FP8), x_NI.new_empty(0))
     x8 = made if x8_NI is None else (x8_NI, x8_scale_N)
@@ -156,10 +150,7 @@ def _setup(ctx, inputs, output):
 
 
 def backward(saved, dy_NO: Tensor, need_dx: bool, x_dtype: torch.dtype, ops=(quantize_rows, dgrad, wgrad)):
-    """The backward in two halves from the forward's `saved` (x8_NI, x8_scale_N, w8_EIO, w8_scale_EI,
-    ends) -> (dx_NI now in x_dtype, or None without need_dx; a closure computing dw_EIO in bf16), so a
-    schedule can run the weight gradient later: the plain backward's kernels. ops: the three
-    functions, or their custom ops (compiled graphs)."""
+    """fp8_linear.backward's counterpart; saved: (x8_NI, x8_scale_N, w8_EIO, w8_scale_EI, ends)."""
     rows, dgrad_fn, wgrad_fn = ops
     x8, x8_scale, w8, w8_scale, ends = saved
     dy8, dy8_scale = rows(dy_NO.contiguous())
@@ -180,9 +171,8 @@ _fp8_grouped_gemm = eager_or_custom(_op, _setup, _forward, _backward)
 
 
 def fp8_grouped_gemm_weight(w_EIO: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """quantize_weight(w): (w8_EIO, w8_scale_EI, w8t_EOI, w8t_scale_EO), one scale per expert, as one
-    graph node under torch.compile, without autograd (the gradient reaches w through
-    fp8_grouped_gemm's own w argument)."""
+    """quantize_weight(w) without autograd (the gradient reaches w through fp8_grouped_gemm's own w), one
+    graph node under torch.compile."""
     if torch.compiler.is_compiling():
         return _weight_op(w_EIO.detach())
     with torch.no_grad():
@@ -192,8 +182,8 @@ def fp8_grouped_gemm_weight(w_EIO: Tensor) -> tuple[Tensor, Tensor, Tensor, Tens
 def forward(
     x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, w8=None, x8=(None, None)
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """fp8_grouped_gemm's forward without autograd, for a caller running the backward itself
-    (`backward`): -> (y_NO, saved). w8, x8: as fp8_grouped_gemm's."""
+    """fp8_grouped_gemm's forward without autograd, for a caller running `backward` itself: -> (y_NO,
+    saved)."""
     w8 = fp8_grouped_gemm_weight(w_EIO) if w8 is None else w8
     ends = group_ends_E.to(torch.int32).contiguous()
     y, *made = _forward(x_NI if x8[0] is not None else x_NI.contiguous(), w_EIO, *w8[:4], ends, *x8)
@@ -201,13 +191,11 @@ def forward(
 
 
 def fp8_grouped_gemm(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, w8=None, x8=(None, None)) -> Tensor:
-    """y_NO in x's dtype with y[group_ends[e-1]:group_ends[e]] = x[...] @ w[e] through FP8 GEMMs and rows
-    past group_ends[-1] zero. w may be fp32 (master weights: quantised directly, no bf16 copy).
-    w8: fp8_grouped_gemm_weight(w) computed beforehand (of w's current values, or w's kept copies), or
-    None. x8: (x8_NI, x8_scale_N) = quantize_rows(x) made by the pass that wrote x
-    (pith_ops.swiglu_fp8, pith_ops.moe_permute's FP8Rows), or Nones; given, x is not read (it may be a
-    stand-in, strides 0). On CUDA: I and O multiples of 16 and group ends multiples of 16 (see the
-    module docstring)."""
+    """grouped_gemm through FP8 GEMMs, in x's dtype; w may be fp32 (master weights, quantised directly).
+    w8: fp8_grouped_gemm_weight(w) of w's current values (or w's kept copies), or None. x8: (x8_NI,
+    x8_scale_N) = quantize_rows(x) made by the pass that wrote x (swiglu_fp8, moe_permute's FP8Rows),
+    or Nones; given, x is not read (it may be a stand-in). On CUDA I, O and the group ends must be
+    multiples of 16."""
     check("x_NI", x_NI, ndim=2, dtypes=FLOAT_DTYPES, contiguous=x8[0] is None)
     check("w_EIO", w_EIO, ndim=3, dtypes=FLOAT_DTYPES, device=x_NI.device, contiguous=w8 is None)
     check("group_ends_E", group_ends_E, ndim=1, dtypes=INDEX_DTYPES, device=x_NI.device)
@@ -226,8 +214,7 @@ def fp8_grouped_gemm(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, w8=None,
 def fp8_grouped_gemm_reference(
     x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, dy_NO: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The specification in float64 from the dequantised operands (x8 etc. of the module docstring,
-    made by the fp8_quant references): -> (y, dx, dw) as in the module docstring."""
+    """The specification in float64 from the module docstring's operands, dequantised: -> (y, dx, dw)."""
     ends = group_ends_E.to(torch.int32)
     q, scale_EI, _, _ = quantize_weight_reference(w_EIO)
     w8 = q.double() * scale_EI.double()[..., None]

@@ -8,12 +8,11 @@ pith-ops README):
 - dgrad    dx = dy8 @ w8t.T     dy8: dy by rows (over O); w8t: w8 transposed, [D, O];
 - wgrad    dw = dy8c @ x8c.T    dy8c, x8c: dy8 and x8 requantised by columns (over T), transposed
                                 (cols_from_rows).
-The forward keeps x8 and its scales (one byte a value: half the bf16 input autograd would keep).
-w8 = fp8_linear_weight(w), a function of w alone, which a caller may compute once, or keep (the
-optimizer rewrites kept copies: pith_ops.adamw_, pith_engine.layers). `forward` and `backward` are
-the op without autograd, its backward in two halves (dx now, dw when asked, in bf16), so a schedule
-can run the weight gradient later. On CUDA the GEMMs are torch._scaled_mm, with fast accumulation
-except in the wgrad, which contracts over all the tokens; torch's CPU _scaled_mm serves CPU runs.
+The forward keeps x8 and its scales (half the bytes of the bf16 input). w8 = fp8_linear_weight(w), a
+function of w alone, which a caller may keep (pith_ops.adamw_ rewrites kept copies). `forward` and
+`backward` are the op without autograd, its backward in two halves (dx now, dw when asked, in bf16),
+so a schedule can run the weight gradient later. The GEMMs are torch._scaled_mm, with fast
+accumulation except in the wgrad, which contracts over all the tokens.
 """
 
 import functools
@@ -40,9 +39,8 @@ from pith_ops.fp8_quant import (
 def _mm(
     a_q: Tensor, a_s: Tensor, bt_q: Tensor, bt_s: Tensor, fast: bool = True, out: Tensor | None = None
 ) -> Tensor:
-    """(a_q * a_s[:, None]) @ (bt_q * bt_s[:, None]).T in bf16; both row-quantised, [M, K] and [N, K].
-    fast: Hopper's fast FP8 accumulation, else fp32 promotion (measured in the README's recipe table).
-    out: a bf16 [M, N] tensor with contiguous rows to write it into."""
+    """(a_q * a_s[:, None]) @ (bt_q * bt_s[:, None]).T in bf16, [M, K] and [N, K], into out if given.
+    fast: Hopper's fast FP8 accumulation, else fp32 promotion."""
     if a_q.shape[0] * bt_q.shape[0] * a_q.shape[1] == 0:
         y = torch.zeros(a_q.shape[0], bt_q.shape[0], dtype=torch.bfloat16, device=a_q.device)
         return y if out is None else out.copy_(y)
@@ -69,10 +67,9 @@ def _forward(
     x_TD: Tensor, w_OD: Tensor, w8_OD: Tensor, w8_scale_O: Tensor, w8t_DO: Tensor, w8t_scale_D: Tensor,
     x8_TD: Tensor, x8_scale_T: Tensor,
 ) -> Tensor:  # fmt: skip
-    """x_TD and w_OD are not read (x8's and w8's copies are): they are the inputs the gradients are for.
-    The rows are quantised by their own op (_rows), so that a compiled graph quantising one input for
-    several projections (attention's q, k and v) does it once (the graph's common subexpressions are
-    merged) and their backwards keep one copy."""
+    """x_TD and w_OD are not read: they are the inputs the gradients are for. The rows are quantised by
+    their own op (_rows), so that a compiled graph quantising one input for several projections
+    (attention's q, k and v) does it once and their backwards keep one copy."""
     return _mm(x8_TD, x8_scale_T, w8_OD, w8_scale_O).to(x_TD.dtype)
 
 
@@ -130,9 +127,8 @@ def _setup(ctx, inputs, output):
 
 def backward(saved, dy_TO: Tensor, need_dx: bool, x_dtype: torch.dtype, ops=(quantize_rows, dgrad, wgrad)):
     """The backward in two halves from the forward's `saved` (x8_TD, x8_scale_T, w8t_DO, w8t_scale_D)
-    -> (dx_TD now in x_dtype, or None without need_dx; a closure computing dw_OD in bf16), so a
-    schedule can run the weight gradient later (pith_engine.layers): the same kernels as a plain
-    backward, bit for bit. ops: the three functions, or their custom ops (compiled graphs)."""
+    -> (dx_TD in x_dtype, or None without need_dx; a closure computing dw_OD in bf16), bit for bit a
+    plain backward's. ops: the three functions, or their custom ops (compiled graphs)."""
     rows, dgrad_fn, wgrad_fn = ops
     x8, x8_scale, w8t, w8t_scale = saved
     dy8, dy8_scale = rows(dy_TO.contiguous())
@@ -153,8 +149,8 @@ _fp8_linear = eager_or_custom(_op, _setup, _forward, _backward)
 
 
 def fp8_linear_weight(w_OD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """quantize_weight(w): (w8_OD, w8_scale_O, w8t_DO, w8t_scale_D), as one graph node under
-    torch.compile, without autograd (the gradient reaches w through fp8_linear's own w argument)."""
+    """quantize_weight(w) without autograd (the gradient reaches w through fp8_linear's own w), one
+    graph node under torch.compile."""
     if torch.compiler.is_compiling():
         return _weight_op(w_OD.detach())
     with torch.no_grad():
@@ -167,8 +163,8 @@ def _rows_of(x_TD: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def forward(x_TD: Tensor, w_OD: Tensor, w8=None) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """fp8_linear's forward on 2-D x without autograd, for a caller running the backward itself
-    (`backward`): -> (y_TO, saved). w8: fp8_linear_weight(w) (or w's kept copies), or None."""
+    """fp8_linear's forward on 2-D x without autograd, for a caller running `backward` itself: -> (y_TO,
+    saved)."""
     _check(x_TD, w_OD, w_OD.requires_grad, w8)
     w8 = fp8_linear_weight(w_OD) if w8 is None else w8
     x8 = _rows_of(x_TD.contiguous())
@@ -176,10 +172,9 @@ def forward(x_TD: Tensor, w_OD: Tensor, w8=None) -> tuple[Tensor, tuple[Tensor, 
 
 
 def fp8_linear(x_TD: Tensor, w_OD: Tensor, w8=None) -> Tensor:
-    """x @ w.T (nn.Linear's layout: w is [out, in]) through FP8 GEMMs, in x's dtype; x may have leading
-    dims. w8: fp8_linear_weight(w) computed beforehand (of w's current values, or the optimizer's kept
-    copies), or None. On CUDA the feature sizes, and when w needs a gradient the rows, must be
-    multiples of 16 (the FP8 GEMM's alignment along the contracted axis)."""
+    """x @ w.T (w [out, in]) through FP8 GEMMs, in x's dtype; x may have leading dims. w8:
+    fp8_linear_weight(w) of w's current values (or w's kept copies), or None. On CUDA the feature
+    sizes, and when w needs a gradient the rows, must be multiples of 16."""
     _check(x_TD, w_OD, torch.is_grad_enabled() and w_OD.requires_grad, w8)
     w8 = fp8_linear_weight(w_OD) if w8 is None else w8
     x2 = x_TD.reshape(-1, w_OD.shape[1]).contiguous()
@@ -204,8 +199,7 @@ def _check(x_TD: Tensor, w_OD: Tensor, training: bool, w8) -> None:
 
 
 def fp8_linear_reference(x_TD: Tensor, w_OD: Tensor, dy_TO: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The specification in float64 from the dequantised operands (x8 etc. of the module docstring,
-    made by the fp8_quant references): -> (y = x8 @ w8.T, dx = dy8 @ w8, dw = dy8c @ x8c.T)."""
+    """The specification in float64 from the module docstring's operands, dequantised: -> (y, dx, dw)."""
     x8, dy8 = quantize_rows_reference(x_TD), quantize_rows_reference(dy_TO)
     q, scale_O, _, _ = quantize_weight_reference(w_OD[None])
     w8 = dequantize_rows(q[0], scale_O[0])

@@ -1,34 +1,23 @@
-"""FP8 (e4m3) quantisation with power-of-two scales, in the three forms the FP8 GEMMs take.
+"""FP8 (e4m3) quantisation with power-of-two scales, in the three forms the FP8 GEMMs take (why these
+forms, and what they measured: the FP8 recipe in the pith-ops README).
 
 Shape legend: M rows, K columns, G row groups (contiguous row segments ending at group_ends, as the
 grouped GEMM's experts; 1 otherwise), B batch entries (the experts of a stacked weight; 1 otherwise),
 R and C a weight's rows and columns.
 
-A row-wise scaled GEMM multiplies a [M, K] operand whose every row has one scale by a column-major
-[K, N] operand whose every column has one, both scaled along the contracted K:
-- quantize_rows(x_MK) -> q_MK, scale_M: one scale per row (amax over the row). Activations and output
-  gradients, for the forward and the input-gradient GEMMs.
-- cols_from_rows(q_MK, scale_M, group_ends_G) -> qc_KM, scale_GK: those rows' values with one scale per
-  row group (the largest of its rows' scales), stored transposed: the weight gradient's operands,
-  contracting over the rows (one expert's rows in the grouped GEMM). Made from the e4m3 rows in one
-  pass (1 byte read and 1 written per element; the row and group scales are powers of two, so a
-  value is rescaled exactly unless it becomes an e4m3 subnormal), every tile in parallel. Not one
-  scale per column (the amax of each column over the group's rows): that needs a second pass over
-  the rows, which measured 21% of copy bandwidth in one launch per column strip (H200, 627 us at
-  [132992, 2048] against 154 us, 85%, for this). The cost is range: a row whose scale is 2^-k of the
-  group's loses k binades at the bottom of e4m3's (17 binades in all, 14 normal), as under
-  TransformerEngine's per-tensor scaling; the weight gradient is a sum over the group's rows, in
-  which the rows of large scale dominate.
-- quantize_weight(w_BRC, amax_B) -> q_BRC, scale_BR, qT_BCR, scale_BC: one scale per batch entry (the
-  whole matrix, or one expert), in the weight's layout and transposed: the forward's and the input
-  gradient's operands. Tensor-wise, so the transposed copy needs no second amax and the optimizer
-  can write both copies in its update pass (pith_ops.adamw_): the scales are repeated per row and per
-  column, the vectors the row-wise GEMMs take.
-scale = the smallest power of two with amax / scale <= 448 (e4m3's largest finite value), so x / scale
-is exact in fp32, dequantisation (q * scale) is exact, and kernels and references agree bit for bit;
-an all-zero row gets scale 2^-126. The power of two costs at most one bit of range against amax / 448
-(DeepSeek-V3 and torchao round scales the same way). Values past 448 * scale (a weight whose amax grew
-since its scale was set) saturate at +-448.
+- quantize_rows(x_MK) -> q_MK, scale_M: one scale per row. Activations and output gradients, for the
+  forward and input-gradient GEMMs.
+- cols_from_rows(q_MK, scale_M, group_ends_G) -> qc_KM, scale_GK: those rows rescaled to one scale per
+  row group (its rows' largest) and transposed: the weight gradient's operands, contracting over the
+  rows. One pass over the e4m3 rows, exact unless a value becomes an e4m3 subnormal (a row whose scale
+  is 2^-k of its group's loses k binades at the bottom of e4m3's range).
+- quantize_weight(w_BRC, amax_B) -> q_BRC, scale_BR, qT_BCR, scale_BC: one scale per batch entry, in the
+  weight's layout and transposed, the scale repeated per row and per column (the vectors the row-wise
+  GEMMs take). Tensor-wise, so the optimizer can write both copies in its update pass (pith_ops.adamw_).
+scale = the smallest power of two with amax / scale <= 448 (e4m3's largest finite value), so
+quantisation and dequantisation are exact in fp32 and kernels and references agree bit for bit; an
+all-zero row gets scale 2^-126. Values past 448 * scale (a weight whose amax grew since its scale was
+set) saturate at +-448.
 """
 
 from typing import NamedTuple
@@ -45,9 +34,8 @@ FP8_MAX = 448.0
 
 
 class FP8Weight(NamedTuple):
-    """A weight's kept FP8 copies: quantize_weight's four outputs (their first four fields, what the
-    FP8 GEMMs take as w8) and the amax of the weight's values, which the next update's scale comes
-    from (pith_ops.adamw_ rewrites them all; pith_ops.kept_copy(w, FP8) finds them)."""
+    """A weight's kept FP8 copies: quantize_weight's four outputs (the GEMMs' w8) and the amax the next
+    update's scale comes from (pith_ops.adamw_ rewrites them, pith_ops.kept_copy(w, FP8) finds them)."""
 
     q: Tensor  # [B, R, C] or [R, C], e4m3
     scale_rows: Tensor  # [B, R] or [R]
@@ -57,12 +45,10 @@ class FP8Weight(NamedTuple):
 
 
 class FP8Rows(NamedTuple):
-    """Rows in e4m3 (quantize_rows: one scale per row), the form an FP8 GEMM reads, with a tensor in the
-    rows' own dtype and shape that carries their gradient: the rows themselves (fp8_rows), or, once
-    the e4m3 rows have been moved (pith_ops.moe_permute, an expert-parallel exchange), a stand-in:
-    zeros of strides 0 (no memory) whose backward takes the moved rows' gradient back. So rows
-    quantised once per token reach the expert GEMMs without a bf16 copy of the T*K rows being written
-    or exchanged."""
+    """Rows in e4m3 (quantize_rows) with a tensor of the rows' dtype and shape that carries their
+    gradient: the rows themselves (fp8_rows), or, once the e4m3 rows have been moved (moe_permute, an
+    expert-parallel exchange), a stand-in whose backward takes the moved rows' gradient back. So rows
+    quantised once per token reach the expert GEMMs with no bf16 copy of the T*K rows written or sent."""
 
     x: Tensor  # [M, K]: the rows, or a stand-in (strides 0) carrying only their gradient
     q: Tensor  # [M, K] e4m3
@@ -74,13 +60,10 @@ def fp8_rows(x_MK: Tensor) -> FP8Rows:
     return FP8Rows(x_MK, *quantize_rows(x_MK.detach()))
 
 
-# Rows kernel: BLOCK_M rows per program, BLOCK_K columns per loop step (82% of copy bandwidth on an
-# H200 at [131072, 2048] bf16). The interpreter (CPU tests) gets small tiles.
+# Rows kernel: BLOCK_M rows a program, BLOCK_K columns a step (82% of copy, H200, [131072, 2048] bf16).
 ROWS_TILE = (4, 128) if INTERPRET else (16, 1024)
-# Columns kernel: [BLOCK_M rows, BLOCK_K columns] e4m3 tiles, 4 warps. A transposing kernel of this
-# shape on an H200, [132992, 2048] e4m3: 64 x 128 149 us (88% of copy), 128 x 128 149 us, 64 x 64 187
-# us, 128 x 64 186 us, 8 warps slower; cols_from_rows at 64 x 128: 154 us. The weights' transposed
-# copies take it too.
+# Columns kernel, [BLOCK_M, BLOCK_K] e4m3 tiles, 4 warps. Transposing [132992, 2048] e4m3 on an H200:
+# 64 x 128 149 us (88% of copy), 128 x 128 149, 64 x 64 187, 128 x 64 186, 8 warps slower.
 COLS_TILE = (16, 32) if INTERPRET else (64, 128)
 
 
@@ -101,9 +84,8 @@ def _cast(x, inv):
 
 @triton.jit
 def _store_transposed(out_ptr, rows, cols, s_out, y, mask):
-    """out[cols, rows] = y[rows, cols] (fp32) in out's dtype (its rows s_out apart). Whether the tile is
-    transposed before or after the cast, through tl.trans or by the compiler's own layout change,
-    measured the same (H200, [132992, 2048] e4m3: 149 us, 88% of copy, at 64 x 128 and 4 warps)."""
+    """out[cols, rows] = y[rows, cols] (fp32) in out's dtype (its rows s_out apart). Transposing before
+    or after the cast, by tl.trans or by the compiler's layout change, measured the same (H200)."""
     out = out_ptr + cols.to(tl.int64)[:, None] * s_out + rows[None, :]
     tl.store(out, tl.trans(y).to(out_ptr.dtype.element_ty), mask=tl.trans(mask))
 
@@ -128,9 +110,8 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K
 
 @triton.jit
 def _group_scale_kernel(s_ptr, ends_ptr, scale_ptr, f_ptr, M, K, G, BLOCK: tl.constexpr):
-    """Group program_id(0): S = its largest row scale (2^-126 for an empty group), scale[g, :] = S and,
-    for each of its rows, f = s / S (a power of two, exact); the last group's program sets f = 0 for
-    the rows past it."""
+    """Group g: S = its largest row scale (2^-126 if empty), scale[g, :] = S, f = s / S for each of its
+    rows (exact: powers of two); the last group's program sets f = 0 for the rows past it."""
     g = tl.program_id(0)
     end = tl.load(ends_ptr + g)
     start = tl.minimum(tl.load(ends_ptr + g - 1, mask=g > 0, other=0), end)
@@ -153,11 +134,9 @@ def _group_scale_kernel(s_ptr, ends_ptr, scale_ptr, f_ptr, M, K, G, BLOCK: tl.co
 def _cols_kernel(
     q_ptr, f_ptr, out_ptr, M, K, s_qb, s_qm, s_ob, s_out, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 ):  # fmt: skip
-    """One [BLOCK_M rows, BLOCK_K columns] tile of batch entry program_id(2) (rows s_qm apart): the rows
-    rescaled by f (their scale over their group's; None: 1) and stored transposed. The masks use M and
-    K, not the group ends: bounds the compiler knows the alignment of (multiples of 16) let it vectorise the
-    loads and stores: with the last group end (read from memory) as the row bound this kernel ran at
-    9% of copy bandwidth (H200)."""
+    """A tile of batch entry program_id(2) (rows s_qm apart), rescaled by f (None: 1), stored transposed.
+    The masks use M and K, whose alignment the compiler knows, so it vectorises: bounded by the last
+    group end (read from memory) this kernel ran at 9% of copy bandwidth (H200)."""
     b = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -169,11 +148,9 @@ def _cols_kernel(
 
 @triton.jit
 def _entry_amax(amax_ptr, offs, mask, RC, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """-> (b, amax[b]): the batch entry of a block's flat offsets into [B, R, C] (RC = R * C elements an
-    entry) and its amax. ALIGNED (RC a multiple of BLOCK: the block lies in one entry): scalars, one
-    load a block; else per element. The per-element form cost the pith-train bench's AdamW kernel
-    (FP8 copies, H200) 31.9 ms a step with an int64 division per element, 24.4 with one division but
-    the amax loaded and scaled per element, against 21.8 for the bf16 copies."""
+    """-> (b, amax[b]) of a block's flat offsets into [B, R, C] (RC = R * C). ALIGNED (RC a multiple of
+    BLOCK): scalars, one load a block; per element, the pith-train bench's AdamW with FP8 copies took
+    31.9 ms a step (24.4 with one division a block) against 21.8 with bf16 copies (H200)."""
     if ALIGNED:
         b = (tl.program_id(0).to(tl.int64) * BLOCK) // RC
         amax = tl.load(amax_ptr + b)
@@ -195,8 +172,8 @@ def _weight_rows_kernel(w_ptr, q_ptr, amax_ptr, N, RC, ALIGNED: tl.constexpr, BL
 
 @triton.jit
 def _weight_scales_kernel(amax_ptr, s_rows_ptr, s_cols_ptr, gate_ptr, R, C, BLOCK: tl.constexpr):
-    """Batch entry program_id(0)'s scale, pow2 of its amax, repeated along its R rows and C columns;
-    nothing when the value at gate_ptr (if given) is not finite (an update that wrote nothing)."""
+    """Entry b's scale repeated along its R rows and C columns; nothing written when the value at gate_ptr
+    (if given) is not finite (an update that wrote nothing)."""
     b = tl.program_id(0).to(tl.int64)
     scale, _ = _pow2_scale(tl.load(amax_ptr + b))
     gate = 0.0 if gate_ptr is None else tl.load(gate_ptr)
@@ -208,7 +185,7 @@ def _weight_scales_kernel(amax_ptr, s_rows_ptr, s_cols_ptr, gate_ptr, R, C, BLOC
 
 
 def pow2_scale(amax: Tensor) -> Tensor:
-    """The scale of _pow2_scale, in torch (the references use it)."""
+    """_pow2_scale's scale, in torch."""
     bits = amax.float().view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
     return (e.clamp(1, 253) << 23).view(torch.float32)
@@ -225,14 +202,12 @@ def _interpreted_cast(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def empty_cols(K: int, M: int, dtype: torch.dtype = FP8, device=None, batch: tuple = ()) -> Tensor:
-    """A transposed copy q_KM (or [*batch, K, M]): rows of M padded in storage to a multiple of 16
-    elements, so it is a valid FP8 GEMM operand (16-byte row strides) for any M."""
+    """[*batch, K, M] with rows padded in storage to 16 elements: an FP8 GEMM operand for any M."""
     return torch.empty(*batch, K, (M + 15) // 16 * 16, dtype=dtype, device=device)[..., :M]
 
 
 def quantize_rows(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, Tensor]:
-    """-> q_MK (x / scale in out_dtype: e4m3; float32 lets CPU tests see the kernel's values before the
-    cast, which Triton's interpreter rounds wrongly for some), scale_M (fp32, amax of each row)."""
+    """-> q_MK (x / scale in out_dtype; float32: the quotients before the cast), scale_M (fp32)."""
     check("x_MK", x_MK, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     if not use_triton(x_MK):
         return quantize_rows_reference(x_MK, out_dtype)
@@ -250,11 +225,9 @@ def quantize_rows(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, T
 def cols_from_rows(
     q_MK: Tensor, scale_M: Tensor, group_ends_G: Tensor | None = None, out_dtype: torch.dtype = FP8
 ) -> tuple[Tensor, Tensor]:
-    """-> qc_KM (laid out by empty_cols), scale_GK (fp32): the rows q_MK * scale_M (quantize_rows'
-    output) with one scale per row group, the largest of its rows' (repeated per column: the vector
-    a row-wise GEMM takes), stored transposed (module docstring). q_MK may be a slice of columns of
-    such rows (contiguous rows, any row stride). group_ends_G: int32 ends, non-decreasing, last <= M;
-    None: one group of all M rows. Rows past the last end give zero columns of qc."""
+    """-> qc_KM (empty_cols), scale_GK (fp32): quantize_rows' q_MK * scale_M with one scale per row
+    group, transposed. q_MK may be a slice of columns (any row stride). group_ends_G: non-decreasing,
+    last <= M; None: one group. Rows past the last end give zero columns of qc."""
     check("q_MK", q_MK, ndim=2, dtypes=(FP8, torch.float32))
     M, K = q_MK.shape
     if K > 1 and q_MK.stride(1) != 1:
@@ -289,10 +262,9 @@ def cols_from_rows(
 
 
 def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torch.dtype = FP8):
-    """-> (q_BRC, scale_BR, qT_BCR, scale_BC): w / scale in w's layout and transposed (qT laid out by
-    empty_cols), with one scale per batch entry repeated along the rows and along the columns. A 2-D
-    w is a batch of one (and gets 2-D outputs and 1-D scales). amax_B (fp32 [B]): the amax the scale
-    comes from (the optimizer's, of the values before its update: pith_ops.adamw_); None: w's own."""
+    """-> (q_BRC, scale_BR, qT_BCR, scale_BC), qT by empty_cols. A 2-D w is a batch of one (2-D outputs,
+    1-D scales). amax_B (fp32 [B]): the amax the scale comes from (pith_ops.adamw_'s, of the values
+    before its update); None: w's own."""
     check("w_BRC", w_BRC, dtypes=FLOAT_DTYPES, contiguous=True)
     if w_BRC.ndim not in (2, 3):
         raise ValueError(f"w_BRC: expected 2 or 3 dimensions, got shape {tuple(w_BRC.shape)}")
@@ -323,13 +295,10 @@ def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torc
 
 
 def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
-    """From copies.q, a weight's e4m3 copy in its layout of scale pow2_scale(copies.amax): its scales
-    repeated along rows and columns and its transposed copy, written in place. gate: a one-element
-    device tensor (pith_ops.adamw_'s clip scale); the scales are left as they are where it is not
-    finite (the update wrote no new q).
-    Two kernels that each write one layout: an e4m3 tile stored in two layouts by one kernel lost a
-    quarter of its transposed values on an H200 (torch 2.11, Triton 3.6; tl.trans or not, fp32 or
-    e4m3 transposed), a tile stored once transposed did not."""
+    """Writes copies' scales and transposed copy from copies.q and copies.amax. gate (adamw_'s clip
+    scale): the scales are kept where it is not finite (the update wrote no new q). A kernel storing
+    an e4m3 tile in both layouts lost a quarter of its transposed values on an H200 (Triton 3.6), so
+    each layout has its own kernel."""
     q3, qt3 = (copies.q, copies.qt) if copies.q.ndim == 3 else (copies.q[None], copies.qt[None])
     B, R, C = q3.shape
     if B:
@@ -345,11 +314,9 @@ def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
 
 
 def copies_of_quantized(q_BRC: Tensor, amax_B: Tensor, into: FP8Weight | None = None) -> FP8Weight:
-    """The FP8 copies of a weight whose e4m3 copy q is all there is (quantised elsewhere with
-    pow2_scale(amax_B): FSDP2 gathering a weight in e4m3, pith_engine.layers.gather_in_fp8): q, its
-    scales and transposed copy as quantize_weight(w, amax_B) gives them for the w q came from, bit for
-    bit. into: the copies of an earlier call on q's storage, rewritten in place (the saved tensors of a
-    backward read them), else new ones. A 2-D q gets 2-D copies and 1-D scales."""
+    """quantize_weight(w, amax_B)'s copies, bit for bit, from q alone (a weight gathered in e4m3:
+    pith_engine.layers.gather_in_fp8). into: an earlier call's copies on q's storage, rewritten in
+    place (a backward's saved tensors read them), else new ones. A 2-D q gets 2-D copies."""
     q3 = q_BRC if q_BRC.ndim == 3 else q_BRC[None]
     B, R, C = q3.shape
     if into is not None:
@@ -371,7 +338,7 @@ def copies_of_quantized(q_BRC: Tensor, amax_B: Tensor, into: FP8Weight | None = 
 
 
 def weight_amax(w_BRC: Tensor) -> Tensor:
-    """amax_B (fp32) of a 3-D weight's batch entries, or [1] of a 2-D one: one read, nothing written."""
+    """amax_B (fp32) of a 3-D weight's batch entries, or [1] of a 2-D one."""
     w3 = w_BRC.detach().flatten(1) if w_BRC.ndim == 3 else w_BRC.detach().reshape(1, -1)
     if not w3.numel():
         return w3.new_zeros(w3.shape[0], dtype=torch.float32)
@@ -387,9 +354,8 @@ def quantize_rows_reference(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple
 def cols_from_rows_reference(
     q_MK: Tensor, scale_M: Tensor, group_ends_G: Tensor, out_dtype: torch.dtype = FP8
 ) -> tuple[Tensor, Tensor]:
-    """Per row group g (rows group_ends[g-1]:group_ends[g]): S = the largest scale_M of its rows
-    (2^-126 for none), qc[:, rows of g] = clamp(q * scale_M / S, +-448) in out_dtype, transposed;
-    scale[g, :] = S. Rows past the last end are zero in qc."""
+    """Per row group g: S = the largest scale_M of its rows (2^-126 for none), qc[:, rows of g] =
+    clamp(q * scale_M / S, +-448) in out_dtype, transposed; scale[g, :] = S. Rows past the end: 0."""
     M, K = q_MK.shape
     qc = torch.zeros(K, M, dtype=out_dtype, device=q_MK.device)
     scale = torch.full((group_ends_G.shape[0], K), 2.0**-126, device=q_MK.device)
@@ -404,8 +370,8 @@ def cols_from_rows_reference(
 
 
 def quantize_weight_reference(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torch.dtype = FP8):
-    """quantize_weight in torch: scale_B = pow2_scale(amax_B, default each entry's amax), q = clamp(w /
-    scale, +-448), qT its transpose, the scales repeated [B, R] and [B, C]."""
+    """scale_B = pow2_scale(amax_B, default each entry's amax), q = clamp(w / scale, +-448), qT = q.mT,
+    the scales repeated [B, R] and [B, C]."""
     B, R, C = w_BRC.shape
     amax = w_BRC.float().abs().flatten(1).amax(1) if amax_B is None and w_BRC.numel() else amax_B
     scale = pow2_scale(w_BRC.new_zeros(B) if amax is None else amax)
@@ -419,7 +385,7 @@ def dequantize_rows(q_MK: Tensor, scale_M: Tensor) -> Tensor:
 
 
 def dequantize_cols(qc_KM: Tensor, scale_GK: Tensor, group_ends_G: Tensor) -> Tensor:
-    """The inverse of cols_from_rows in float64, still transposed: [K, M]; rows past the last end 0."""
+    """The inverse of cols_from_rows in float64, still [K, M]; rows past the last end 0."""
     ends = group_ends_G.long().cpu()
     sizes = torch.diff(ends, prepend=ends.new_zeros(1)).clamp(min=0)
     scale_KM = scale_GK.double().T.repeat_interleave(sizes.to(scale_GK.device), dim=1)
