@@ -1,6 +1,6 @@
 """Input checks, the kernel-or-reference decision and the eager/compiled switch shared by the
-operators, and the grouped-GEMM and kept-cast switches (kept here because pith_ops re-exports the
-functions grouped_gemm and cast over the names of their modules, so the modules are awkward to reach)."""
+operators; the grouped-GEMM and kept-cast switches live here because pith_ops' functions grouped_gemm
+and cast shadow their modules' names."""
 
 import os
 from collections.abc import Callable
@@ -41,12 +41,10 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def eager_or_custom(
     custom_op: Callable, setup_context: Callable, forward_fn: Callable, backward_fn: Callable
 ) -> Callable:
-    """-> a callable running custom_op under torch.compile (one opaque node) and otherwise a
-    torch.autograd.Function with the same forward (forward_fn, then setup_context(ctx, inputs, output))
-    and backward_fn(ctx, *grads). Skipping the custom op's dispatch layers costs ~4 us against ~50 us
-    forward with trivial bodies on CPU (~3x less forward+backward). The Function's forward is
-    ctx-style because a separate setup_context makes Function.apply bind arguments by signature
-    (~60 us); it is built here once, not per call."""
+    """-> a callable running custom_op under torch.compile (one opaque node), else an autograd.Function
+    with the same forward (forward_fn, then setup_context) and backward_fn(ctx, *grads): skipping the
+    custom op's dispatch layers takes ~4 us against ~50 us (CPU, trivial bodies). Its forward is
+    ctx-style: a separate setup_context makes Function.apply bind arguments by signature (~60 us)."""
 
     class _Eager(torch.autograd.Function):
         @staticmethod
@@ -65,13 +63,9 @@ def eager_or_custom(
     return call
 
 
-# torch's grouped matmul (CUTLASS) is the default on CUDA bf16: measured on an NVIDIA H200 with
-# benchmarks/bench_grouped_gemm.py at T=16384, K=8, E=128 (2026-12-02), fwd+bwd, unpadded groups:
-# gate_up [131072, 2048] x [128, 2048, 1536] 4.58 ms (540 TFLOP/s) vs 6.22 ms (398) for the Triton kernel;
-# down [131072, 768] x [128, 768, 2048] 2.36 ms (524) vs 3.26 ms (379). The Triton kernel serves
-# what torch's does not take (fp32/fp16, feature sizes not a multiple of 8) and the CPU interpreter.
+# torch's grouped matmul on CUDA bf16, fwd+bwd on an H200 (bench_grouped_gemm.py): gate_up 4.58 ms
+# against 6.22 for the Triton kernel, down 2.36 against 3.26. False: the Triton kernel (A/B runs).
 USE_TORCH_GROUPED_MM = True
 
-# pith_ops.cast keeps the cast of a trainable weight for reuse and adamw_ rewrites it (cast.py); False:
-# every cast is a fresh one (the previous path, for A/B measurements).
+# False: every pith_ops.cast is a fresh one, nothing kept (A/B runs).
 KEEP_COPIES = True

@@ -2,22 +2,16 @@
 
 Shape legend: N elements (any shape, contiguous; all four tensors alike).
 
-Memory-bound: the kernel reads parameter, gradient and both moments once and writes parameter and
-moments once (28 bytes per element; 26 with a bf16 gradient), the gradient scale read from device
-memory so that clipping needs neither a host sync nor its own read-write pass over the gradients (8
-bytes per element more, ~6 ms per step on the pith-train bench's 3.11B parameters on an H200). A
-non-finite scale skips the update, so a trainer can hand a non-finite loss to the kernel instead of
-checking it on the host.
-The math is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, eps after the
-square root) in the operation order of its single-tensor path.
+Memory-bound: one read of parameter, gradient and moments, one write of parameter and moments. The
+scale is read from device memory, so clipping needs neither a host sync nor its own pass over the
+gradients (~6 ms a step on the pith-train bench's 3.11B parameters, H200); a non-finite scale skips
+the update, so a trainer need not check the loss on the host. The math is torch.optim.AdamW's
+single-tensor path, in its operation order.
 
-`copy`: p's kept bf16 cast (pith_ops.cast's kept copies), rewritten in the same pass as the new p
-rounded to bf16 (2 bytes more per element), so the next forward casts nothing. `fp8`: p's kept FP8
-copies (pith_ops.fp8_quant.quantize_weight's, in p's layout and transposed), likewise rewritten: the
-copy in p's layout by the update's pass (1 byte more per element), the transposed one and the scales
-after it (fp8_quant.weight_copies: 2 bytes), so FP8 training quantises no weight in its steps. Their
-scale is the old p's (the amax of the new p is reduced by atomics as it is written, for the next
-update): the delayed scaling of TransformerEngine with a history of one step.
+`copy`: p's kept bf16 cast (pith_ops.cast), rewritten in the same pass. `fp8`: p's kept FP8 copies,
+likewise: the copy in p's layout by the update's pass, the transposed one and the scales after it
+(fp8_quant.weight_copies), with the old p's scale while the new amax is reduced by atomics for the
+next update (TransformerEngine's delayed scaling with a history of one step).
 """
 
 import torch
@@ -75,9 +69,7 @@ def _adamw_kernel(
 
 @triton.jit
 def _amax_into(amax_ptr, b, values, mask, ALIGNED: tl.constexpr):
-    """amax[b] = max(amax[b], values) for a block's elements of batch entries b: one atomic when the
-    block lies in one entry (ALIGNED, b a scalar: every expert and matrix of the bench), else one per
-    element (small tensors)."""
+    """amax[b] = max(amax[b], values): one atomic a block when ALIGNED (b a scalar), else one per element."""
     if ALIGNED:
         tl.atomic_max(amax_ptr + b, tl.max(tl.where(mask, values, 0.0), 0))
     else:
@@ -85,10 +77,9 @@ def _amax_into(amax_ptr, b, values, mask, ALIGNED: tl.constexpr):
 
 
 def step_constants(lr: float, beta1: float, beta2: float, step: int | Tensor, device=None) -> Tensor:
-    """(step size, sqrt of the second bias correction) of update number `step` (1-based): [..., 2] fp32,
-    computed in double as torch.optim.AdamW computes them on the host, then rounded to fp32 (as its
-    tensor ops round them). A tensor of step counts gives them for each, on its device, with no host
-    read: a trainer can count only the steps that were not skipped (adamw_'s non-finite scale)."""
+    """(step size, sqrt of the second bias correction) of update `step` (1-based): [..., 2] fp32, in
+    double as torch.optim.AdamW computes them, then rounded. A tensor of step counts gives them on its
+    device without a host read (a trainer can count only the steps not skipped)."""
     step = torch.as_tensor(step, dtype=torch.float64, device=device)
     return torch.stack([lr / (1 - beta1**step), (1 - beta2**step).sqrt()], -1).float()
 
@@ -98,16 +89,11 @@ def adamw_(
     lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, step: int | Tensor,
     copy: Tensor | None = None, fp8: FP8Weight | None = None,
 ) -> None:  # fmt: skip
-    """In place: AdamW step number `step` (1-based; or a Tensor: its step_constants, on p's device) of
-    parameter p with gradient g * scale and moments
-    m, v (fp32, contiguous, one shape; g may be bf16: a kept gradient, pith_ops.cast); nothing is
-    written when scale (a one-element fp32 tensor on p's device) is not finite. copy (bf16, p's shape,
-    contiguous): set to the new p in bf16 and kept as p's cast (pith_ops.cast). fp8: p's kept FP8
-    copies (pith_ops.kept_copy(p, FP8): an fp8_quant.FP8Weight, or a tuple of its fields) set to
-    quantize_weight(new p, old amax) in the same pass (delayed scaling: the scale of the values before
-    the update, a value grown past 448 * scale saturates) and kept with the amax of the new p. Any
-    other kept copy of p is dropped. Triton on CUDA (and under the interpreter), adamw_reference_
-    otherwise."""
+    """In place: AdamW step `step` (1-based; or a Tensor: its step_constants) of p with gradient g * scale
+    and moments m, v (fp32, contiguous, one shape; g may be bf16: a kept gradient); nothing is written
+    when scale (one fp32 element) is not finite. copy (bf16): set to the new p and kept as p's cast.
+    fp8 (an FP8Weight or its fields): set to quantize_weight(new p, old amax) and kept with the new p's
+    amax. Any other kept copy of p is dropped."""
     fp32, bf16 = (torch.float32,), (torch.bfloat16,)
     tensors = [("p", p, fp32), ("g", g, (*fp32, *bf16)), ("m", m, fp32), ("v", v, fp32), ("copy", copy, bf16)]
     for name, t, dtypes in tensors[:4] if copy is None else tensors:
@@ -133,8 +119,7 @@ def adamw_(
         return adamw_reference_(p, g, m, v, scale, **kw, copy=copy, fp8=fp8)
     bias = step if isinstance(step, Tensor) else step_constants(lr, beta1, beta2, step, p.device)
     amax_new = None if fp8 is None else torch.zeros_like(fp8.amax)
-    # 4096 elements, 8 warps: 16 fp32 a thread, four 16-byte accesses per tensor.
-    BLOCK = 4096
+    BLOCK = 4096  # 8 warps: 16 fp32 a thread, four 16-byte accesses per tensor
     q, amax, per_entry = (
         (p, p, 1) if fp8 is None else (fp8.q, fp8.amax, p[0].numel() if p.ndim == 3 else p.numel())
     )
@@ -155,9 +140,9 @@ def adamw_reference_(
     lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, step: int | Tensor,
     copy: Tensor | None = None, fp8: FP8Weight | None = None,
 ) -> None:  # fmt: skip
-    """adamw_ in plain PyTorch: torch.optim.AdamW's single-tensor path on g * scale (no host read of
-    scale: a non-finite one selects the old values); copy set to the new p cast to its dtype; fp8's
-    copies set to quantize_weight_reference(new p, old amax) where scale is finite."""
+    """adamw_ in plain PyTorch: torch.optim.AdamW's single-tensor path on g * scale (a non-finite scale
+    selects the old values, no host read); copy = the new p cast; fp8 = quantize_weight_reference(new
+    p, old amax)."""
     step_size, bc2_sqrt = step if isinstance(step, Tensor) else step_constants(lr, beta1, beta2, step)
     g = g.to(p.dtype) * scale
     p_new, m_new, v_new = p * (1 - lr * weight_decay), m.lerp(g, 1 - beta1), v * beta2

@@ -2,14 +2,11 @@
 
 Shape legend: N rows (leading dims flattened), D normalised width; weight_D.
 
-Memory-bound. Each program holds whole rows in registers (BLOCK_D = next_pow2(D)), so the forward
-reads x once and writes y once, and the backward reads x and dy once and writes dx once,
-recomputing 1/rms from the row it already holds instead of saving it. The weight gradient is summed
-over rows: 2 or 4 (tuned) backward programs per SM each stream a contiguous run of row tiles (the
-next tile's load issued before the current one is reduced), keep their partial sum in registers and
-write one fp32 row of partials; a second small kernel sums the [P, D] partials and casts (2-4 MB at
-D=2048 on 132 SMs, L2-resident, against the ~200 MB the 16384 x 2048 bf16 backward moves), with no
-atomics.
+Memory-bound: programs hold whole rows (BLOCK_D = next_pow2(D)), so each pass touches memory once,
+1/rms recomputed rather than saved. The weight gradient: 2 or 4 (tuned) backward programs per SM each
+stream a contiguous run of row tiles and write one fp32 row of partial sums; a second kernel sums the
+[P, D] partials and casts (2-4 MB at D=2048 on 132 SMs, L2-resident, against the ~200 MB the 16384 x
+2048 bf16 backward moves), with no atomics.
 """
 
 import functools
@@ -21,11 +18,10 @@ from torch import Tensor
 
 from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, eager_or_custom, use_triton
 
-# ELEMS elements per program (ROWS = ELEMS / BLOCK_D rows, at least one) and warps, autotuned per
-# width on the GPU: D=2048 and D=128 rows want different shapes. The backward also tunes how many
-# programs share an SM (PER_SM; more hide latency, fewer write fewer partials): with its prefetched
-# tile it takes 60-128 registers a thread (ptxas, sm_90), so 1 to 4 programs fit an SM by shape.
-# The interpreter (CPU tests) would run every config, so it gets one.
+# ELEMS elements per program (ROWS = ELEMS / BLOCK_D rows, at least one) and warps: D=2048 and D=128
+# want different shapes. The backward also tunes programs per SM (PER_SM: more hide latency, fewer
+# write fewer partials; 60-128 registers a thread on sm_90, so 1 to 4 fit an SM). The interpreter
+# runs every config, so it gets one.
 _SHAPES = ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16))
 _CONFIGS = [triton.Config({"ELEMS": e}, num_warps=w) for e, w in _SHAPES]
 _BACKWARD_CONFIGS = [
@@ -71,9 +67,8 @@ def _rms_norm_backward_kernel(
     PER_SM: tl.constexpr,  # sizes the grid (programs per SM), read by the launcher
 ):
     """dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * w; dw partial = sum over rows of dy * xhat.
-
-    Program p owns the contiguous tiles [p * n / P, (p + 1) * n / P) (balanced to one tile) and loads
-    tile i + 1 before computing tile i, so a load is always in flight while it reduces and stores."""
+    Program p owns the tiles [p * n / P, (p + 1) * n / P) and loads tile i + 1 before computing tile i,
+    so a load is in flight while it reduces and stores."""
     ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     n_tiles = tl.cdiv(N, ROWS)
     pid = tl.program_id(0).to(tl.int64)
@@ -111,8 +106,7 @@ def _rms_norm_backward_kernel(
 
 @triton.jit
 def _sum_partials_kernel(dw_partial_ptr, dw_ptr, P, D, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dw[c] = sum over the P partial rows, cast to the weight dtype by the store (one launch for
-    what a torch .sum(0) and .to() took two)."""
+    """dw[c] = sum over the P partial rows, cast to the weight dtype by the store."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
@@ -147,8 +141,7 @@ def _backward_launch(
     N, D = x_ND.shape
     dx_ND = x_ND.new_empty(x_ND.shape)
     dw_D = weight_D.new_empty(D)
-    # PER_SM programs per SM stream their row tiles; each writes one fp32 row of partials (2-4 MB at
-    # D=2048 on 132 SMs, L2-resident for the finishing sum). Programs without a tile write zeros.
+    # Programs without a tile write zeros.
     sms = _sm_count(x_ND.device)
     dw_partial_PD = x_ND.new_empty(max(1, min(N, 4 * sms)), D, dtype=torch.float32)
     kernel = _rms_norm_backward_kernel
@@ -209,8 +202,7 @@ _rms_norm = eager_or_custom(
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
-    """x / sqrt(mean(x^2) + eps) * w (or * (1 + w)) over the last dim; fp32 math, out in x.dtype.
-    Fused Triton forward and backward (dx and dweight)."""
+    """x / sqrt(mean(x^2) + eps) * w (or * (1 + w)) over the last dim; fp32 math, out in x.dtype."""
     check("x", x, dtypes=FLOAT_DTYPES)
     check("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
     if x.ndim == 0 or x.shape[-1] != weight.shape[0] or weight.shape[0] == 0:
@@ -225,8 +217,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
-    """x / sqrt(mean(x^2) + eps) * w (or * (1 + w) with unit_offset), computed in fp32 (float64 for
-    float64 input), out in x.dtype."""
+    """x / sqrt(mean(x^2) + eps) * w (or * (1 + w) with unit_offset), in fp32 (float64 for float64
+    input), out in x.dtype."""
     acc = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(acc)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

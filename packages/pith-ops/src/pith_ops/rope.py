@@ -3,11 +3,9 @@
 Shape legend: B batch, S sequence, H heads, D head dim, R rotated pairs per head (2R <= D; the last
 D - 2R dims pass through unchanged). cos_BSR / sin_BSR may have batch 1 (shared by the batch).
 
-Memory-bound: a program takes a block of tokens x a block of heads (~4096 elements), loads each
-token's cos/sin once and reuses it for every head, reads x once and writes the output once. The
-backward is the same kernel rotating by -angle (the rotation's transpose), so it costs what the
-forward costs. x and dy may be strided views (e.g. q sliced from a fused qkv projection): only the
-last dim must be contiguous.
+Memory-bound: a program takes a block of tokens x a block of heads (~4096 elements), each token's
+cos/sin loaded once for all its heads. The backward is the same kernel rotating by -angle. x and dy
+may be strided views (q sliced from a fused qkv projection): only the last dim must be contiguous.
 """
 
 import functools
@@ -45,7 +43,6 @@ def _rope_kernel(
     INTERLEAVED: tl.constexpr,
     INVERSE: tl.constexpr,
 ):
-    """One [BLOCK_T tokens, BLOCK_H heads, head dim] tile; cos/sin loaded once per token."""
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     b, s = tokens // S, tokens % S
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -82,9 +79,9 @@ def _rope_kernel(
 
 @functools.cache
 def _blocks(T: int, H: int, D: int, R: int, elems: int) -> tuple[int, int, int, int, int]:
-    """BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_REST, warps (cached: this Python is a visible share of a
-    launch that moves ~40 MB in ~10 us). ~elems elements per program: at 4096, all 32 heads of one
-    128-dim q token, or 8 tokens of a 4-head k."""
+    """BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_REST, warps for ~elems elements a program (4096: all 32 heads of
+    one 128-dim q token, or 8 tokens of a 4-head k). Cached: this Python is a visible share of a ~10 us
+    launch."""
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_H = min(triton.next_power_of_2(H), max(1, elems // BLOCK_D))
     BLOCK_T = min(triton.next_power_of_2(T), max(1, elems // (BLOCK_H * BLOCK_D)))
@@ -96,8 +93,8 @@ def _blocks(T: int, H: int, D: int, R: int, elems: int) -> tuple[int, int, int, 
 def _launch(
     x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool, inverse: bool, elems: int = 4096
 ) -> Tensor:
-    """elems: the tile size in elements; benchmarks sweep it (4096 gets q to 95% of copy on H200)."""
-    # Any strides but a unit last one are read in place (an expanded cos has batch stride 0).
+    """elems: the tile size, swept by the benchmark (4096 gets q to 95% of copy on H200). Any strides
+    but a unit last one are read in place (an expanded cos has batch stride 0)."""
     x_BSHD, cos_BSR, sin_BSR = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (x_BSHD, cos_BSR, sin_BSR)
     )
@@ -107,7 +104,6 @@ def _launch(
     if out.numel() == 0:
         return out
     BLOCK_T, BLOCK_H, BLOCK_R, BLOCK_REST, warps = _blocks(B * S, H, D, R, elems)
-    # A batch-1 cos/sin is shared by the whole batch.
     cb, sb = (t.stride(0) if t.shape[0] > 1 else 0 for t in (cos_BSR, sin_BSR))
     _rope_kernel[(triton.cdiv(B * S, BLOCK_T), triton.cdiv(H, BLOCK_H))](
         x_BSHD, cos_BSR, sin_BSR, out, B * S, S, H, D, R,
@@ -118,7 +114,6 @@ def _launch(
 
 
 def _forward(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool, inverse: bool) -> Tensor:
-    """Rotate by +angle (inverse=False) or -angle (inverse=True: the backward of the forward)."""
     if not use_triton(x_BSHD):
         return apply_rope_reference(
             x_BSHD, cos_BSR, -sin_BSR if inverse else sin_BSR, interleaved
@@ -140,7 +135,6 @@ def _setup_context(ctx, inputs, output):
 
 
 def _grads(ctx, dy_BSHD, rotate):
-    # The backward rotates by the opposite angle: the same kernel with inverse flipped.
     cos_BSR, sin_BSR = ctx.saved_tensors
     return rotate(dy_BSHD, cos_BSR, sin_BSR, ctx.interleaved, not ctx.inverse), None, None, None, None
 
@@ -150,8 +144,7 @@ _rope = eager_or_custom(_rope_op, _setup_context, _forward, functools.partial(_g
 
 
 def apply_rope(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool = False) -> Tensor:
-    """Rotate the first 2R dims of each head (see apply_rope_reference); fused Triton forward and
-    backward (gradient for x only; cos and sin are constants)."""
+    """Rotate the first 2R dims of each head (apply_rope_reference); the gradient is x's only."""
     check("x_BSHD", x_BSHD, ndim=4, dtypes=FLOAT_DTYPES)
     check("cos_BSR", cos_BSR, ndim=3, dtypes=FLOAT_DTYPES, device=x_BSHD.device)
     check("sin_BSR", sin_BSR, ndim=3, dtypes=FLOAT_DTYPES, device=x_BSHD.device)
@@ -168,9 +161,8 @@ def apply_rope(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bo
 def apply_rope_reference(
     x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool = False
 ) -> Tensor:
-    """Rotate the first 2R dims of each head (R = cos.shape[-1]); the rest pass through.
-    Half-split pairs (i, i+R); interleaved pairs (2i, 2i+1). Computed in fp32 (float64 for float64
-    input), out in x.dtype."""
+    """Rotate the first 2R dims of each head (R = cos.shape[-1]), pairs (i, i+R) or, interleaved, (2i,
+    2i+1); the rest pass through. In fp32 (float64 for float64 input), out in x.dtype."""
     R = cos_BSR.shape[-1]
     acc = torch.promote_types(x_BSHD.dtype, torch.float32)
     xf = x_BSHD.to(acc)

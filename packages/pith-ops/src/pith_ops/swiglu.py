@@ -3,9 +3,7 @@
 Shape legend: N rows (tokens; leading dims are flattened), F hidden width. x_N2F holds gate and up:
 split halves [gate | up] for `swiglu`, interleaved columns (gate, up, gate, up, ...) for `swiglu_oss`.
 
-Memory-bound: the forward reads 2F and writes F elements per row, the backward reads 3F and writes
-2F. Both recompute the activation in fp32 registers rather than saving it, so nothing extra is
-stored for the backward and each pass touches memory once.
+Memory-bound: each pass touches memory once, the activation recomputed in fp32 rather than saved.
 """
 
 import functools
@@ -18,8 +16,8 @@ from torch import Tensor
 from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, eager_or_custom, use_triton
 from pith_ops.fp8_quant import FP8, _cast, _interpreted_cast, _pow2_scale, quantize_rows_reference
 
-# Rows per program and warps, autotuned per width on the GPU; the interpreter (CPU tests) would run every
-# config, so it gets one. Columns come in blocks of 256 (F=768: three unmasked blocks).
+# Rows per program and warps; the interpreter runs every config, so it gets one. Columns come in blocks
+# of 256 (F=768: three unmasked blocks).
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in ((8, 4), (4, 4), (16, 8), (8, 8), (32, 8))]
 
 
@@ -80,9 +78,8 @@ def _swiglu_kernel(
 
 @triton.jit
 def _swiglu_fp8_kernel(x_ptr, y_ptr, q_ptr, s_ptr, N, F, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
-    """y = silu(gate) * up for BLOCK_N whole rows, then their e4m3 rows as pith_ops.fp8_quant's
-    quantize_rows would make them from y: pass 1 writes y and takes the amax of y as stored (rounded
-    to y's dtype), pass 2 rereads the rows it just wrote (L2-resident) and writes y / scale."""
+    """y = silu(gate) * up for BLOCK_N whole rows, then quantize_rows(y): pass 1 writes y and takes the
+    amax of y as stored, pass 2 rereads the rows it just wrote (L2-resident) and writes y / scale."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     amax = tl.zeros([BLOCK_N], dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):
@@ -104,17 +101,16 @@ def _swiglu_fp8_kernel(x_ptr, y_ptr, q_ptr, s_ptr, N, F, BLOCK_N: tl.constexpr, 
         tl.store(q_ptr + rows[:, None] * F + cols[None, :], q, mask=mask)
 
 
-# Rows per program of the FP8 variant: whole rows per program (the row amax), F=768 in 3 column steps.
+# (rows, columns) a step of the FP8 variant, whose programs take whole rows (the row amax).
 FP8_TILE = (4, 128) if INTERPRET else (8, 256)
 
 
 def _forward_fp8(x_N2F: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (y_NF, y8_NF: y by rows in out_dtype (e4m3; float32: the kernel's quotients before the cast),
-    scale_N): swiglu(x) and quantize_rows(swiglu(x)) in one pass."""
+    """-> (y_NF, y8_NF, scale_N): swiglu(x) and quantize_rows(swiglu(x), out_dtype) in one pass."""
     if not use_triton(x_N2F):
         y = swiglu_reference(x_N2F).contiguous()
         return y, *quantize_rows_reference(y, out_dtype)
-    if INTERPRET and out_dtype == FP8:  # the interpreter's e4m3 cast is wrong for some values
+    if INTERPRET and out_dtype == FP8:  # see _interpreted_cast
         y, q32, scale = _forward_fp8(x_N2F, torch.float32)
         return y, *_interpreted_cast(q32, scale)
     N, F = x_N2F.shape[0], x_N2F.shape[1] // 2
@@ -242,9 +238,8 @@ def swiglu(x_N2F: Tensor) -> Tensor:
 
 
 def swiglu_fp8(x_N2F: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """swiglu(x) of 2-D x, and its e4m3 rows as pith_ops.quantize_rows(swiglu(x)) makes them, from one
-    fused pass: -> (y_NF, differentiable as swiglu's; y8_NF, scale_N, not differentiable), for an FP8
-    GEMM that contracts over F next (pith_ops.fp8_grouped_gemm's x8)."""
+    """-> (y_NF = swiglu(x) of 2-D x; y8_NF, scale_N = quantize_rows(y), not differentiable) from one
+    fused pass, for an FP8 GEMM that contracts over F next (fp8_grouped_gemm's x8)."""
     _check_x(x_N2F)
     if x_N2F.ndim != 2:
         raise ValueError(f"x_N2F: expected 2 dimensions [N, 2F], got shape {tuple(x_N2F.shape)}")
@@ -252,7 +247,7 @@ def swiglu_fp8(x_N2F: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def swiglu_oss(x_N2F: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
-    """GPT-OSS's clamped SwiGLU over interleaved columns (see swiglu_oss_reference); fused Triton."""
+    """GPT-OSS's clamped SwiGLU over interleaved columns (swiglu_oss_reference); fused Triton."""
     if not limit > 0:
         raise ValueError(f"limit: expected a positive clamp limit, got {limit}")
     return _apply(x_N2F, True, float(alpha), float(limit))
