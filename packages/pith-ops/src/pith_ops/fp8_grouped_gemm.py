@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, check, eager_or_custom
-from pith_ops.cast import _cast_back
+from pith_ops.fp8_linear import _backward, _rows_op
+from pith_ops.fp8_linear import backward as _linear_backward
 from pith_ops.fp8_quant import (
     FP8,
     cols_from_rows,
@@ -93,13 +94,8 @@ def _weight(w_EIO: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return quantize_weight(w_EIO)
 
 
-def _rows(x_MK: Tensor) -> tuple[Tensor, Tensor]:
-    return quantize_rows(x_MK)
-
-
 _op = torch.library.custom_op("pith::fp8_grouped_gemm", _forward, mutates_args=())
 _weight_op = torch.library.custom_op("pith::fp8_grouped_gemm_weight", _weight, mutates_args=())
-_rows_op = torch.library.custom_op("pith::fp8_grouped_gemm_rows", _rows, mutates_args=())
 _dgrad_op = torch.library.custom_op("pith::fp8_grouped_gemm_dgrad", dgrad, mutates_args=())
 _wgrad_op = torch.library.custom_op("pith::fp8_grouped_gemm_wgrad", wgrad, mutates_args=())
 
@@ -112,11 +108,6 @@ def _(w_EIO):
         w_EIO.new_empty(E, I, O, dtype=FP8), w_EIO.new_empty(E, I, dtype=fp32),
         empty_cols(O, I, device=w_EIO.device, batch=(E,)), w_EIO.new_empty(E, O, dtype=fp32),
     )  # fmt: skip
-
-
-@_rows_op.register_fake
-def _(x_MK):
-    return torch.empty_like(x_MK, dtype=FP8), x_MK.new_empty(x_MK.shape[0], dtype=torch.float32)
 
 
 @_dgrad_op.register_fake
@@ -150,24 +141,16 @@ def _setup(ctx, inputs, output):
 
 
 def backward(saved, dy_NO: Tensor, need_dx: bool, x_dtype: torch.dtype, ops=(quantize_rows, dgrad, wgrad)):
-    """fp8_linear.backward's counterpart; saved: (x8_NI, x8_scale_N, w8_EIO, w8_scale_EI, ends)."""
-    rows, dgrad_fn, wgrad_fn = ops
-    x8, x8_scale, w8, w8_scale, ends = saved
-    dy8, dy8_scale = rows(dy_NO.contiguous())
-    dx = dgrad_fn(dy8, dy8_scale, w8, w8_scale, ends).to(x_dtype) if need_dx else None
-    return dx, lambda: wgrad_fn(dy8, dy8_scale, x8, x8_scale, ends)
-
-
-def _backward(ctx, dy_NO, *_, ops=(quantize_rows, dgrad, wgrad)):
-    """Eager: the functions; the registered autograd (compiled graphs): their custom ops."""
-    dx, dw = backward(ctx.saved_tensors, dy_NO, ctx.needs_input_grad[0], ctx.dtypes[0], ops)
-    return dx, _cast_back(dw(), ctx.dtypes[1]) if ctx.needs_input_grad[1] else None, *(None for _ in range(7))
+    """fp8_linear.backward; saved: (x8_NI, x8_scale_N, w8_EIO, w8_scale_EI, ends)."""
+    return _linear_backward(saved, dy_NO, need_dx, x_dtype, ops)
 
 
 _op.register_autograd(
     functools.partial(_backward, ops=(_rows_op, _dgrad_op, _wgrad_op)), setup_context=_setup
 )
-_fp8_grouped_gemm = eager_or_custom(_op, _setup, _forward, _backward)
+_fp8_grouped_gemm = eager_or_custom(
+    _op, _setup, _forward, functools.partial(_backward, ops=(quantize_rows, dgrad, wgrad))
+)
 
 
 def fp8_grouped_gemm_weight(w_EIO: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -126,26 +126,30 @@ def _setup(ctx, inputs, output):
 
 
 def backward(saved, dy_TO: Tensor, need_dx: bool, x_dtype: torch.dtype, ops=(quantize_rows, dgrad, wgrad)):
-    """The backward in two halves from the forward's `saved` (x8_TD, x8_scale_T, w8t_DO, w8t_scale_D)
-    -> (dx_TD in x_dtype, or None without need_dx; a closure computing dw_OD in bf16), bit for bit a
-    plain backward's. ops: the three functions, or their custom ops (compiled graphs)."""
+    """The backward in two halves from the forward's `saved` (x8_TD, x8_scale_T, w8t_DO, w8t_scale_D,
+    then what both GEMMs take besides: fp8_grouped_gemm's ends) -> (dx_TD in x_dtype, or None without
+    need_dx; a closure computing dw_OD in bf16), bit for bit a plain backward's. ops: the three
+    functions, or their custom ops (compiled graphs)."""
     rows, dgrad_fn, wgrad_fn = ops
-    x8, x8_scale, w8t, w8t_scale = saved
+    x8, x8_scale, w8t, w8t_scale, *extra = saved
     dy8, dy8_scale = rows(dy_TO.contiguous())
-    dx = dgrad_fn(dy8, dy8_scale, w8t, w8t_scale).to(x_dtype) if need_dx else None
-    return dx, lambda: wgrad_fn(dy8, dy8_scale, x8, x8_scale)
+    dx = dgrad_fn(dy8, dy8_scale, w8t, w8t_scale, *extra).to(x_dtype) if need_dx else None
+    return dx, lambda: wgrad_fn(dy8, dy8_scale, x8, x8_scale, *extra)
 
 
-def _backward(ctx, dy_TO, ops=(quantize_rows, dgrad, wgrad)):
-    """Eager: the functions; the registered autograd (compiled graphs): their custom ops."""
-    dx, dw = backward(ctx.saved_tensors, dy_TO, ctx.needs_input_grad[0], ctx.dtypes[0], ops)
-    return dx, _cast_back(dw(), ctx.dtypes[1]) if ctx.needs_input_grad[1] else None, *(None for _ in range(6))
+def _backward(ctx, dy, *_, ops):
+    """Also fp8_grouped_gemm's; ops as backward's."""
+    dx, dw = backward(ctx.saved_tensors, dy, ctx.needs_input_grad[0], ctx.dtypes[0], ops)
+    dw = _cast_back(dw(), ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+    return dx, dw, *(None for _ in ctx.needs_input_grad[2:])
 
 
 _op.register_autograd(
     functools.partial(_backward, ops=(_rows_op, _dgrad_op, _wgrad_op)), setup_context=_setup
 )
-_fp8_linear = eager_or_custom(_op, _setup, _forward, _backward)
+_fp8_linear = eager_or_custom(
+    _op, _setup, _forward, functools.partial(_backward, ops=(quantize_rows, dgrad, wgrad))
+)
 
 
 def fp8_linear_weight(w_OD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
