@@ -265,21 +265,6 @@ def _zero_unowned(out_ND: Tensor, owner_N: Tensor) -> None:
         _zero_unowned_rows_kernel[(triton.cdiv(N, rows),)](out_ND, owner_N, N, D, ROWS=rows, BLOCK_D=block_d)
 
 
-def _scatter_rows(src_TD, slots_TK, N, owner_N, w_TK, y_ND, out_dtype):
-    """-> (out_ND, dw_TK fp32): the weighted scatter, then zeros in the rows no entry owns."""
-    (T, K), D = slots_TK.shape, src_TD.shape[1]
-    out = torch.empty(N, D, dtype=out_dtype, device=src_TD.device)
-    dw = torch.empty(T, K, dtype=torch.float32, device=src_TD.device)
-    block_d = _block_d(D)
-    if T:
-        _scatter_rows_kernel[lambda meta: (triton.cdiv(T, _rows(meta, block_d)),)](
-            src_TD, slots_TK, w_TK, y_ND, out, dw, T, D,
-            K=K, K_P2=triton.next_power_of_2(K), BLOCK_D=block_d,
-        )  # fmt: skip
-    _zero_unowned(out, owner_N)
-    return out, dw
-
-
 def _combine(y_ND, slots_TK, w_TK=None):
     T, K = slots_TK.shape
     D = y_ND.shape[1]
@@ -481,24 +466,22 @@ def _unpermute_forward(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Te
 def _unpermute_backward(
     dout_TD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor
 ) -> tuple[Tensor, Tensor]:
-    N = y_ND.shape[0]
+    (T, K), (N, D), dev = slots_TK.shape, y_ND.shape, y_ND.device
     flat = slots_TK.reshape(-1)
     # Owner map for the zero fill; row N is a sink for slots < 0 (a boolean mask would sync).
-    inv = torch.full((N + 1,), -1, dtype=torch.int32, device=y_ND.device)
-    inv.scatter_(
-        0,
-        torch.where(flat < 0, N, flat).long(),
-        torch.arange(flat.numel(), dtype=torch.int32, device=y_ND.device),
+    owner = torch.full((N + 1,), -1, dtype=torch.int32, device=dev)
+    owner.scatter_(
+        0, torch.where(flat < 0, N, flat).long(), torch.arange(T * K, dtype=torch.int32, device=dev)
     )
-    dy, dw = _scatter_rows(
-        dout_TD.contiguous(),
-        slots_TK.contiguous(),
-        N,
-        inv[:N],
-        w_TK=weights_TK.contiguous(),
-        y_ND=y_ND,
-        out_dtype=y_ND.dtype,
-    )
+    dy = torch.empty(N, D, dtype=y_ND.dtype, device=dev)
+    dw = torch.empty(T, K, dtype=torch.float32, device=dev)
+    if T:
+        block_d = _block_d(D)
+        _scatter_rows_kernel[lambda meta: (triton.cdiv(T, _rows(meta, block_d)),)](
+            dout_TD.contiguous(), slots_TK.contiguous(), weights_TK.contiguous(), y_ND, dy, dw, T, D,
+            K=K, K_P2=triton.next_power_of_2(K), BLOCK_D=block_d,
+        )  # fmt: skip
+    _zero_unowned(dy, owner[:N])
     return dy, dw.to(weights_TK.dtype)
 
 

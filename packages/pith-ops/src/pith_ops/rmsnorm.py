@@ -53,19 +53,10 @@ def _rms_norm_forward_kernel(
 @triton.autotune(_BACKWARD_CONFIGS, key=["D", "UNIT_OFFSET"])
 @triton.jit
 def _rms_norm_backward_kernel(
-    x_ptr,
-    w_ptr,
-    dy_ptr,
-    dx_ptr,
-    dw_partial_ptr,
-    N,
-    D,
-    eps,
-    BLOCK_D: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr,
-    ELEMS: tl.constexpr,
-    PER_SM: tl.constexpr,  # sizes the grid (programs per SM), read by the launcher
-):
+    x_ptr, w_ptr, dy_ptr, dx_ptr, dw_partial_ptr, N, D, eps,
+    BLOCK_D: tl.constexpr, UNIT_OFFSET: tl.constexpr, ELEMS: tl.constexpr,
+    PER_SM: tl.constexpr,  # programs per SM: sizes the grid, read by the launcher
+):  # fmt: skip
     """dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * w; dw partial = sum over rows of dy * xhat.
     Program p owns the tiles [p * n / P, (p + 1) * n / P) and loads tile i + 1 before computing tile i,
     so a load is in flight while it reduces and stores."""
@@ -121,7 +112,9 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def _forward_launch(x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool) -> Tensor:
+def _forward(x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool) -> Tensor:
+    if not use_triton(x_ND):
+        return rms_norm_reference(x_ND, weight_D, eps, unit_offset).contiguous()
     x_ND = x_ND.contiguous()
     y_ND = x_ND.new_empty(x_ND.shape)
     N, D = x_ND.shape
@@ -134,9 +127,12 @@ def _forward_launch(x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: boo
     return y_ND
 
 
-def _backward_launch(
+def _backward(
     dy_ND: Tensor, x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool
 ) -> tuple[Tensor, Tensor]:
+    if not use_triton(x_ND):
+        _, vjp = torch.func.vjp(lambda x, w: rms_norm_reference(x, w, eps, unit_offset), x_ND, weight_D)
+        return tuple(g.contiguous() for g in vjp(dy_ND))
     x_ND, dy_ND, weight_D = x_ND.contiguous(), dy_ND.contiguous(), weight_D.contiguous()
     N, D = x_ND.shape
     dx_ND = x_ND.new_empty(x_ND.shape)
@@ -151,21 +147,6 @@ def _backward_launch(
     P = max(1, min(N, kernel.best_config.kwargs["PER_SM"] * sms))  # the grid the tuned config ran
     _sum_partials_kernel[(triton.cdiv(D, 32),)](dw_partial_PD, dw_D, P, D, BLOCK_P=128, BLOCK_C=32)
     return dx_ND, dw_D
-
-
-def _forward(x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool) -> Tensor:
-    if not use_triton(x_ND):
-        return rms_norm_reference(x_ND, weight_D, eps, unit_offset).contiguous()
-    return _forward_launch(x_ND, weight_D, eps, unit_offset)
-
-
-def _backward(
-    dy_ND: Tensor, x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool
-) -> tuple[Tensor, Tensor]:
-    if not use_triton(x_ND):
-        _, vjp = torch.func.vjp(lambda x, w: rms_norm_reference(x, w, eps, unit_offset), x_ND, weight_D)
-        return tuple(g.contiguous() for g in vjp(dy_ND))
-    return _backward_launch(dy_ND, x_ND, weight_D, eps, unit_offset)
 
 
 _rms_norm_op = torch.library.custom_op("pith::rms_norm", _forward, mutates_args=())
