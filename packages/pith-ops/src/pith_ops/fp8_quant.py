@@ -1,23 +1,18 @@
-"""FP8 (e4m3) quantisation with power-of-two scales, in the three forms the FP8 GEMMs take (why these
-forms, and what they measured: the FP8 recipe in the pith-ops README).
+"""FP8 (e4m3) quantisation with power-of-two scales, in the three forms the FP8 GEMMs take (the recipe
+and its measurements: the pith-ops README).
 
-Shape legend: M rows, K columns, G row groups (contiguous row segments ending at group_ends, as the
-grouped GEMM's experts; 1 otherwise), B batch entries (the experts of a stacked weight; 1 otherwise),
-R and C a weight's rows and columns.
+Shape legend: M rows, K columns, G row groups (contiguous row segments ending at group_ends; 1
+otherwise), B batch entries (the experts of a stacked weight; 1 otherwise), R and C a weight's rows
+and columns.
 
-- quantize_rows(x_MK) -> q_MK, scale_M: one scale per row. Activations and output gradients, for the
-  forward and input-gradient GEMMs.
-- cols_from_rows(q_MK, scale_M, group_ends_G) -> qc_KM, scale_GK: those rows rescaled to one scale per
-  row group (its rows' largest) and transposed: the weight gradient's operands, contracting over the
-  rows. One pass over the e4m3 rows, exact unless a value becomes an e4m3 subnormal (a row whose scale
-  is 2^-k of its group's loses k binades at the bottom of e4m3's range).
-- quantize_weight(w_BRC, amax_B) -> q_BRC, scale_BR, qT_BCR, scale_BC: one scale per batch entry, in the
-  weight's layout and transposed, the scale repeated per row and per column (the vectors the row-wise
-  GEMMs take). Tensor-wise, so the optimizer can write both copies in its update pass (pith_ops.adamw_).
+- quantize_rows: one scale per row (activations and output gradients).
+- cols_from_rows: those rows rescaled to one scale per row group (the largest of its rows'; exact
+  unless a value becomes an e4m3 subnormal) and transposed: the weight gradient's operands.
+- quantize_weight: one scale per batch entry, in the weight's layout and transposed.
 scale = the smallest power of two with amax / scale <= 448 (e4m3's largest finite value), so
 quantisation and dequantisation are exact in fp32 and kernels and references agree bit for bit; an
-all-zero row gets scale 2^-126. Values past 448 * scale (a weight whose amax grew since its scale was
-set) saturate at +-448.
+all-zero row gets 2^-126. Values past 448 * scale (a weight whose amax grew since its scale was set)
+saturate at +-448.
 """
 
 from typing import NamedTuple
@@ -45,12 +40,10 @@ class FP8Weight(NamedTuple):
 
 
 class FP8Rows(NamedTuple):
-    """Rows in e4m3 (quantize_rows) with a tensor of the rows' dtype and shape that carries their
-    gradient: the rows themselves (fp8_rows), or, once the e4m3 rows have been moved (moe_permute, an
-    expert-parallel exchange), a stand-in whose backward takes the moved rows' gradient back. So rows
-    quantised once per token reach the expert GEMMs with no bf16 copy of the T*K rows written or sent."""
+    """Rows in e4m3 (quantize_rows) and a tensor of the rows' dtype and shape carrying their gradient:
+    the rows (fp8_rows), or a stand-in once the e4m3 rows have moved (moe_permute, an EP exchange)."""
 
-    x: Tensor  # [M, K]: the rows, or a stand-in (strides 0) carrying only their gradient
+    x: Tensor  # [M, K]: the rows, or a stand-in (strides 0)
     q: Tensor  # [M, K] e4m3
     scale: Tensor  # [M] fp32
 
@@ -69,8 +62,8 @@ COLS_TILE = (16, 32) if INTERPRET else (64, 128)
 
 @triton.jit
 def _pow2_scale(amax):
-    """-> (scale, 1 / scale): the smallest power of two with amax / scale <= 448, from amax's bits.
-    amax = m * 2^(e - 127) with m in [1, 2); 448 = 1.75 * 2^8, so scale = 2^(e - 127 - 8 + [m > 1.75])."""
+    """-> (scale, 1 / scale) from amax's bits: amax = m * 2^(e - 127) with m in [1, 2), 448 = 1.75 * 2^8,
+    so scale = 2^(e - 127 - 8 + [m > 1.75])."""
     bits = amax.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.minimum(tl.maximum(e, 1), 253)
@@ -84,8 +77,7 @@ def _cast(x, inv):
 
 @triton.jit
 def _store_transposed(out_ptr, rows, cols, s_out, y, mask):
-    """out[cols, rows] = y[rows, cols] (fp32) in out's dtype (its rows s_out apart). Transposing before
-    or after the cast, by tl.trans or by the compiler's layout change, measured the same (H200)."""
+    """out[cols, rows] = y[rows, cols] in out's dtype (its rows s_out apart)."""
     out = out_ptr + cols.to(tl.int64)[:, None] * s_out + rows[None, :]
     tl.store(out, tl.trans(y).to(out_ptr.dtype.element_ty), mask=tl.trans(mask))
 
@@ -149,8 +141,8 @@ def _cols_kernel(
 @triton.jit
 def _entry_amax(amax_ptr, offs, mask, RC, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """-> (b, amax[b]) of a block's flat offsets into [B, R, C] (RC = R * C). ALIGNED (RC a multiple of
-    BLOCK): scalars, one load a block; per element, the pith-train bench's AdamW with FP8 copies took
-    31.9 ms a step (24.4 with one division a block) against 21.8 with bf16 copies (H200)."""
+    BLOCK): scalars, one load a block (per element, AdamW with FP8 copies took 24.4-31.9 ms a step on
+    the pith-train bench against 21.8 with bf16 copies, H200)."""
     if ALIGNED:
         b = (tl.program_id(0).to(tl.int64) * BLOCK) // RC
         amax = tl.load(amax_ptr + b)
@@ -295,10 +287,9 @@ def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torc
 
 
 def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
-    """Writes copies' scales and transposed copy from copies.q and copies.amax. gate (adamw_'s clip
-    scale): the scales are kept where it is not finite (the update wrote no new q). A kernel storing
-    an e4m3 tile in both layouts lost a quarter of its transposed values on an H200 (Triton 3.6), so
-    each layout has its own kernel."""
+    """Writes copies' scales and transposed copy from copies.q and copies.amax; the scales stay where
+    gate (adamw_'s clip scale) is not finite. q has its own kernel: one kernel storing an e4m3 tile in
+    both layouts lost a quarter of its transposed values on an H200 (Triton 3.6)."""
     q3, qt3 = (copies.q, copies.qt) if copies.q.ndim == 3 else (copies.q[None], copies.qt[None])
     B, R, C = q3.shape
     if B:
@@ -314,9 +305,8 @@ def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
 
 
 def copies_of_quantized(q_BRC: Tensor, amax_B: Tensor, into: FP8Weight | None = None) -> FP8Weight:
-    """quantize_weight(w, amax_B)'s copies, bit for bit, from q alone (a weight gathered in e4m3:
-    pith_engine.layers.gather_in_fp8). into: an earlier call's copies on q's storage, rewritten in
-    place (a backward's saved tensors read them), else new ones. A 2-D q gets 2-D copies."""
+    """quantize_weight(w, amax_B)'s copies, bit for bit, from q alone (a weight gathered in e4m3). into:
+    an earlier call's copies on q's storage, rewritten in place (a backward may have saved them)."""
     q3 = q_BRC if q_BRC.ndim == 3 else q_BRC[None]
     B, R, C = q3.shape
     if into is not None:

@@ -20,29 +20,11 @@ from pith_ops._common import FLOAT_DTYPES, check, eager_or_custom, use_triton
 
 @triton.jit
 def _rope_kernel(
-    x_ptr,
-    cos_ptr,
-    sin_ptr,
-    out_ptr,
-    T,
-    S,
-    H,
-    D,
-    R,
-    stride_xb,
-    stride_xs,
-    stride_xh,
-    stride_cb,
-    stride_cs,
-    stride_sb,
-    stride_ss,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_REST: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    INVERSE: tl.constexpr,
-):
+    x_ptr, cos_ptr, sin_ptr, out_ptr, T, S, H, D, R,
+    stride_xb, stride_xs, stride_xh, stride_cb, stride_cs, stride_sb, stride_ss,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
+    INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+):  # fmt: skip
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     b, s = tokens // S, tokens % S
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)

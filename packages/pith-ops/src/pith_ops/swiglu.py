@@ -24,18 +24,9 @@ _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in ((8, 4), (4, 
 @triton.autotune(_CONFIGS[:1] if INTERPRET else _CONFIGS, key=["F", "OSS", "BACKWARD"])
 @triton.jit
 def _swiglu_kernel(
-    x_ptr,
-    dy_ptr,
-    out_ptr,
-    N,
-    F,
-    alpha,
-    limit,
-    BLOCK_F: tl.constexpr,
-    OSS: tl.constexpr,
-    BACKWARD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    x_ptr, dy_ptr, out_ptr, N, F, alpha, limit,
+    BLOCK_F: tl.constexpr, OSS: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     """Forward: out = y_NF. Backward: out = dx_N2F from dy_NF (x is reread, the activation recomputed)."""
     # Column blocks vary fastest, so programs running together cover whole rows (contiguous memory).
     col_blocks = tl.cdiv(F, BLOCK_F)
