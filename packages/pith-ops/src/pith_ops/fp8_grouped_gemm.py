@@ -2,18 +2,13 @@
 
 Shape legend: N grouped rows, I input features, O output features, E experts (groups).
 
-As pith_ops.fp8_linear, each GEMM's operands are scaled along the axis it contracts:
-- forward  y  = x8 @ w8[e]                 x8: x by rows (over I); w8: w with one scale per expert
-                                           (quantize_weight), its transposed copy [E, O, I];
-- dgrad    dx = dy8 @ w8[e].T              dy8: dy by rows (over O); w8 in w's layout [E, I, O];
-- wgrad    dw[e] = x8c[e] @ dy8c[e].T      x8 and dy8 requantised by columns over each expert's rows
-                                           and transposed (cols_from_rows).
-The forward keeps x8 and its scales; w8, `forward` and `backward` as pith_ops.fp8_linear's. On CUDA
-the GEMMs are torch._scaled_grouped_mm (CUTLASS) with fast accumulation; on CPU (no grouped FP8 GEMM
-in torch) a loop over the experts multiplies the dequantised operands in fp32.
-On CUDA every group end must be a multiple of GROUP_ALIGN = 16 (moe_permute(..., align=16)): the
-wgrad contracts over each group's rows, where the FP8 kernel wants 16-byte multiples (a device-side
-assert otherwise; checking the ends would cost a host sync). Rows past group_ends[-1] give zeros.
+As pith_ops.fp8_linear (whose w8, `forward` and `backward` these mirror): y = x8 @ w8[e], dx = dy8 @
+w8[e].T, dw[e] = x8c[e] @ dy8c[e].T, with x8 and dy8 by rows, w8 = quantize_weight(w) (one scale per
+expert), x8c and dy8c requantised by columns over each expert's rows, transposed. On CUDA the GEMMs
+are torch._scaled_grouped_mm with fast accumulation, and every group end must be a multiple of
+GROUP_ALIGN = 16 (moe_permute(..., align=16)): the wgrad contracts over each group's rows, where
+CUTLASS asserts on the device otherwise (checking the ends would cost a host sync). On CPU (no
+grouped FP8 GEMM in torch) a loop over the experts multiplies the dequantised operands.
 """
 
 import functools
@@ -22,7 +17,7 @@ import torch
 from torch import Tensor
 
 from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, check, eager_or_custom
-from pith_ops.fp8_linear import _backward, _rows_op
+from pith_ops.fp8_linear import _backward, _rows_op, _weight, _weight_fake
 from pith_ops.fp8_linear import backward as _linear_backward
 from pith_ops.fp8_quant import (
     FP8,
@@ -30,7 +25,6 @@ from pith_ops.fp8_quant import (
     cols_from_rows_reference,
     dequantize_cols,
     dequantize_rows,
-    empty_cols,
     quantize_rows,
     quantize_rows_reference,
     quantize_weight,
@@ -90,24 +84,11 @@ def _forward(
     return _gmm(*x8, w8t_EOI.transpose(1, 2), w8t_scale_EO, ends).to(x_NI.dtype), *made
 
 
-def _weight(w_EIO: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return quantize_weight(w_EIO)
-
-
 _op = torch.library.custom_op("pith::fp8_grouped_gemm", _forward, mutates_args=())
 _weight_op = torch.library.custom_op("pith::fp8_grouped_gemm_weight", _weight, mutates_args=())
+_weight_op.register_fake(_weight_fake)
 _dgrad_op = torch.library.custom_op("pith::fp8_grouped_gemm_dgrad", dgrad, mutates_args=())
 _wgrad_op = torch.library.custom_op("pith::fp8_grouped_gemm_wgrad", wgrad, mutates_args=())
-
-
-@_weight_op.register_fake
-def _(w_EIO):
-    E, I, O = w_EIO.shape
-    fp32 = torch.float32
-    return (
-        w_EIO.new_empty(E, I, O, dtype=FP8), w_EIO.new_empty(E, I, dtype=fp32),
-        empty_cols(O, I, device=w_EIO.device, batch=(E,)), w_EIO.new_empty(E, O, dtype=fp32),
-    )  # fmt: skip
 
 
 @_dgrad_op.register_fake
@@ -174,11 +155,9 @@ def forward(
 
 
 def fp8_grouped_gemm(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, w8=None, x8=(None, None)) -> Tensor:
-    """grouped_gemm through FP8 GEMMs, in x's dtype; w may be fp32 (master weights, quantised directly).
-    w8: fp8_grouped_gemm_weight(w) of w's current values (or w's kept copies), or None. x8: (x8_NI,
+    """grouped_gemm through FP8 GEMMs, in x's dtype; w may be fp32. w8: as fp8_linear's. x8: (x8_NI,
     x8_scale_N) = quantize_rows(x) made by the pass that wrote x (swiglu_fp8, moe_permute's FP8Rows),
-    or Nones; given, x is not read (it may be a stand-in). On CUDA I, O and the group ends must be
-    multiples of 16."""
+    or Nones; given, x is not read. On CUDA I, O and the group ends must be multiples of 16."""
     check("x_NI", x_NI, ndim=2, dtypes=FLOAT_DTYPES, contiguous=x8[0] is None)
     check("w_EIO", w_EIO, ndim=3, dtypes=FLOAT_DTYPES, device=x_NI.device, contiguous=w8 is None)
     check("group_ends_E", group_ends_E, ndim=1, dtypes=INDEX_DTYPES, device=x_NI.device)
