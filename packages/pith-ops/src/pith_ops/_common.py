@@ -41,10 +41,9 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def eager_or_custom(
     custom_op: Callable, setup_context: Callable, forward_fn: Callable, backward_fn: Callable
 ) -> Callable:
-    """-> a callable running custom_op under torch.compile (one opaque node), else an autograd.Function
-    with the same forward (forward_fn, then setup_context) and backward_fn(ctx, *grads): skipping the
-    custom op's dispatch layers takes ~4 us against ~50 us (CPU, trivial bodies). Its forward is
-    ctx-style: a separate setup_context makes Function.apply bind arguments by signature (~60 us)."""
+    """-> custom_op under torch.compile (one opaque node), else an autograd.Function of forward_fn,
+    setup_context and backward_fn(ctx, *grads), ~4 us a call against the op's ~50 (CPU, trivial bodies).
+    Its forward is ctx-style: a separate setup_context makes apply bind arguments by signature (~60 us)."""
 
     class _Eager(torch.autograd.Function):
         @staticmethod
@@ -63,8 +62,7 @@ def eager_or_custom(
     return call
 
 
-# torch's grouped matmul on CUDA bf16, fwd+bwd on an H200 (bench_grouped_gemm.py): gate_up 4.58 ms
-# against 6.22 for the Triton kernel, down 2.36 against 3.26. False: the Triton kernel (A/B runs).
+# torch's grouped matmul where it applies (faster than the Triton kernel: the README). False: A/B runs.
 USE_TORCH_GROUPED_MM = True
 
 # False: every pith_ops.cast is a fresh one, nothing kept (A/B runs).

@@ -2,16 +2,12 @@
 
 Shape legend: N elements (any shape, contiguous; all four tensors alike).
 
-Memory-bound: one read of parameter, gradient and moments, one write of parameter and moments. The
-scale is read from device memory, so clipping needs neither a host sync nor its own pass over the
-gradients (~6 ms a step on the pith-train bench's 3.11B parameters, H200); a non-finite scale skips
-the update, so a trainer need not check the loss on the host. The math is torch.optim.AdamW's
-single-tensor path, in its operation order.
-
-`copy`: p's kept bf16 cast (pith_ops.cast), rewritten in the same pass. `fp8`: p's kept FP8 copies,
-likewise: the copy in p's layout by the update's pass, the transposed one and the scales after it
-(fp8_quant.weight_copies), with the old p's scale while the new amax is reduced by atomics for the
-next update (TransformerEngine's delayed scaling with a history of one step).
+Memory-bound: one read and one write of each tensor. The scale read from device memory spares the
+clipping a host sync and a pass over the gradients (~6 ms a step on the pith-train bench, H200); a
+non-finite scale skips the update, so the trainer need not check the loss on the host. The math is
+torch.optim.AdamW's single-tensor path, in its operation order. p's kept copies are rewritten in the
+same pass (FP8: TransformerEngine's delayed scaling with a history of one step: the old p's scale,
+the new amax reduced by atomics for the next update).
 """
 
 import torch
@@ -78,8 +74,7 @@ def _amax_into(amax_ptr, b, values, mask, ALIGNED: tl.constexpr):
 
 def step_constants(lr: float, beta1: float, beta2: float, step: int | Tensor, device=None) -> Tensor:
     """(step size, sqrt of the second bias correction) of update `step` (1-based): [..., 2] fp32, in
-    double as torch.optim.AdamW computes them, then rounded. A tensor of step counts gives them on its
-    device without a host read (a trainer can count only the steps not skipped)."""
+    double as torch.optim.AdamW computes them; for a tensor of steps, on its device (no host read)."""
     step = torch.as_tensor(step, dtype=torch.float64, device=device)
     return torch.stack([lr / (1 - beta1**step), (1 - beta2**step).sqrt()], -1).float()
 

@@ -2,25 +2,20 @@
 
 Shape legend: N elements (any shape; a contiguous bf16/fp16 gradient cast to fp32 takes the kernel).
 
-Why: torch's bf16 -> fp32 copy (dtype-converting) runs an unvectorised elementwise loop: 8.4 ms a step
-for the pith-train bench's expert and lm_head weight gradients (2.7B elements), 47% of copy (H200).
-The Triton cast streams 16-byte accesses; the forward is torch's cast (vectorised already).
+Why: torch's dtype-converting copy runs an unvectorised loop: 8.4 ms a step, 47% of copy, for the
+pith-train bench's 2.7B expert and lm_head weight gradients (H200). The forward is torch's cast.
 
 Kept copies. A trainable weight (a leaf that requires grad; not FSDP's DTensor, which casts on its own)
 cast to bf16 with grad mode on keeps its cast in `x._pith_copies`, stamped with x's version counter
-and storage, and later casts reuse it while the stamp holds (an in-place torch op on x bumps the
-counter). pith_ops.adamw_ rewrites the copy in its update pass: 2 bytes more per element instead of a
-6-byte cast per use (bench: ~1.3 ms for ~3.8 ms of casts, H200). A write to x that bypasses the
-counter (x.data, a raw kernel) must go through `keep`. pith_ops._common.KEEP_COPIES = False turns the
-copies off (the bench's A/B).
+and storage; later casts reuse it while the stamp holds. pith_ops.adamw_ rewrites it in its update
+pass: 2 bytes an element, not a 6-byte cast per use (bench: ~1.3 ms for ~3.8 ms of casts, H200). A
+write to x that bypasses the version counter (x.data, a raw kernel) must go through `keep`.
 
-Kept gradients. A weight marked by `keep_grads` (pith-train's AdamW reads `grad(w)`) gets its kept
-cast's gradient held in bf16 beside `w.grad` rather than widened into it: every bf16 value is an fp32
-one, so the optimizer computes the same, bit for bit, and nothing pays the widening pass (bench: 4.1
-ms a step) or the fp32 gradient's reads (norm + update 26.2 -> 24.4 ms; 114,525 -> 119,263 tokens/s,
-pith-train README). A second micro-batch's gradient is added in fp32 (as `.grad` accumulates); a
-gradient that also reaches w by another edge (a tied embedding) lands in w.grad, and `grad(w)` adds
-the two.
+Kept gradients. A weight marked by `keep_grads` gets its kept cast's gradient held in bf16 beside
+`w.grad` for its optimizer (which reads `grad(w)`), not widened into it: every bf16 value is an fp32
+one, so the update is the same, without the widening pass and the wider reads (bench: 4.1 and 1.8 ms
+a step, H200). A second micro-batch's gradient is added in fp32 (as `.grad` accumulates); one that
+also reaches w by another edge (a tied embedding) lands in w.grad, and `grad(w)` adds the two.
 """
 
 import torch
@@ -84,8 +79,11 @@ def keep(x: Tensor, copy, kind: torch.dtype = torch.bfloat16) -> None:
     x.__dict__.setdefault("_pith_copies", {})[kind] = ((x._version, x.data_ptr()), copy)
 
 
-def hold_grad(x: Tensor, g: Tensor) -> None:
-    """Add g (bf16 or x's dtype) to the gradient x holds."""
+def weight_grad(x: Tensor, g: Tensor) -> Tensor | None:
+    """g as x's gradient: held by x (None returned) when x keeps its gradients and g is bf16, else
+    widened to x's dtype for autograd."""
+    if not (x.__dict__.get("_pith_keep_grad") and g.dtype == torch.bfloat16 and x.dtype == torch.float32):
+        return _cast_back(g, x.dtype)
     held = x.__dict__.get("_pith_grad")
     if held is None:
         x._pith_grad = g
@@ -93,15 +91,7 @@ def hold_grad(x: Tensor, g: Tensor) -> None:
         held.add_(g)
     else:  # the second micro-batch: fp32 from here on, as .grad accumulates
         x._pith_grad = _cast_back(held, x.dtype).add_(g)
-
-
-def weight_grad(x: Tensor, g: Tensor) -> Tensor | None:
-    """g as x's gradient: held by x (None returned) when x keeps its gradients and g is bf16, else
-    widened to x's dtype for autograd."""
-    if x.__dict__.get("_pith_keep_grad") and g.dtype == torch.bfloat16 and x.dtype == torch.float32:
-        hold_grad(x, g)
-        return None
-    return _cast_back(g, x.dtype)
+    return None
 
 
 def keep_grads(params) -> None:
@@ -146,9 +136,8 @@ def _copy_for(x: Tensor, dtype: torch.dtype) -> Tensor | None:
 
 def stand_in(x: Tensor, dtype: torch.dtype) -> Tensor:
     """x in dtype without its values (zeros, strides 0; a plain x of dtype itself), the gradient going
-    back as cast's does: for an op that reads x through other copies (linear_cross_entropy with w8),
-    so that no cast of x is kept (the bench's lm_head: 0.6 GiB), or cannot read x at all
-    (pith_engine.layers.GatheredFP8)."""
+    back as cast's: for an op reading x through other copies (linear_cross_entropy with w8), so that
+    no cast of x is kept (the bench's lm_head: 0.6 GiB)."""
     check("x", x, dtypes=FLOAT_DTYPES)
     if x.dtype == dtype and type(x) in (Tensor, torch.nn.Parameter):
         return x

@@ -1,21 +1,12 @@
-"""Fused lm_head + cross-entropy: loss(h @ w.T, labels) without the full logits (the design and its
-measurements: the pith-ops README).
+"""Fused lm_head + cross-entropy: loss(h @ w.T, labels) without the full logits. How the chunks,
+gradients and FP8 GEMMs are arranged, and what they measured: the pith-ops README.
 
 Shape legend: T tokens, C tokens in one chunk, D model dim, V vocabulary.
 
-The forward walks the tokens in chunks of CHUNK_LOGITS / V (full fp32 logits at 16,384 x 151,936
-would take 10 GB): a matmul gives the chunk's logits, a Triton kernel each row's loss, overwriting the
-logits with d loss / d logits, and two more matmuls the chunk's dh and its share of dw, kept for the
-backward, which only scales them. dw accumulates in w's dtype (fp32 inside each matmul): an fp32
+The gradients are computed in the forward (a chunk's logits overwritten with d loss / d logits) and
+kept; the backward only scales them. dw accumulates in w's dtype (fp32 inside each matmul): an fp32
 accumulator would add ~3.7 GB of traffic a chunk (estimated). Labels outside [0, V) other than
 ignore_index are checked only for CPU tensors in eager mode; on CUDA such a row's loss is its lse.
-
-FP8 (w8 = quantize_weight(w)): the three GEMMs take e4m3 operands (pith_ops.fp8_linear's recipe), in
-chunks of fp8_chunk_rows tokens. The kernel writes no bf16 gradient but its e4m3 rows, quantize_rows
-of the fp32 gradient bit for bit, into a buffer of one part of the tokens (FP8_WGRAD_PARTS). dh's GEMM
-reads each chunk's rows; dw is, per part, FP8 GEMMs over its tokens with h8 requantised by columns
-(cols_from_rows), the parts' bf16 outputs added: a GEMM per chunk would need a bf16 accumulation pass
-a chunk (measured ~2.7 ms, against 2.6 ms for its bf16 GEMM, H200).
 """
 
 import torch
@@ -42,22 +33,19 @@ from pith_ops.fp8_quant import (
 
 CHUNK_LOGITS = 2**29  # logits per chunk: 1 GiB in bf16; C = 3533 rows at V = 151,936
 BLOCK_V = 256 if INTERPRET else 4096
-# dh's FP8 GEMM with fast accumulation: at [3536, 151936] x [151936, 2048] (H200) 1539 us, relative
-# error 2.9e-3; fp32 promotion 1926 us, 1.6e-3; bf16 3101 us. The error added is a tenth of the e4m3
-# gradient rows' own (~3e-2).
+# dh's FP8 GEMM with fast accumulation: 1539 against 1926 us a chunk, error 2.9e-3 against 1.6e-3, a
+# tenth of the e4m3 gradient rows' own (H200).
 FAST = True
 # Vocabulary rows of each FP8 weight-gradient GEMM (their transposed gradient rows: 64 MiB at 8,192 tokens).
 FP8_WGRAD_ROWS = 8192
-# Parts of the tokens (whole chunks) whose e4m3 gradient rows are buffered ([T / parts, V]) for the
-# FP8 weight gradient: 2 halve the buffer (2.3 -> 1.2 GiB at 16,384 x 151,936, live when the most
-# activations are) for one more bf16 pass over dw (~0.5 ms, estimated).
+# Parts of the tokens (whole chunks) whose e4m3 gradient rows are buffered ([T / parts, V]) for the FP8
+# weight gradient: 2 halve the buffer (2.3 -> 1.2 GiB at 16,384 x 151,936) for one more pass over dw.
 FP8_WGRAD_PARTS = 2
 
 
 def fp8_chunk_rows(V: int) -> int:
-    """Tokens per chunk under FP8: a power of two (at least 16) within CHUNK_LOGITS logits. At V =
-    151,936 (H200): C = 2048 runs the logits GEMM at 1511 TFLOP/s and dh's at 1557, C = 3520 at 1457
-    and 1174."""
+    """Tokens per chunk under FP8: a power of two (at least 16) within CHUNK_LOGITS logits (2048 at V =
+    151,936 runs the GEMMs faster than 3520: the README)."""
     return max(16, 1 << (max(1, CHUNK_LOGITS // max(V, 1)).bit_length() - 1))
 
 
@@ -181,7 +169,7 @@ def _lce_op(
     w8t_DV: Tensor | None = None,
     w8t_scale_D: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """w8_*: quantize_weight(w_VD) for the FP8 GEMMs, or None (module docstring)."""
+    """w8_*: quantize_weight(w_VD) for the FP8 GEMMs, or None."""
     T, V = h_TD.shape[0], w_VD.shape[0]
     n_valid, scale = _grad_scale(labels_T, ignore_index, reduction)
     loss_T = torch.empty(T, dtype=torch.float32, device=h_TD.device)

@@ -234,8 +234,7 @@ def cols_from_rows(
     out = empty_cols(K, M, out_dtype, q_MK.device)
     if not use_triton(q_MK):
         ref, scale = cols_from_rows_reference(q_MK, scale_M, group_ends_G, out_dtype)
-        out.copy_(ref)
-        return out, scale
+        return out.copy_(ref), scale
     if INTERPRET and out_dtype == FP8:  # see _interpreted_cast
         q32, scale = cols_from_rows(q_MK, scale_M, group_ends_G, torch.float32)
         return out.copy_(q32), scale

@@ -1,12 +1,8 @@
-"""Grouped GEMM over contiguous per-expert row segments: y[rows of e] = x[rows of e] @ w[e].
+"""Grouped GEMM over contiguous per-expert row segments: y[rows of e] = x[rows of e] @ w[e]; its two
+implementations (torch's grouped matmul, faster where it applies, and Triton kernels) and the zeroed
+rows past group_ends[-1]: the pith-ops README.
 
 Shape legend: N grouped rows, I input features, O output features, E experts (groups).
-
-Two implementations behind one custom op (forward, dX, dW; fp32 accumulate): torch's grouped matmul
-(CUTLASS) for bf16 CUDA inputs with 16-byte strides, faster where it applies (measured: the pith-ops
-README); else a Triton kernel whose programs each own one BLOCK_M-row tile of one group, found on the
-device from group_ends, and a dW kernel with one program per (expert, I tile, O tile). Neither writes
-rows past group_ends[-1]; a small kernel zeroes them (no host sync to find them).
 """
 
 from collections.abc import Callable
@@ -177,8 +173,7 @@ def _(x_NI, dy_NO, group_ends_E, E):
 
 
 def _setup(ctx, inputs, output):
-    x_NI, w_EIO, group_ends_E = inputs
-    ctx.save_for_backward(x_NI, w_EIO, group_ends_E)
+    ctx.save_for_backward(*inputs)
 
 
 def _backward(ctx, dy_NO):

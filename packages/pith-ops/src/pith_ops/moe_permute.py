@@ -19,14 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pith_ops._common import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    INTERPRET,
-    check,
-    eager_or_custom,
-    use_triton,
-)
+from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, INTERPRET, check, eager_or_custom, use_triton
 from pith_ops.fp8_quant import FP8, FP8Rows
 
 # Experts per compare step of the chunk counts: a [128, 64] compare is 64 values a thread at 4 warps;
@@ -105,13 +98,9 @@ def _store_rows(
     K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """out[slots[t, k]] = src[t] (slots < 0 skipped); WEIGHTED (moe_unpermute's backward): out[slots[t, k]]
-    = w[t, k] * src[t] and dw[t, k] = <src[t], y[slots[t, k]]>.
-
-    Each src tile is loaded once and stored to its K slots (K unrolled: all K in flight); gathering by
-    output row would fetch each src row K times, and src outgrows L2 at training sizes. The slots are
-    loaded inside the column loop (L1 hits): hoisted, their [ROWS, BLOCK_D] pointer broadcasts are K
-    live at once (sm_90: 255 registers and spills).
-    """
+    = w[t, k] * src[t] and dw[t, k] = <src[t], y[slots[t, k]]>. Each src tile is loaded once and stored
+    K times (gathering by output row would read src K times, and src outgrows L2). The slots are loaded
+    inside the column loop: hoisted, K [ROWS, BLOCK_D] pointer broadcasts stay live (sm_90: spills)."""
     tok_ok = tokens < T
     src_rows = tokens.to(tl.int64)[:, None] * D
     ks = tl.arange(0, K_P2)
@@ -139,8 +128,8 @@ def _store_rows(
 
 # Store tile (TILE elements: CT rows x TILE / CT columns) and warps of the slots + scatter kernel. Several
 # programs an SM let one's row stores hide another's index work (sm_90, top-8: 95 registers with a 4096
-# tile, 5 programs an SM; 128 with 16384 at 8 warps, 2 an SM). Whole rows a store win at D=2048 (H200:
-# 32768 elements ~181 us, 16384 ~187, 4096 ~195). The interpreter runs every config, so it gets one.
+# tile, 5 programs an SM; 128 with 16384 at 8 warps, 2). Whole rows a store win at D=2048 (README).
+# The interpreter runs every config, so it gets one.
 _SLOTS_CONFIGS = [
     triton.Config({"TILE": t}, num_warps=w)
     for t, w in ((4096, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 8), (32768, 16), (32768, 32))
@@ -379,8 +368,8 @@ _permute = eager_or_custom(
 
 
 class _StandIn(torch.autograd.Function):
-    """Zeros [N, D] of strides 0 in x's dtype standing for x's rows permuted by slots (their values are
-    in an FP8 copy); the gradient goes back to x as moe_permute's does."""
+    """Zeros [N, D] of strides 0 standing for x's rows permuted by slots (their values are in an FP8
+    copy); the gradient goes back to x as moe_permute's."""
 
     @staticmethod
     def forward(ctx, x_TD: Tensor, slots_TK: Tensor, N: int) -> Tensor:
@@ -523,7 +512,7 @@ _unpermute = eager_or_custom(
 
 
 def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
-    """out_TD = sum_k weights[t, k] * y[slots[t, k]] (fp32 sum, y's dtype; slots < 0 contribute nothing)."""
+    """out_TD = sum_k weights[t, k] * y[slots[t, k]]: moe_unpermute_reference."""
     check("y_ND", y_ND, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check("slots_TK", slots_TK, ndim=2, dtypes=INDEX_DTYPES, device=y_ND.device)
     check("weights_TK", weights_TK, ndim=2, dtypes=FLOAT_DTYPES, device=y_ND.device)
@@ -542,16 +531,11 @@ def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
 def moe_permute_reference(
     x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int = 1, *, rows: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (x_ND, slots_TK, group_ends_E).
-
-    Rows of expert e occupy [group_ends[e-1], group_ends[e]) (group starts padded up to a multiple of
-    `align`), in token order within an expert; slots[t, k] is the row holding (t, k), -1 where
-    expert_ids[t, k] < 0 (no expert: no row, counted in no group). N is `rows` when given (the
-    caller's contract: at least the routed entries plus E*(align-1)), else the static bound
-    T*K + E*(align-1). Rows no entry owns (padding, spare rows) are zero, except that without `rows`
-    and with align 1 the kernels leave unwritten the tail past group_ends[-1] that negative ids leave
-    (pass `rows` for zeros there).
-    """
+    """-> (x_ND, slots_TK, group_ends_E): expert e's rows are [group_ends[e-1], group_ends[e]) (starts
+    padded up to a multiple of `align`), in token order; slots[t, k] is the row holding (t, k), -1 where
+    expert_ids[t, k] < 0. N is `rows` when given (at least the routed entries plus E*(align-1)), else
+    T*K + E*(align-1). Rows no entry owns are zero, except that without `rows` and with align 1 the
+    kernels leave unwritten the tail past group_ends[-1] that negative ids leave."""
     T, K = expert_ids_TK.shape
     E = num_experts
     flat = expert_ids_TK.reshape(-1).long()

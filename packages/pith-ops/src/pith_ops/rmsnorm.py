@@ -1,12 +1,7 @@
-"""RMSNorm, fused forward and backward (dx and dweight), plain `w` and `(1 + w)` weight forms.
+"""RMSNorm, fused forward and backward (dx and dweight), plain `w` and `(1 + w)` weight forms; how the
+passes and the weight gradient's partial sums are arranged: the pith-ops README.
 
 Shape legend: N rows (leading dims flattened), D normalised width; weight_D.
-
-Memory-bound: programs hold whole rows (BLOCK_D = next_pow2(D)), so each pass touches memory once,
-1/rms recomputed rather than saved. The weight gradient: 2 or 4 (tuned) backward programs per SM each
-stream a contiguous run of row tiles and write one fp32 row of partial sums; a second kernel sums the
-[P, D] partials and casts (2-4 MB at D=2048 on 132 SMs, L2-resident, against the ~200 MB the 16384 x
-2048 bf16 backward moves), with no atomics.
 """
 
 import functools
@@ -20,8 +15,7 @@ from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, eager_or_custom, us
 
 # ELEMS elements per program (ROWS = ELEMS / BLOCK_D rows, at least one) and warps: D=2048 and D=128
 # want different shapes. The backward also tunes programs per SM (PER_SM: more hide latency, fewer
-# write fewer partials; 60-128 registers a thread on sm_90, so 1 to 4 fit an SM). The interpreter
-# runs every config, so it gets one.
+# write fewer partials; 60-128 registers a thread on sm_90, so 1 to 4 fit). The interpreter gets one.
 _SHAPES = ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16))
 _CONFIGS = [triton.Config({"ELEMS": e}, num_warps=w) for e, w in _SHAPES]
 _BACKWARD_CONFIGS = [
@@ -183,7 +177,7 @@ _rms_norm = eager_or_custom(
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
-    """x / sqrt(mean(x^2) + eps) * w (or * (1 + w)) over the last dim; fp32 math, out in x.dtype."""
+    """rms_norm_reference over the last dim."""
     check("x", x, dtypes=FLOAT_DTYPES)
     check("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
     if x.ndim == 0 or x.shape[-1] != weight.shape[0] or weight.shape[0] == 0:

@@ -1,11 +1,9 @@
-"""Rotary position embedding, fused forward and backward: half-split or interleaved pairs, partial rotary.
+"""Rotary position embedding, fused forward and backward (rotating by -angle): half-split or
+interleaved pairs, partial rotary; x and dy may be strided views (q sliced from a fused qkv
+projection) whose last dim is contiguous.
 
 Shape legend: B batch, S sequence, H heads, D head dim, R rotated pairs per head (2R <= D; the last
 D - 2R dims pass through unchanged). cos_BSR / sin_BSR may have batch 1 (shared by the batch).
-
-Memory-bound: a program takes a block of tokens x a block of heads (~4096 elements), each token's
-cos/sin loaded once for all its heads. The backward is the same kernel rotating by -angle. x and dy
-may be strided views (q sliced from a fused qkv projection): only the last dim must be contiguous.
 """
 
 import functools

@@ -16,8 +16,7 @@ from torch import Tensor
 from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, eager_or_custom, use_triton
 from pith_ops.fp8_quant import FP8, _cast, _interpreted_cast, _pow2_scale, quantize_rows_reference
 
-# Rows per program and warps; the interpreter runs every config, so it gets one. Columns come in blocks
-# of 256 (F=768: three unmasked blocks).
+# Rows per program and warps (the interpreter gets one); columns in blocks of 256 (F=768: three, unmasked).
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in ((8, 4), (4, 4), (16, 8), (8, 8), (32, 8))]
 
 
@@ -224,7 +223,7 @@ def _apply(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
 
 
 def swiglu(x_N2F: Tensor) -> Tensor:
-    """silu(gate) * up with gate = x[..., :F], up = x[..., F:]; fused Triton forward and backward."""
+    """silu(gate) * up (swiglu_reference)."""
     return _apply(x_N2F, False, 1.0, 0.0)
 
 
@@ -238,7 +237,7 @@ def swiglu_fp8(x_N2F: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def swiglu_oss(x_N2F: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
-    """GPT-OSS's clamped SwiGLU over interleaved columns (swiglu_oss_reference); fused Triton."""
+    """GPT-OSS's clamped SwiGLU over interleaved columns (swiglu_oss_reference)."""
     if not limit > 0:
         raise ValueError(f"limit: expected a positive clamp limit, got {limit}")
     return _apply(x_N2F, True, float(alpha), float(limit))
