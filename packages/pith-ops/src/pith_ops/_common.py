@@ -42,8 +42,8 @@ def eager_or_custom(
     custom_op: Callable, setup_context: Callable, forward_fn: Callable, backward_fn: Callable
 ) -> Callable:
     """-> custom_op under torch.compile (one opaque node), else an autograd.Function of forward_fn,
-    setup_context and backward_fn(ctx, *grads), ~4 us a call against the op's ~50 (CPU, trivial bodies).
-    Its forward is ctx-style: a separate setup_context makes apply bind arguments by signature (~60 us)."""
+    setup_context and backward_fn(ctx, *grads): ~4 us a call against ~50 (CPU, trivial bodies). Its
+    forward is ctx-style: a separate setup_context makes apply bind arguments by signature (~60 us)."""
 
     class _Eager(torch.autograd.Function):
         @staticmethod

@@ -2,12 +2,11 @@
 
 Shape legend: N elements (any shape, contiguous; all four tensors alike).
 
-Memory-bound: one read and one write of each tensor. The scale read from device memory spares the
-clipping a host sync and a pass over the gradients (~6 ms a step on the pith-train bench, H200); a
-non-finite scale skips the update, so the trainer need not check the loss on the host. The math is
-torch.optim.AdamW's single-tensor path, in its operation order. p's kept copies are rewritten in the
-same pass (FP8: TransformerEngine's delayed scaling with a history of one step: the old p's scale,
-the new amax reduced by atomics for the next update).
+The scale read from device memory spares the clipping a host sync and a pass over the gradients (~6
+ms a step on the pith-train bench, H200); a non-finite one skips the update, so the trainer need not
+check the loss on the host. The math is torch.optim.AdamW's single-tensor path, in its operation
+order. p's kept copies are rewritten in the same pass (FP8: delayed scaling with a history of one
+step, the new amax reduced by atomics for the next update).
 """
 
 import torch
@@ -85,10 +84,10 @@ def adamw_(
     copy: Tensor | None = None, fp8: FP8Weight | None = None,
 ) -> None:  # fmt: skip
     """In place: AdamW step `step` (1-based; or a Tensor: its step_constants) of p with gradient g * scale
-    and moments m, v (fp32, contiguous, one shape; g may be bf16: a kept gradient); nothing is written
-    when scale (one fp32 element) is not finite. copy (bf16): set to the new p and kept as p's cast.
-    fp8 (an FP8Weight or its fields): set to quantize_weight(new p, old amax) and kept with the new p's
-    amax. Any other kept copy of p is dropped."""
+    and moments m, v (fp32, contiguous, one shape; g may be bf16); nothing is written when scale (one
+    fp32 element) is not finite. copy (bf16): set to the new p, kept as p's cast. fp8 (FP8Weight's
+    fields): set to quantize_weight(new p, old amax), kept with the new p's amax. Other kept copies of p
+    are dropped."""
     fp32, bf16 = (torch.float32,), (torch.bfloat16,)
     tensors = [("p", p, fp32), ("g", g, (*fp32, *bf16)), ("m", m, fp32), ("v", v, fp32), ("copy", copy, bf16)]
     for name, t, dtypes in tensors[:4] if copy is None else tensors:
@@ -136,8 +135,7 @@ def adamw_reference_(
     copy: Tensor | None = None, fp8: FP8Weight | None = None,
 ) -> None:  # fmt: skip
     """adamw_ in plain PyTorch: torch.optim.AdamW's single-tensor path on g * scale (a non-finite scale
-    selects the old values, no host read); copy = the new p cast; fp8 = quantize_weight_reference(new
-    p, old amax)."""
+    selects the old values, no host read)."""
     step_size, bc2_sqrt = step if isinstance(step, Tensor) else step_constants(lr, beta1, beta2, step)
     g = g.to(p.dtype) * scale
     p_new, m_new, v_new = p * (1 - lr * weight_decay), m.lerp(g, 1 - beta1), v * beta2

@@ -62,7 +62,7 @@ def _ce_rows_kernel(
     WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr, BLOCK_V: tl.constexpr, STEPS: tl.constexpr,
 ):  # fmt: skip
     """Per row: loss = lse - logit[label] (0 if ignored); WRITE_GRAD: row <- g = (softmax - onehot) *
-    scale; WRITE_G8: g8 row, g8 scale <- quantize_rows(g) of the fp32 g."""
+    scale; WRITE_G8: g8 row, g8 scale <- quantize_rows of the fp32 g."""
     row = tl.program_id(0)
     base = logits_CV_ptr + row.to(tl.int64) * V
     label = tl.load(labels_ptr + row).to(tl.int32)
@@ -85,10 +85,9 @@ def _ce_rows_kernel(
     if WRITE_GRAD or WRITE_G8:
         scale = tl.where(valid, tl.load(scale_ptr), 0.0)
         if WRITE_G8:
-            # The row's largest |g| below, from the same fp32 expressions (so the scale is quantize_rows'
-            # own): at the largest logit other than the label's, or at the label. That logit is every
-            # lane's max but the label lane's, whose other values are read again (tracking it in the
-            # loop above cost a compare and a select per logit).
+            # The row's largest |g| (the same fp32 expressions: quantize_rows' scale) is at the label or
+            # the largest other logit: every lane's max but the label lane's, whose other values are
+            # read again (tracking it in the loop above cost a compare and a select per logit).
             lane = tl.where(in_vocab, label % BLOCK_V, -1)
             others = tl.max(tl.where(cols == lane, -3.4e38, m), 0)
             at = lane + tl.arange(0, STEPS).to(tl.int64) * BLOCK_V
@@ -110,8 +109,8 @@ def _ce_rows_kernel(
 
 
 def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=None):
-    """The kernel over a chunk's rows, or its math in torch (CPU without the interpreter; float64 logits
-    stay float64). g8: (g8_CV, g8_scale_C) buffers for the gradient's quantize_rows, or None."""
+    """The kernel over a chunk's rows, or its math in torch (CPU without the interpreter; float64). g8:
+    (g8_CV, g8_scale_C) buffers for the gradient's quantize_rows, or None."""
     if use_triton(logits_CV) and logits_CV.dtype != torch.float64:  # g8 None: loss_C stands in, unread
         _ce_rows_kernel[(logits_CV.shape[0],)](
             logits_CV, labels_C, loss_C, scale, *(g8 or (loss_C, loss_C)), logits_CV.shape[1], ignore_index,
@@ -176,16 +175,16 @@ def _lce_op(
     dh = torch.empty_like(h_TD) if grad_h else h_TD.new_empty(0)
     fp8 = w8_VD is not None
     dw = w_VD.new_empty(0)
-    if grad_w:  # contiguous whatever w_VD's strides (a stand-in's are 0): the FP8 GEMMs write its rows
+    if grad_w:  # contiguous, whatever w_VD's strides (a stand-in's are 0)
         dw = (torch.empty if fp8 and T else torch.zeros)(w_VD.shape, dtype=w_VD.dtype, device=w_VD.device)
     C = max(1, CHUNK_LOGITS // max(V, 1))
     if fp8:
         h8_TD, h8_scale_T = quantize_rows(h_TD)
         C = fp8_chunk_rows(V)
-        g8_dtype = torch.float32 if INTERPRET else FP8  # the interpreter: fp32 quotients (_interpreted_cast)
+        g8_dtype = torch.float32 if INTERPRET else FP8  # see _interpreted_cast
         ends = fp8_wgrad_part_ends(T, V)
         P = ends[0] if ends else C
-        if grad_w:  # a part's rows, for dw's GEMMs over all its tokens; dh alone: a chunk's
+        if grad_w:  # a part's gradient rows (dh alone: a chunk's)
             g8_PV, g8_scale_P = h_TD.new_empty(min(P, T), V, dtype=g8_dtype), loss_T.new_empty(min(P, T))
     for c0 in range(0, T, C):
         h_CD, rows = h_TD[c0 : c0 + C], slice(c0, c0 + C)
@@ -255,7 +254,7 @@ def linear_cross_entropy(
     w8: quantize_weight(w_VD) of w's current values, for FP8 GEMMs (on CUDA T, D and V multiples of
     16); the gradient still reaches w through w_VD."""
     check("h_TD", h_TD, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
-    # With w8 w_VD's values are not read (its shape and dtype are dw's): any strides (pith_ops.stand_in).
+    # With w8 w_VD's values are not read: any strides (pith_ops.stand_in).
     check("w_VD", w_VD, ndim=2, dtypes=(h_TD.dtype,), device=h_TD.device, contiguous=w8 is None)
     check("labels_T", labels_T, ndim=1, dtypes=INDEX_DTYPES, device=h_TD.device, contiguous=True)
     V, D = w_VD.shape
@@ -308,11 +307,10 @@ def dequantized(h_TD: Tensor, w_VD: Tensor) -> tuple[Tensor, Tensor]:
 def linear_cross_entropy_fp8_reference(
     h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, ignore_index: int = -100, reduction: str = "mean", dloss=1.0
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The FP8 path's specification in float64 -> (loss, dh_TD, dw_VD) for an upstream gradient dloss.
-    x = h8 @ w8.T (dequantized); loss = cross_entropy(x, labels), reduced as linear_cross_entropy's;
-    g = d loss / d x (0 when no token is kept); dh = dloss * g8 @ w8 with g8 = quantize_rows_reference
-    of g in fp32 (quantised before dloss applies); dw = dloss * g8c @ h8c.T, g8 and h8 requantised by
-    columns over each part of the tokens (fp8_wgrad_part_ends). Not modelled: the op's bf16 logits and
+    """The FP8 path's specification in float64 -> (loss, dh_TD, dw_VD) for an upstream gradient dloss:
+    x = h8 @ w8.T (dequantized), loss = cross_entropy(x, labels); g = d loss / d x (0 when no token is
+    kept); dh = dloss * g8 @ w8, g8 = quantize_rows_reference(g in fp32); dw = dloss * g8c @ h8c.T, g8
+    and h8 requantised by columns over each part of the tokens. Not modelled: the op's bf16 logits and
     GEMM outputs, and their sum over the parts."""
     h8_TD, w8_VD = dequantized(h_TD, w_VD)
     g_TV = h8_TD @ w8_VD.T  # the logits, overwritten with their gradient

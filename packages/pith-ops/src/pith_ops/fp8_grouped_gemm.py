@@ -2,13 +2,11 @@
 
 Shape legend: N grouped rows, I input features, O output features, E experts (groups).
 
-As pith_ops.fp8_linear (whose w8, `forward` and `backward` these mirror): y = x8 @ w8[e], dx = dy8 @
-w8[e].T, dw[e] = x8c[e] @ dy8c[e].T, with x8 and dy8 by rows, w8 = quantize_weight(w) (one scale per
-expert), x8c and dy8c requantised by columns over each expert's rows, transposed. On CUDA the GEMMs
-are torch._scaled_grouped_mm with fast accumulation, and every group end must be a multiple of
-GROUP_ALIGN = 16 (moe_permute(..., align=16)): the wgrad contracts over each group's rows, where
-CUTLASS asserts on the device otherwise (checking the ends would cost a host sync). On CPU (no
-grouped FP8 GEMM in torch) a loop over the experts multiplies the dequantised operands.
+As pith_ops.fp8_linear: y = x8 @ w8[e], dx = dy8 @ w8[e].T, dw[e] = x8c[e] @ dy8c[e].T, with x8 and
+dy8 by rows, w8 = quantize_weight(w) (one scale per expert), x8c and dy8c requantised by columns over
+each expert's rows, transposed. On CUDA (torch._scaled_grouped_mm, fast accumulation) every group end
+must be a multiple of GROUP_ALIGN = 16 (moe_permute(..., align=16)): the wgrad contracts over each
+group's rows, where CUTLASS asserts on the device otherwise (checking would cost a host sync).
 """
 
 import functools
@@ -38,7 +36,7 @@ GROUP_ALIGN = 16  # rows: what every group end must be a multiple of on CUDA (mo
 def _gmm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, ends: Tensor) -> Tensor:
     """Grouped (a_q * a_scale) @ (b_q * b_scale) in bf16, b column-major: a [M, K] (rows in groups, scale
     [M]) with b [E, K, N] (scale [E, N]) -> [M, N]; or a [M, Kt] with b [Kt, N], the contraction in
-    groups (scales [E*M], [E*N]) -> [E, M, N]."""
+    groups (scales [E*M], [E*N]) -> [E, M, N]. On CPU (no grouped FP8 GEMM in torch): a loop, in fp32."""
     if a_q.is_cuda:
         y = torch._scaled_grouped_mm(
             a_q, b_q, a_scale, b_scale, offs=ends, out_dtype=torch.bfloat16, use_fast_accum=True
@@ -77,8 +75,8 @@ def _forward(
     x_NI: Tensor, w_EIO: Tensor, w8_EIO: Tensor, w8_scale_EI: Tensor, w8t_EOI: Tensor, w8t_scale_EO: Tensor,
     ends: Tensor, x8_NI: Tensor | None = None, x8_scale_N: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """w_EIO is not read: it is the input the weight gradient is for; nor is x when x8 is given. -> (y,
-    the x8 this made: empty when given, the backward keeps the given ones)."""
+    """w_EIO is not read (it is what the weight gradient is for), nor x when x8 is given. -> (y, the x8
+    this made: empty when given)."""
     made = quantize_rows(x_NI) if x8_NI is None else (x_NI.new_empty(0, dtype=FP8), x_NI.new_empty(0))
     x8 = made if x8_NI is None else (x8_NI, x8_scale_N)
     return _gmm(*x8, w8t_EOI.transpose(1, 2), w8t_scale_EO, ends).to(x_NI.dtype), *made

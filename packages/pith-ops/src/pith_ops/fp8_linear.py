@@ -6,10 +6,8 @@ Each GEMM's operands are scaled along the axis it contracts (the recipe and its 
 pith-ops README): y = x8 @ w8.T, dx = dy8 @ w8t.T, dw = dy8c @ x8c.T, with x8 and dy8 by rows
 (quantize_rows), w8 = quantize_weight(w) and w8t its transposed copy, dy8c and x8c the row copies
 requantised by columns over T, transposed (cols_from_rows). The forward keeps x8 (half the bytes of
-the bf16 input). w8 = fp8_linear_weight(w) may be kept (pith_ops.adamw_ rewrites kept copies).
-`forward` and `backward` are the op without autograd, its backward in two halves, so a schedule can
-run the weight gradient later. The GEMMs are torch._scaled_mm, with fast accumulation except in the
-wgrad, which contracts over all the tokens.
+the bf16 input). The GEMMs are torch._scaled_mm, with fast accumulation except in the wgrad, which
+contracts over all the tokens.
 """
 
 import functools
@@ -63,9 +61,8 @@ def _forward(
     x_TD: Tensor, w_OD: Tensor, w8_OD: Tensor, w8_scale_O: Tensor, w8t_DO: Tensor, w8t_scale_D: Tensor,
     x8_TD: Tensor, x8_scale_T: Tensor,
 ) -> Tensor:  # fmt: skip
-    """x_TD and w_OD are not read: they are the inputs the gradients are for. The rows are quantised by
-    their own op (_rows), so that a compiled graph quantising one input for several projections
-    (attention's q, k and v) does it once and their backwards keep one copy."""
+    """x_TD and w_OD are not read: they are the inputs the gradients are for. x8 comes from its own op
+    (_rows_of), which a compiled graph of projections of one input (q, k and v) runs once."""
     return _mm(x8_TD, x8_scale_T, w8_OD, w8_scale_O).to(x_TD.dtype)
 
 
@@ -156,7 +153,7 @@ def fp8_linear_weight(w_OD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 def _rows_of(x_TD: Tensor) -> tuple[Tensor, Tensor]:
-    """quantize_rows(x) as its own graph node under torch.compile (see _forward)."""
+    """quantize_rows(x), its own graph node under torch.compile."""
     return _rows_op(x_TD.detach()) if torch.compiler.is_compiling() else quantize_rows(x_TD.detach())
 
 
@@ -171,8 +168,8 @@ def forward(x_TD: Tensor, w_OD: Tensor, w8=None) -> tuple[Tensor, tuple[Tensor, 
 
 def fp8_linear(x_TD: Tensor, w_OD: Tensor, w8=None) -> Tensor:
     """x @ w.T (w [out, in]) through FP8 GEMMs, in x's dtype; x may have leading dims. w8:
-    fp8_linear_weight(w) of w's current values (or w's kept copies), or None. On CUDA the feature
-    sizes, and when w needs a gradient the rows, must be multiples of 16."""
+    fp8_linear_weight(w) of w's current values (or w's kept copies), or None. On CUDA the feature sizes
+    (and the rows, when w needs a gradient) must be multiples of 16."""
     _check(x_TD, w_OD, torch.is_grad_enabled() and w_OD.requires_grad, w8)
     w8 = fp8_linear_weight(w_OD) if w8 is None else w8
     x2 = x_TD.reshape(-1, w_OD.shape[1]).contiguous()

@@ -1,14 +1,10 @@
 """FP8 (e4m3) quantisation with power-of-two scales, in the three forms the FP8 GEMMs take (the recipe
-and its measurements: the pith-ops README).
+and its measurements: the pith-ops README): quantize_rows, cols_from_rows, quantize_weight.
 
 Shape legend: M rows, K columns, G row groups (contiguous row segments ending at group_ends; 1
 otherwise), B batch entries (the experts of a stacked weight; 1 otherwise), R and C a weight's rows
 and columns.
 
-- quantize_rows: one scale per row (activations and output gradients).
-- cols_from_rows: those rows rescaled to one scale per row group (the largest of its rows'; exact
-  unless a value becomes an e4m3 subnormal) and transposed: the weight gradient's operands.
-- quantize_weight: one scale per batch entry, in the weight's layout and transposed.
 scale = the smallest power of two with amax / scale <= 448 (e4m3's largest finite value), so
 quantisation and dequantisation are exact in fp32 and kernels and references agree bit for bit; an
 all-zero row gets 2^-126. Values past 448 * scale (a weight whose amax grew since its scale was set)
@@ -30,7 +26,7 @@ FP8_MAX = 448.0
 
 class FP8Weight(NamedTuple):
     """A weight's kept FP8 copies: quantize_weight's four outputs (the GEMMs' w8) and the amax the next
-    update's scale comes from (pith_ops.adamw_ rewrites them, pith_ops.kept_copy(w, FP8) finds them)."""
+    update's scale comes from (adamw_ rewrites them)."""
 
     q: Tensor  # [B, R, C] or [R, C], e4m3
     scale_rows: Tensor  # [B, R] or [R]
@@ -102,8 +98,8 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K
 
 @triton.jit
 def _group_scale_kernel(s_ptr, ends_ptr, scale_ptr, f_ptr, M, K, G, BLOCK: tl.constexpr):
-    """Group g: S = its largest row scale (2^-126 if empty), scale[g, :] = S, f = s / S for each of its
-    rows (exact: powers of two); the last group's program sets f = 0 for the rows past it."""
+    """Group g: S = its largest row scale (2^-126 if empty), scale[g, :] = S, f = s / S for its rows (0
+    past the last group)."""
     g = tl.program_id(0)
     end = tl.load(ends_ptr + g)
     start = tl.minimum(tl.load(ends_ptr + g - 1, mask=g > 0, other=0), end)
@@ -126,9 +122,9 @@ def _group_scale_kernel(s_ptr, ends_ptr, scale_ptr, f_ptr, M, K, G, BLOCK: tl.co
 def _cols_kernel(
     q_ptr, f_ptr, out_ptr, M, K, s_qb, s_qm, s_ob, s_out, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 ):  # fmt: skip
-    """A tile of batch entry program_id(2) (rows s_qm apart), rescaled by f (None: 1), stored transposed.
-    The masks use M and K, whose alignment the compiler knows, so it vectorises: bounded by the last
-    group end (read from memory) this kernel ran at 9% of copy bandwidth (H200)."""
+    """A tile of batch entry program_id(2), rescaled by f (None: 1), stored transposed. The masks use M
+    and K, whose alignment the compiler knows: bounded by the last group end (read from memory) the
+    loads did not vectorise, 9% of copy bandwidth (H200)."""
     b = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -164,8 +160,7 @@ def _weight_rows_kernel(w_ptr, q_ptr, amax_ptr, N, RC, ALIGNED: tl.constexpr, BL
 
 @triton.jit
 def _weight_scales_kernel(amax_ptr, s_rows_ptr, s_cols_ptr, gate_ptr, R, C, BLOCK: tl.constexpr):
-    """Entry b's scale repeated along its R rows and C columns; nothing written when the value at gate_ptr
-    (if given) is not finite (an update that wrote nothing)."""
+    """Entry b's scale repeated along its R rows and C columns, unless the value at gate_ptr is not finite."""
     b = tl.program_id(0).to(tl.int64)
     scale, _ = _pow2_scale(tl.load(amax_ptr + b))
     gate = 0.0 if gate_ptr is None else tl.load(gate_ptr)
@@ -218,8 +213,8 @@ def cols_from_rows(
     q_MK: Tensor, scale_M: Tensor, group_ends_G: Tensor | None = None, out_dtype: torch.dtype = FP8
 ) -> tuple[Tensor, Tensor]:
     """-> qc_KM (empty_cols), scale_GK (fp32): quantize_rows' q_MK * scale_M with one scale per row
-    group, transposed. q_MK may be a slice of columns (any row stride). group_ends_G: non-decreasing,
-    last <= M; None: one group. Rows past the last end give zero columns of qc."""
+    group (its rows' largest), transposed. q_MK may be a slice of columns (any row stride).
+    group_ends_G: non-decreasing, last <= M; None: one group. Rows past the last end give zero columns."""
     check("q_MK", q_MK, ndim=2, dtypes=(FP8, torch.float32))
     M, K = q_MK.shape
     if K > 1 and q_MK.stride(1) != 1:
@@ -253,9 +248,9 @@ def cols_from_rows(
 
 
 def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torch.dtype = FP8):
-    """-> (q_BRC, scale_BR, qT_BCR, scale_BC), qT by empty_cols. A 2-D w is a batch of one (2-D outputs,
-    1-D scales). amax_B (fp32 [B]): the amax the scale comes from (pith_ops.adamw_'s, of the values
-    before its update); None: w's own."""
+    """-> (q_BRC, scale_BR, qT_BCR, scale_BC): one scale per batch entry, repeated per row and column;
+    qT by empty_cols. A 2-D w is a batch of one (2-D outputs, 1-D scales). amax_B (fp32 [B]): the amax
+    the scale comes from (pith_ops.adamw_'s, of the values before its update); None: w's own."""
     check("w_BRC", w_BRC, dtypes=FLOAT_DTYPES, contiguous=True)
     if w_BRC.ndim not in (2, 3):
         raise ValueError(f"w_BRC: expected 2 or 3 dimensions, got shape {tuple(w_BRC.shape)}")
@@ -286,9 +281,9 @@ def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torc
 
 
 def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
-    """Writes copies' scales and transposed copy from copies.q and copies.amax; the scales stay where
-    gate (adamw_'s clip scale) is not finite. q has its own kernel: one kernel storing an e4m3 tile in
-    both layouts lost a quarter of its transposed values on an H200 (Triton 3.6)."""
+    """Writes copies' scales and transposed copy from q and amax (the scales stay where gate, adamw_'s
+    clip scale, is not finite). q has its own kernel: one storing an e4m3 tile in both layouts lost a
+    quarter of its transposed values on an H200 (Triton 3.6)."""
     q3, qt3 = (copies.q, copies.qt) if copies.q.ndim == 3 else (copies.q[None], copies.qt[None])
     B, R, C = q3.shape
     if B:

@@ -121,7 +121,7 @@ def _torch_path(x: Tensor, *sizes: int) -> bool:
 def _mm(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> Tensor:
     """y = grouped x @ w[e]; w may be a transposed view (dX's)."""
     N, E, O = x_NI.shape[0], w_EIO.shape[0], w_EIO.shape[2]
-    if N * O * w_EIO.shape[1] == 0:  # nothing to multiply: every output entry is an empty sum
+    if N * O * w_EIO.shape[1] == 0:  # empty sums
         return x_NI.new_zeros(N, O)
     if _torch_path(x_NI, *w_EIO.shape[1:]):
         y = torch._grouped_mm(x_NI, w_EIO, offs=ends)
@@ -185,8 +185,8 @@ def _backward(ctx, dy_NO):
 def grouped_gemm_backward(
     x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, dy_NO: Tensor, need_dx: bool = True
 ) -> tuple[Tensor | None, Callable[[], Tensor]]:
-    """grouped_gemm's backward in two halves, so a schedule can run the weight gradient later: -> (dx_NI,
-    or None without need_dx; a closure computing dw_EIO), bit for bit a plain backward's."""
+    """grouped_gemm's backward in two halves, for a schedule that runs the weight gradient later: -> (dx_NI
+    or None without need_dx, a closure computing dw_EIO), bit for bit a plain backward's."""
     dy_NO = dy_NO.contiguous()
     if not use_triton(x_NI):
         return _reference_backward(x_NI, w_EIO, group_ends_E, dy_NO, need_dx)
@@ -196,8 +196,7 @@ def grouped_gemm_backward(
 
 
 def _reference_backward(x_NI, w_EIO, group_ends_E, dy_NO, need_dx):
-    """Autograd through grouped_gemm_reference (recomputed), asked for dx now and for dw when the closure
-    is called (mm's backward computes only the gradients asked for)."""
+    """Autograd through grouped_gemm_reference (recomputed), asked for dx now and dw when called."""
     x, w = x_NI.detach().requires_grad_(need_dx), w_EIO.detach().requires_grad_()
     with torch.enable_grad():
         y_NO = grouped_gemm_reference(x, w, group_ends_E)

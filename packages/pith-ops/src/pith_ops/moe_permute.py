@@ -5,11 +5,10 @@ Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows (
 padding when align > 1, or the caller's `rows`), C chunks of CT tokens (CT * K <= CHUNK routed entries),
 R rows of a tile.
 
-A negative expert id routes nowhere (slot -1, no row, no group), so a caller can route a subset of the
-entries (expert parallelism's rows by destination rank) with a static `rows`. Ids >= E and a `rows` too
-small are checked only for CPU tensors in eager mode: on CUDA the check would be a host sync per call
-(a router's top-k cannot produce such ids). moe_unpermute requires that no row of y is referenced by
-two (t, k) entries (true for moe_permute's slots).
+A negative expert id routes nowhere, so a caller can route a subset of the entries (expert
+parallelism's rows by destination rank) with a static `rows`. Ids >= E and a `rows` too small are
+caught only for CPU tensors in eager mode (on CUDA a host sync per call). No row of moe_unpermute's y
+may be referenced by two (t, k) entries (true for moe_permute's slots).
 """
 
 import functools
@@ -25,9 +24,9 @@ from pith_ops.fp8_quant import FP8, FP8Rows
 # Experts per compare step of the chunk counts: a [128, 64] compare is 64 values a thread at 4 warps;
 # the interpreter (CPU tests) pays per step, not per value.
 EXPERT_TILE = 256 if INTERPRET else 64
-# The per-expert scan is [SCAN_CHUNKS, EXPERT_SCAN] a step: 1024 chunks cover T=16384 at top-8 in one
-# step, 125 registers at 8 warps (sm_90), where 8 or 16 experts a program spill. The interpreter pays
-# per program (4096 experts in programs of 4: 35 s on CPU); its short step takes the carried loop.
+# The per-expert scan takes [SCAN_CHUNKS, EXPERT_SCAN] a step: T=16384 at top-8 in one, 125 registers at
+# 8 warps (sm_90; 8 or 16 experts spill). The interpreter pays per program (4096 experts in programs of
+# 4: 35 s on CPU); its short step takes the carried loop.
 EXPERT_SCAN = 256 if INTERPRET else 4
 SCAN_CHUNKS = 4 if INTERPRET else 1024
 # Entries a chunk holds at most (the in-chunk rank is a [CHUNK, CHUNK] compare); also bounds top-k.
@@ -66,8 +65,8 @@ def _histogram_scan_kernel(
     CB: tl.constexpr, EB: tl.constexpr, E_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Per expert (EB a program): pre[c, e] = entries of e in chunks < c; total[e] = all of them. The
-    last program to finish turns the totals into group starts and ends (padded to `align`), so the slot
-    kernel gathers a start per entry instead of scanning E totals in each program."""
+    last program to finish turns the totals into group starts and ends (padded to `align`), which the
+    slot kernel gathers instead of scanning E totals in each program."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     experts = tl.program_id(0) * EB + tl.arange(0, EB)
@@ -97,10 +96,10 @@ def _store_rows(
     src_TD_ptr, slots_TK_ptr, w_TK_ptr, y_ND_ptr, out_ND_ptr, dw_TK_ptr, tokens, T, D,
     K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """out[slots[t, k]] = src[t] (slots < 0 skipped); WEIGHTED (moe_unpermute's backward): out[slots[t, k]]
-    = w[t, k] * src[t] and dw[t, k] = <src[t], y[slots[t, k]]>. Each src tile is loaded once and stored
-    K times (gathering by output row would read src K times, and src outgrows L2). The slots are loaded
-    inside the column loop: hoisted, K [ROWS, BLOCK_D] pointer broadcasts stay live (sm_90: spills)."""
+    """out[slots[t, k]] = src[t] (slots < 0 skipped); WEIGHTED: out[slots[t, k]] = w[t, k] * src[t] and
+    dw[t, k] = <src[t], y[slots[t, k]]>. A src tile is loaded once, stored K times (a gather by output
+    row would read src K times, and src outgrows L2). The slots are loaded in the column loop: hoisted,
+    K [ROWS, BLOCK_D] pointer broadcasts stay live (sm_90: spills)."""
     tok_ok = tokens < T
     src_rows = tokens.to(tl.int64)[:, None] * D
     ks = tl.arange(0, K_P2)
@@ -144,9 +143,9 @@ def _slots_scatter_kernel(
     K: tl.constexpr, K_P2: tl.constexpr, CT: tl.constexpr, HAS_OWNER: tl.constexpr, D_P2: tl.constexpr,
     PDL: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
-    """Per chunk: slot = start[e] + pre[c, e] + earlier entries of e in the chunk (-1 for ids < 0); the
-    slots (and with HAS_OWNER the map row -> entry), then the chunk's token rows to their K slots. PDL:
-    the in-chunk ranks are computed before waiting for the scan's grid."""
+    """Per chunk: slot = start[e] + pre[c, e] + earlier entries of e in the chunk (-1 for ids < 0), the
+    map row -> entry (HAS_OWNER), then the token rows to their K slots. PDL: the in-chunk ranks are
+    computed before waiting for the scan."""
     BLOCK_D: tl.constexpr = TILE // CT if TILE // CT < D_P2 else D_P2
     c = tl.program_id(0)
     entries, ok, ids = _chunk_ids(ids_TK_ptr, c, T, K, CT)
@@ -368,8 +367,7 @@ _permute = eager_or_custom(
 
 
 class _StandIn(torch.autograd.Function):
-    """Zeros [N, D] of strides 0 standing for x's rows permuted by slots (their values are in an FP8
-    copy); the gradient goes back to x as moe_permute's."""
+    """Zeros [N, D] of strides 0 standing for x's rows permuted by slots, with moe_permute's gradient."""
 
     @staticmethod
     def forward(ctx, x_TD: Tensor, slots_TK: Tensor, N: int) -> Tensor:
@@ -386,8 +384,7 @@ class _StandIn(torch.autograd.Function):
 
 
 def _permute_fp8(x8: FP8Rows, expert_ids_TK: Tensor, num_experts: int, align: int, rows: int | None):
-    """The e4m3 rows permuted as bytes, the scales by the same slots (0 in rows no entry owns), x by a
-    stand-in."""
+    """The e4m3 rows permuted as bytes, the scales by the same slots (0 where unowned), x by a stand-in."""
     check("x_TD.q", x8.q, ndim=2, dtypes=(FP8,), contiguous=True)
     check("x_TD.scale", x8.scale, ndim=1, dtypes=(torch.float32,), device=x8.q.device)
     if x8.x.shape != x8.q.shape or x8.scale.shape[0] != x8.q.shape[0]:
@@ -532,10 +529,10 @@ def moe_permute_reference(
     x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int = 1, *, rows: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (x_ND, slots_TK, group_ends_E): expert e's rows are [group_ends[e-1], group_ends[e]) (starts
-    padded up to a multiple of `align`), in token order; slots[t, k] is the row holding (t, k), -1 where
-    expert_ids[t, k] < 0. N is `rows` when given (at least the routed entries plus E*(align-1)), else
-    T*K + E*(align-1). Rows no entry owns are zero, except that without `rows` and with align 1 the
-    kernels leave unwritten the tail past group_ends[-1] that negative ids leave."""
+    padded to a multiple of `align`), in token order; slots[t, k] is the row of (t, k), -1 where
+    expert_ids[t, k] < 0. N: `rows` (at least the routed entries plus E*(align-1)), else T*K +
+    E*(align-1). Rows no entry owns are zero (the kernels leave the tail past group_ends[-1] unwritten
+    without `rows` at align 1)."""
     T, K = expert_ids_TK.shape
     E = num_experts
     flat = expert_ids_TK.reshape(-1).long()

@@ -52,8 +52,7 @@ def _rms_norm_backward_kernel(
     PER_SM: tl.constexpr,  # programs per SM: sizes the grid, read by the launcher
 ):  # fmt: skip
     """dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * w; dw partial = sum over rows of dy * xhat.
-    Program p owns the tiles [p * n / P, (p + 1) * n / P) and loads tile i + 1 before computing tile i,
-    so a load is in flight while it reduces and stores."""
+    Program p owns tiles [p * n / P, (p + 1) * n / P), loading tile i + 1 before computing tile i."""
     ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     n_tiles = tl.cdiv(N, ROWS)
     pid = tl.program_id(0).to(tl.int64)

@@ -68,8 +68,8 @@ def _swiglu_kernel(
 
 @triton.jit
 def _swiglu_fp8_kernel(x_ptr, y_ptr, q_ptr, s_ptr, N, F, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
-    """y = silu(gate) * up for BLOCK_N whole rows, then quantize_rows(y): pass 1 writes y and takes the
-    amax of y as stored, pass 2 rereads the rows it just wrote (L2-resident) and writes y / scale."""
+    """y = silu(gate) * up for BLOCK_N whole rows, then quantize_rows(y) from the y it stored (pass 1 takes
+    the amax, pass 2 rereads y from L2)."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     amax = tl.zeros([BLOCK_N], dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):
@@ -228,8 +228,8 @@ def swiglu(x_N2F: Tensor) -> Tensor:
 
 
 def swiglu_fp8(x_N2F: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (y_NF = swiglu(x) of 2-D x; y8_NF, scale_N = quantize_rows(y), not differentiable) from one
-    fused pass, for an FP8 GEMM that contracts over F next (fp8_grouped_gemm's x8)."""
+    """-> (y_NF = swiglu(x) of 2-D x; y8_NF, scale_N = quantize_rows(y), not differentiable) in one pass:
+    fp8_grouped_gemm's x8."""
     _check_x(x_N2F)
     if x_N2F.ndim != 2:
         raise ValueError(f"x_N2F: expected 2 dimensions [N, 2F], got shape {tuple(x_N2F.shape)}")
