@@ -1,29 +1,8 @@
-"""`pith-train bench`: training throughput of one process on a fixed MoE workload.
-
-The workload (issue 7): the Qwen3-30B-A3B geometry truncated to 4 decoder layers (hidden 2048, 32 query
-/ 4 KV heads, head_dim 128, 128 experts, top-8, expert width 768, vocabulary 151,936: 3.11B parameters,
-0.85B active per token), 4 sequences of 4096 tokens per optimizer step (16,384 tokens), random tokens
-(uniform over the vocabulary, seeded, fresh every step), bf16 autocast over fp32 master weights, fused
-AdamW. Each step is the trainer's own step, pith_engine.step.train_step (forward, fused loss, backward,
-clip, AdamW, expert-bias update) through its `Stages` (compile, activation checkpointing); nothing here
-is a second training loop.
-
-FLOPs per token, two conventions (both from `train.flops_per_token`, f(S) at sequence length S):
-- the TorchTitan / PaLM one, f(S) = 6 * N_active + 6 * L * S * H * (Dqk + Dv): every matmul weight a
-  token passes through (lm_head included, the embedding lookup not; a stacked expert weight at K/E of
-  its size), forward + backward = 3x forward, and attention scores over the full S x S square.
-  Over the datasheet bf16 peak (989 TFLOP/s for H100/H200 SXM) that is `mfu_989`, the anchor's number.
-- causal: attention over the lower triangle only, f(0) + (f(S) - f(0)) / 2, the work a causal kernel
-  does. Over the bf16 matmul rate measured on this card in this process that is `mfu_measured`.
-
-Timing: after the warm-up steps (compilation, autotuning, allocator growth), each timed step ends with
-a device synchronisation, as the trainer's loop reads each step's values (step_values); the reported
-step time is the median. Then the same number of steps back to back with one synchronisation at the
-end: the CPU queues the next step while the GPU runs this one, what a loop reading each step's values
-a step later would reach (`step_ms_back_to_back`; the gap between the two is the cost of the per-step
-read). Peak memory is the allocator's peak over the timed steps (allocated, and reserved: what the
-process holds from the card); with cuda_graph from the second warm-up step on, which captures the
-graph (a replay allocates nothing: the graph's memory is what its capture allocated).
+"""`pith-train bench`: the trainer's own step (train_step through its `Stages`) timed on a fixed MoE
+workload (pith-train README, Throughput). `mfu_989`: `train.flops_per_token` (full S x S attention)
+over the 989 TFLOP/s datasheet peak; `mfu_measured`: its causal half of attention over the bf16
+matmul rate measured here. Each timed step ends with a sync, as the trainer reads each step's values;
+`step_ms_back_to_back` syncs once after all of them (the gap is that read's cost).
 
 Shape legend: B sequences, S sequence length.
 """
@@ -47,25 +26,27 @@ from pith_train.data import PackedDataset, WindowLoader
 from pith_train.metrics import peak_flops
 from pith_train.optim import build_optimizer
 from pith_train.plan import check
-from pith_train.train import apply_fp8, flops_per_token, parallel_layout, step_settings, trainer_stages
+from pith_train.train import (
+    apply_fp8,
+    flops_per_token,
+    parallel_layout,
+    pick_device,
+    step_settings,
+    trainer_stages,
+)
 
 WORKLOAD = dataclasses.replace(qwen3_moe.QWEN3_30B_A3B, num_hidden_layers=4)
 WORKLOAD_SEQ_LEN, WORKLOAD_BATCH = 4096, 4
-# CI size: the 2-layer test model (a dense layer, then a MoE layer of 4 experts) with a vocabulary the
-# byte tokenizer fits (--data), 2 sequences of 32 tokens.
+# CI size (--tiny): the 2-layer test model with a vocabulary the byte tokenizer fits (--data).
 TINY, TINY_SEQ_LEN, TINY_BATCH = dataclasses.replace(qwen3_moe.TINY, vocab_size=260), 32, 2
 LR = 3e-4  # constant: no schedule in a benchmark
 AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policies
 
-# Components of the profile breakdown. A kernel launched inside a range the trainer marks
-# (torch.autograd.profiler.record_function) belongs to that range's component; next, a kernel whose
-# launching ops name an operator of a component (torch's grouped matmul launches CUTLASS kernels
-# whose names say nothing of experts; the first H200 profile put them under "other GEMMs"); any
-# other kernel goes by the first component with a fragment of its (lower-cased) name, else "other".
-# Under cuda_graph the replayed kernels have no launching op: they go by their names only, where the
-# scaled GEMMs name their FP8 types (CUTLASS's float_e4m3_t, cuBLAS's nvjet "qq" kernels) and CUTLASS's
-# grouped GEMMs their GroupProblemShape (names seen on an H200, torch 2.11); lm_head's GEMMs then land
-# in FP8 GEMMs or "other GEMMs" and "lm_head + loss" holds the loss kernel alone.
+# Components of the profile breakdown: a kernel goes by FIRST_NAME_FRAGMENTS, else by the trainer's
+# record_function range it ran in, else by its launching ops (torch's grouped matmul launches CUTLASS
+# kernels whose names say nothing of experts), else by its own name. Replayed under cuda_graph kernels
+# have no launching op: names only (CUTLASS's float_e4m3_t and GroupProblemShape, cuBLAS's nvjet "qq";
+# H200, torch 2.11), so lm_head's GEMMs land in the GEMM components.
 RANGES = {"optimizer": "optimizer", "lm_head+loss": "lm_head + loss"}
 OP_FRAGMENTS = (
     ("FP8 GEMMs", ("_scaled_mm", "_scaled_grouped_mm")),  # --fp8: experts and projections
@@ -90,7 +71,6 @@ COMPONENTS = (*[c for c, _ in NAME_FRAGMENTS], "FP8 quantisation", "other")
 
 
 def classify(name: str, ranges: set[str]) -> str:
-    """The component of a kernel (or CPU op) `name` launched inside the marked ranges `ranges`."""
     low = name.lower()
     for component, frags in FIRST_NAME_FRAGMENTS:
         if any(f in low for f in frags):
@@ -114,11 +94,9 @@ def _ranges_above(event) -> set[str]:
 
 
 def _timed(prof):
-    """(component, kernel or op name, microseconds) of every device activity of a torch.profiler run.
-
-    On CUDA: device time of the kernels; a kernel the profiler links to the CPU op that launched it
-    is attributed through that op's enclosing ranges, an unlinked one by its name alone. On CPU (no
-    kernels): the self time of each op."""
+    """(component, name, microseconds) of each device activity of a torch.profiler run: a kernel linked
+    to its launching op goes by that op's enclosing ranges, an unlinked one by its name; on CPU each
+    op's self time."""
     events = prof.events()
     cpu = torch.autograd.DeviceType.CPU
     # Device activity (kernels, copies, fills), not the device-side spans of record_function ranges.
@@ -136,7 +114,6 @@ def _timed(prof):
 
 
 def breakdown(prof, steps: int) -> dict[str, float]:
-    """Milliseconds per step by component, from a torch.profiler run over `steps` training steps."""
     totals = collections.Counter()
     for component, _, us in _timed(prof):
         totals[component] += us
@@ -144,7 +121,6 @@ def breakdown(prof, steps: int) -> dict[str, float]:
 
 
 def kernels(prof, steps: int, top: int = 60) -> list[dict]:
-    """The `top` kernels (or CPU ops) by time: component, name, launches and milliseconds per step."""
     us, calls = collections.Counter(), collections.Counter()
     for component, name, t in _timed(prof):
         us[component, name] += t
@@ -161,10 +137,8 @@ def kernels(prof, steps: int, top: int = 60) -> list[dict]:
 
 
 def idle(prof, steps: int, top: int = 12) -> dict | None:
-    """Device idle time of a torch.profiler run over `steps` steps: ms per step between the first and
-    the last device activity with none running (any stream), split by gap length (launch gaps of a
-    few us against stretches where the CPU fell behind), and the `top` longest gaps with the kernels
-    on either side. None without device activity (CPU)."""
+    """Time with no device activity on any stream, between the first and the last, by gap length
+    (launch gaps of a few us against the CPU falling behind), and the longest gaps; None on CPU."""
     cpu = torch.autograd.DeviceType.CPU
     spans = sorted(
         (e.time_range.start, e.time_range.end, e.name)
@@ -197,12 +171,10 @@ HISTORY_ENTRIES = 4_000_000  # the allocator history's ring buffer (--memory-pea
 
 
 def memory_at_peak(snapshot: dict, device: int = 0, top: int = 15) -> dict:
-    """The allocator's trace of `device` (torch.cuda.memory._record_memory_history, its _snapshot())
-    replayed to the moment when most memory was allocated: -> {"peak_gib": allocated then, beyond what
-    was allocated before the recording began (weights built before it are not in it), "sites": the
-    blocks live then grouped by where they were allocated (the innermost frame in pith's packages,
-    else the innermost frame), largest first: [{"gib", "blocks", "site"}], "complete": False when the
-    trace filled the history's HISTORY_ENTRIES (its start is lost: the replay is not the run's)}."""
+    """The allocator's history (torch.cuda.memory._snapshot()) replayed to its largest total:
+    "peak_gib" beyond what was allocated before the recording began, "sites" the blocks live then by
+    the innermost frame in pith's packages (else the innermost), largest first, and "complete" False
+    when the trace filled HISTORY_ENTRIES (its start lost: not the run's peak)."""
     trace = snapshot["device_traces"][device]
     events = [e for e in trace if e["action"] in ("alloc", "free_completed")]
     total, peak, at = 0, 0, -1
@@ -227,12 +199,8 @@ def memory_at_peak(snapshot: dict, device: int = 0, top: int = 15) -> dict:
     return {"peak_gib": peak / 2**30, "sites": sites, "complete": len(trace) < HISTORY_ENTRIES}
 
 
-def _set_grouped_gemm_backend(backend: str) -> None:
-    pith_ops._common.USE_TORCH_GROUPED_MM = backend == "torch"
-
-
 def _measured_matmul_flops(device: torch.device) -> float:
-    """bf16 dense matmul FLOP/s measured here (8192^3, median of CUDA-event timings); CPU: metrics'."""
+    """bf16 matmul FLOP/s measured here (8192^3, median of 10); CPU: metrics.peak_flops'."""
     if device.type != "cuda":
         return peak_flops(device)[0]
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
@@ -277,23 +245,15 @@ def run(
     back_to_back: bool = True,
     memory_peak: bool = False,
 ) -> dict:
-    """Build the workload (or the tiny one), run `warmup` then `steps` timed training steps (then
-    `profile_steps` under torch.profiler), and return the measurements.
+    """`warmup` then `steps` timed training steps of the workload (or the tiny one), then
+    `profile_steps` under torch.profiler; -> the measurements.
 
-    dp, cp, ep: the [parallel] layout under torchrun (world = dp*cp*ep; under torchrun even one rank
-    takes the distributed path: FSDP over it). The batch is the global one: each data rank (dp x ep)
-    takes batch / (dp*ep) sequences of its own; tokens/s count the whole batch. micro_batch: sequences
-    per micro-batch (default: all of a data rank's); overlap, wgrad_delay: parallel.overlap and
-    parallel.wgrad_delay (pith_engine.step.Stages).
-    data: None for random tokens, or a dataset made by `pith-train prepare-data`, read in the trainer's
-    order (seeded windows), so that two runs see the same batches at every step.
-    perturb_seed: multiply every initial weight by 1 + u, u uniform in +-2^-9 drawn from this seed (one
-    process): half a bf16 ulp, the size of the rounding the bf16 forward gives each weight anyway, for
-    loss_equivalence.py's noise runs.
-    back_to_back: time the steps back to back too (module docstring); None in the output without.
-    memory_peak (CUDA): record the allocator's history over the warm-up steps (not the timed ones: the
-    recording costs host time) and report what was live at its peak (memory_at_peak); the warm-up
-    steps are full steps, and with cuda_graph they include the capture."""
+    dp, cp, ep: the [parallel] layout under torchrun; `batch` is global, each data rank (dp x ep)
+    draws its share. data: None for random tokens, or a prepared dataset read in the trainer's order.
+    perturb_seed (one process): every initial weight times 1 + u, u uniform in +-2^-9 (half a bf16
+    ulp, the rounding the bf16 forward gives it anyway), for loss_equivalence.py's noise runs.
+    memory_peak (CUDA): the allocator's history over the warm-up steps (recording costs host time),
+    capture included under cuda_graph, replayed by memory_at_peak."""
     if steps < 1 or warmup < 0 or profile_steps < 0:
         raise ValueError(
             f"expected steps >= 1, warmup >= 0, profile_steps >= 0; got {steps}, {warmup}, {profile_steps}"
@@ -315,7 +275,7 @@ def run(
     mb = Bl if micro_batch is None else micro_batch
     if mb < 1 or Bl % mb:
         raise ValueError(f"micro_batch: expected a divisor of the {Bl} sequences per data rank, got {mb}")
-    # The trainer's config carries what train_step and the optimizer read (validated there).
+    # What train_step and the optimizer read, as the trainer's config (validated there).
     cfg = load_config(
         None,
         [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={mb}", f"train.device={device}",
@@ -325,22 +285,17 @@ def run(
          f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
          f"parallel.overlap={str(overlap).lower()}", f"parallel.wgrad_delay={str(wgrad_delay).lower()}"],
     )  # fmt: skip
-    # Expandable segments, as TorchTitan runs: freed blocks coalesce, so the reserved peak stays near
-    # the allocated one. Read when CUDA first allocates in this process; an explicit setting wins.
+    # As TorchTitan runs: freed blocks coalesce, so the reserved peak stays near the allocated one.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    dev = torch.device("cuda" if torch.cuda.is_available() and device != "cpu" else "cpu")
-    if device == "cuda" and dev.type != "cuda":
-        raise ValueError("device is cuda, but torch sees no CUDA device")
+    dev = pick_device(device, "device")
     cuda = dev.type == "cuda"
     if memory_peak and (not cuda or warmup < 1):
         raise ValueError(
             "memory_peak records the CUDA allocator's history over the warm-up steps: run on a CUDA"
             f" device with warmup >= 1 (got {dev.type}, warmup {warmup}), or drop it"
         )
-    if cuda:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     planned = check(cfg, model_cfg, dev, f"bench --dp {dp} --cp {cp} --ep {ep}")  # before anything is built
-    _set_grouped_gemm_backend(grouped_gemm)
+    pith_ops._common.USE_TORCH_GROUPED_MM = grouped_gemm == "torch"
     torch.manual_seed(seed)
     mesh = parallel_layout(cfg, dev)  # one process without torchrun: no groups, local experts
     model = pith_models.build(model_cfg, dev, seed, mesh, torch.bfloat16 if cuda else None)

@@ -1,9 +1,5 @@
-"""The `pith-train` command (also `python -m pith_train`): prepare-data, pretrain, check-layout, eval,
-generate, convert, bench, plan, plot, schedule.
-
-Each subcommand is a parser built in `main` plus one function taking the parsed arguments; a new
-subcommand adds both. Errors a user can fix (ValueError, OSError) are one line on stderr and exit 1.
-"""
+"""The `pith-train` command (also `python -m pith_train`): a parser per subcommand in `main`, and a
+function taking its parsed arguments. Errors a user can fix are one line on stderr and exit 1."""
 
 import argparse
 import os
@@ -77,9 +73,8 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
 
 
 def _routing_bias(model, refuse: bool) -> None:
-    """Before an HF export: none of the supported HF families has a selection-only routing bias
-    (DeepSeek-V3's e_score_correction_bias has no counterpart in Qwen3-MoE, DeepSeek-V2 or GPT-OSS),
-    so a nonzero one is dropped, saying so, or with `refuse` stops the export."""
+    """Before an HF export: no supported HF family holds a selection-only routing bias (pith-train
+    README, convert), so a nonzero one is dropped, saying so, or with `refuse` stops the export."""
     import torch
 
     biases = [b for n, b in model.named_buffers() if n.endswith("expert_bias") and bool(b.any())]
@@ -101,9 +96,8 @@ def _routing_bias(model, refuse: bool) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    """HF directory -> Pith checkpoint, or Pith checkpoint -> HF directory (told apart by their files),
-    written under DST.tmp and renamed when complete. tokenizer.json and the run's config.toml go along
-    when there are: eval and generate read the tokenizer (byte has no file) and seq_len there."""
+    """HF directory <-> Pith checkpoint (told apart by their files), written as DST.tmp and renamed;
+    tokenizer.json and the run's config.toml go along, for eval and generate."""
     import json
 
     import pith_models
@@ -145,18 +139,11 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 
 def _device(args: argparse.Namespace):
-    """--device, with --cpu-threads set when it is the CPU."""
-    import torch
+    from pith_train.train import pick_device
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but torch sees no CUDA device")
     if args.cpu_threads < 0:
         raise ValueError(f"--cpu-threads must be >= 0 (0: torch's default), got {args.cpu_threads}")
-    if args.device == "cpu" or not torch.cuda.is_available():
-        if args.cpu_threads:
-            torch.set_num_threads(args.cpu_threads)
-        return torch.device("cpu")
-    return torch.device("cuda")
+    return pick_device(args.device, "--device", args.cpu_threads)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -341,8 +328,8 @@ def main(argv: list[str] | None = None) -> None:
             "--tokenizer", help="default: the checkpoint's tokenizer.json, or its run's byte tokenizer"
         )
         p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-        # As train.cpu_threads: on a busy 2-core machine (load ~7) eval of 96 windows of tiny-moe took
-        # 20-23 s with one thread (once 45 s), 47-56 s with torch's default (two).
+        # As train.cpu_threads: eval of 96 windows of tiny-moe, busy 2-core machine: 20-23 s with one
+        # thread, 47-56 s with torch's default (two).
         p.add_argument(
             "--cpu-threads", type=int, default=1, help="intra-op threads on CPU (0: torch's default)"
         )

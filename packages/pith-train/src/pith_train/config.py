@@ -1,9 +1,5 @@
-"""The run configuration: nested dataclasses, read from TOML, then `--section.key=value` overrides.
-
-Every key has a default, so `pith-train pretrain` with no arguments is a complete run (tiny-moe on
-the built-in corpus). Unknown sections or keys, values of the wrong type, and inconsistent numbers
-raise ValueError before anything is built or computed.
-"""
+"""The run configuration: dataclasses with a default for every key, read from TOML, then
+`--section.key=value` overrides; ValueError for anything unknown, mistyped or inconsistent."""
 
 import dataclasses
 import json
@@ -16,11 +12,9 @@ from pathlib import Path
 
 @dataclass
 class ModelConfig:
-    # A name in pith_models.MODELS, a Hugging Face model directory, or a Pith checkpoint directory
-    # (e.g. from `pith-train convert`): the weights come from the directory.
+    # A name in pith_models.MODELS, a Hugging Face directory or a Pith checkpoint (its weights)
     name: str = "tiny-moe"
-    # Every other key of [model] sets that field of a preset's model config (`num_hidden_layers = 2`,
-    # `vocab_size = 4096`, `--model.num_experts=16`), checked against its fields and their types.
+    # Every other [model] key sets that field of a preset's model config (`num_hidden_layers = 2`)
     overrides: dict = field(default_factory=dict)
 
 
@@ -29,11 +23,9 @@ class DataConfig:
     path: str = ""  # a dataset made by `pith-train prepare-data`; "" = built-in corpus, made in RUN_DIR/data
     tokenizer: str = "byte"  # "byte" or a tokenizer.json; must be the one the dataset was made with
     seq_len: int = 128  # tokens per training sequence
-    # A dataset made by `pith-train prepare-data` with the same tokenizer, for the validation loss; all
-    # of data.path then trains. "" = data.path holds val_windows windows out, spread over it.
+    # A prepared dataset (same tokenizer) for the validation loss; "" = hold windows of data.path out
     val_path: str = ""
-    # Sequences of the validation loss, spread evenly over val_path's windows (or data.path's): a fixed
-    # sample of a separate set each time, as Megatron's eval-iters is, not all of it.
+    # Windows of the validation loss, spread evenly over the set (a fixed sample, as Megatron's eval-iters)
     val_windows: int = 16
 
 
@@ -49,27 +41,25 @@ class TrainConfig:
     ac: str = "none"  # activation checkpointing: none | selective (expert MLPs) | full (every stage)
     fp8: bool = False  # projections and expert GEMMs in FP8 (e4m3; pith_engine.layers.use_fp8)
     fp8_lm_head: bool = False  # lm_head's three GEMMs in FP8 too (pith_ops.linear_cross_entropy's w8)
-    # Under FSDP2, all-gather the FP8 weights in e4m3, half bf16's bytes (pith_engine.layers.gather_in_fp8);
-    # under train.compile the experts' only (the compiled stages read the projections' weights).
+    # Under FSDP2, all-gather the FP8 weights in e4m3, half bf16's bytes; under train.compile the
+    # experts' only (the compiled stages read the projections' weights)
     fp8_all_gather: bool = False
-    # The step's forward and backward as one CUDA graph, captured at the second step (one CUDA process;
-    # pith_engine.step.StepGraph): the host launches one graph, not the step's kernels one by one.
+    # The step's forward and backward as one CUDA graph, captured at the second step (one CUDA process)
     cuda_graph: bool = False
-    # Global-batch load-balancing loss coefficient (0 = off). 3e-2 alone ends the default run at max/mean
-    # load <= 1.57 per layer (seeds 0-2), 1e-3 alone at 3.96 of 4 (pith-train README, Expert balance).
+    # Global-batch load-balancing loss coefficient (0 = off). The default run ends at max/mean load
+    # <= 1.57 with 3e-2, 3.96 of 4 with 1e-3 (pith-train README, Expert balance)
     lbl_coef: float = 3e-2
     z_loss_coef: float = 0.0  # router z-loss coefficient (0 = off)
-    # Aux-loss-free balancing: expert-bias step after each update (0 = off); no HF family can hold it.
+    # Aux-loss-free balancing: expert-bias step after each update (0 = off); no HF family holds it
     bias_rate: float = 0.0
-    # Intra-op threads when training on CPU (0 = torch's default). On a busy 2-core machine one thread
-    # ran the default run at 0.5-1 s/step, two threads at 7-12 s/step (OpenMP spin-waits).
+    # Intra-op threads on CPU (0 = torch's default): on a busy 2-core machine the default run took
+    # 0.5-1 s/step with one, 7-12 s/step with two (OpenMP spin-waits)
     cpu_threads: int = 1
 
 
 @dataclass
 class OptimConfig:
-    # adamw | muon: Muon on the hidden matrices (attention, MLPs, each expert's), AdamW on embeddings,
-    # lm_head, norms, biases, routers and sinks; lr and weight_decay mean the same for both.
+    # adamw | muon: Muon on the hidden matrices, AdamW on the rest; lr and weight_decay mean the same
     name: str = "adamw"
     muon_momentum: float = 0.95  # Muon's (Nesterov) momentum
     muon_ns_dtype: str = "bfloat16"  # bfloat16 | float32: dtype of Muon's Newton-Schulz iterations
@@ -90,13 +80,11 @@ class ParallelConfig:
     dp: int = 1  # data-parallel (FSDP) ranks
     cp: int = 1  # context-parallel ranks (share sequences, split them along time)
     ep: int = 1  # expert-parallel ranks (take different data, like dp)
-    # Overlapped forward+backward pairs (DualPipeV's; with pp=1 and >= 2 micro-batches, F(m+1) with
-    # B(m)) interleave at their expert all-to-alls, each in flight while the other side computes.
+    # Overlapped forward+backward pairs (DualPipeV's; F(m+1) with B(m) under pp=1) interleave at their
+    # expert all-to-alls
     overlap: bool = True
-    # Weight gradients of the projections and expert GEMMs wait for the schedule's W slots (the
-    # pipeline's bubbles), under pp > 1 only. Same results either way. Under pp = 1 there is no bubble:
-    # on one H200 (bench workload) delaying anyway cost 1.4% of tokens/s with one micro-batch, 2.2%
-    # with two, and held ~7.5 GiB more (the expert GEMMs' inputs and output gradients until their W).
+    # Weight gradients of the projections and expert GEMMs wait for the schedule's W slots, under
+    # pp > 1 only: under pp = 1 (no bubble) delaying cost 1.4-2.2% of tokens/s and ~7.5 GiB (H200)
     wgrad_delay: bool = True
 
 
@@ -105,17 +93,15 @@ class CheckpointConfig:
     every: int = 40  # steps between checkpoints (0 = only at the end); one is always written at the end
     keep: int = 2  # how many of the latest checkpoints to keep
     resume: bool = True  # continue from the latest checkpoint in RUN_DIR/checkpoints when there is one
-    # A checkpoint to start a new run from: its weights and optimizer state, this config's schedule from
-    # step 0, its data position when the data order is the same (to extend a finished cosine run, say).
-    # Read only while RUN_DIR has no checkpoint: a restarted run resumes from its own.
+    # A checkpoint to start a new run from (its weights, optimizer state and, with the same data order,
+    # data position; this config's schedule from step 0); read only while RUN_DIR has no checkpoint
     init_from: str = ""
 
 
 @dataclass
 class LogConfig:
     progress: bool = True  # progress bar, when stderr is a terminal
-    # Steps between text lines on stderr ("step 5/120 loss 2.3456 ..."); 0 = every step when stderr
-    # is not a terminal (batch logs), none on a terminal (the bar shows them).
+    # Steps between text lines on stderr; 0 = every step, or none when stderr is a terminal (the bar)
     every: int = 0
     eval_every: int = 40  # steps between validation losses (0 = only at the end)
     tensorboard: bool = True  # TensorBoard event files in RUN_DIR/tensorboard
@@ -144,7 +130,7 @@ class Config:
 
 
 def _typed(where: str, value, kind: type):
-    """`value` as `kind` (ints are accepted as floats), or ValueError."""
+    """`value` as `kind` (an int is a float too), or ValueError."""
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -183,7 +169,6 @@ def _set(cfg: Config, section: str, key: str, value, where: str, text: bool = Fa
     if key not in keys:
         raise ValueError(f"{where}: unknown key {section}.{key}; [{section}] has {sorted(keys)}")
     kind = keys[key]
-    # Command-line values are text; a TOML value has its own type, which must be the key's.
     value = _parse_text(where, value, kind) if text else value
     setattr(target, key, _typed(where, value, kind))
 
@@ -215,8 +200,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 
 
 def _model_value(where: str, value, kind):
-    """A [model] override as its field's type: int, float, bool, str, `X | None` (text "none" for
-    None) or a tuple (a TOML array, or its JSON text on the command line)."""
+    """A [model] override as its field's type: int, float, bool, str, `X | None` ("none") or a tuple
+    (a TOML array, or its JSON text on the command line)."""
     if typing.get_origin(kind) in (types.UnionType, typing.Union):
         if value is None or (isinstance(value, str) and value.lower() == "none"):
             return None
@@ -233,8 +218,7 @@ def _model_value(where: str, value, kind):
 
 
 def model_config(model: "ModelConfig | str"):
-    """The model config of [model]: a preset of pith_models.MODELS with its overrides applied, or a
-    directory's config.json (no overrides: its weights fix the shapes). ValueError naming the problem."""
+    """The model config of [model]: a preset with its overrides, or a directory's config.json."""
     import pith_models
     from pith_models.hf import config_from_hf
 
@@ -269,7 +253,6 @@ def model_config(model: "ModelConfig | str"):
 
 
 def validate(cfg: Config) -> None:
-    """Numbers that must agree with each other; ValueError naming them."""
     if cfg.model.overrides:  # the preset's fields and the overrides' types; the values as typed
         model = model_config(cfg.model)
         cfg.model.overrides = {k: getattr(model, k) for k in cfg.model.overrides}
@@ -349,8 +332,7 @@ def to_toml(cfg: Config) -> str:
         lines.append(f"[{section.name}]")
         values = dataclasses.asdict(getattr(cfg, section.name))
         values.update(values.pop("overrides", {}))  # [model]: the preset's fields it sets, as keys
-        for key, value in values.items():
-            # JSON strings, numbers, arrays and lowercase booleans are valid TOML values.
+        for key, value in values.items():  # JSON's strings, numbers, arrays and booleans are TOML's
             lines.append(f"{key} = {json.dumps('none' if value is None else value)}")
         lines.append("")
     return "\n".join(lines)

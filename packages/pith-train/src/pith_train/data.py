@@ -1,16 +1,7 @@
-"""The packed dataset (made by prepare.py) and the loader of training windows.
-
-Training reads windows of seq_len + 1 tokens with stride seq_len (window i starts at i * seq_len):
-inputs are the first seq_len tokens, labels the last seq_len. Validation scores `val_windows` windows
-spread evenly over a separate dataset (data.val_path; then every training window trains) or else
-over the training dataset, which holds them out: the middle window of each of val_windows equal
-parts, whatever the seed (a corpus's tail is often one document: the built-in corpus's is the end of
-zipimport.py). The training windows are shuffled per epoch by a permutation seeded with (seed, epoch).
-
-Data layout contract (the parallel engine relies on it): the sequences of optimizer step s are
-positions [cursor, cursor + G) of the shuffled order (cursor = sequences consumed before the step);
-micro-batch j of the step is its sequences [j*m*R, (j+1)*m*R) with m = micro_batch and R = data
-ranks, whatever the layout; data rank r holds the contiguous slice [j*m*R + r*m, j*m*R + (r+1)*m).
+"""The packed dataset (prepare.py) and the loader of its windows of seq_len + 1 tokens at stride
+seq_len, in the order the pith-train README (Data layout) sets out and the parallel engine relies on.
+Validation takes the middle window of each of val_windows equal parts, not the tail: a corpus's tail
+is often one document.
 
 Shape legend: B sequences, S sequence length.
 """
@@ -57,7 +48,6 @@ class PackedDataset:
             )
 
     def check_vocab(self, model_vocab: int) -> None:
-        """Every token id must have a row in the model's embedding."""
         vocab = self.meta["vocab_size"]
         if vocab > model_vocab:
             raise ValueError(
@@ -78,8 +68,8 @@ def windows(tokens: np.ndarray, seq_len: int, ids: np.ndarray) -> tuple[torch.Te
 
 
 class WindowLoader:
-    """Fixed windows of a PackedDataset (validated on those of `val_ds` when given); which sequences a
-    step gets depends only on (seed, cursor)."""
+    """Windows of a PackedDataset (validation ones of `val_ds` when given); a step's depend only on
+    (seed, cursor)."""
 
     def __init__(self, ds: PackedDataset, seq_len: int, val_windows: int, seed: int, val_ds=None):
         self.tokens, self.S, self.seed = ds.tokens, seq_len, seed
@@ -118,10 +108,8 @@ class WindowLoader:
         return out
 
     def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1, ignore_index: int = -100):
-        """This rank's share of the validation windows in micro-batches: round j gives rank r windows
-        [j*m*R + r*m, j*m*R + (r+1)*m) (m = micro_batch, R = ranks). Every window is in exactly one
-        rank's share, whatever the layout; the rows past the last window repeat it with every label
-        `ignore_index` (counted nowhere), so that all ranks run the same number of full batches."""
+        """This rank's share of the validation windows, sliced as step_batch slices a step; rows past
+        the last window repeat it with every label `ignore_index`, so all ranks run as many batches."""
         n, per_round = len(self.val_ids), micro_batch * ranks
         for first in range(0, n, per_round):
             ids = np.arange(first + rank * micro_batch, first + (rank + 1) * micro_batch)

@@ -1,5 +1,4 @@
-"""Using trained weights: the loss on a prepared dataset (`pith-train eval`) and text generation
-(`pith-train generate`), through `model(input_ids)`, on one process.
+"""`pith-train eval` and `generate`: trained weights through `model(input_ids)`, on one process.
 
 Shape legend: B sequences, S sequence length, V vocabulary.
 """
@@ -19,8 +18,7 @@ from pith_train.prepare import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
 def run_config(path: Path) -> Config | None:
-    """The config of the run that trained a checkpoint or its Hugging Face export (`pith-train convert`
-    carries it), or None (a directory from elsewhere)."""
+    """The config of the run that trained a checkpoint or its export, or None (from elsewhere)."""
     return load_config(str(path / "config.toml")) if (path / "config.toml").is_file() else None
 
 
@@ -42,9 +40,8 @@ def _autocast(device: torch.device):
 
 @torch.no_grad()
 def dataset_loss(model: nn.Module, ds: PackedDataset, seq_len: int, batch: int, max_windows: int = 0):
-    """Mean next-token cross-entropy over the dataset's windows of seq_len + 1 tokens at stride seq_len
-    (all of them, or the first max_windows) -> (loss, tokens scored). Progress on stderr: a bar on a
-    terminal, else a line per tenth of the windows."""
+    """Mean next-token cross-entropy over the dataset's windows (or the first max_windows) -> (loss,
+    tokens scored). Progress on stderr: a bar on a terminal, else a line per tenth of the windows."""
     n = min(ds.num_windows(seq_len), max_windows or ds.num_windows(seq_len))
     if n < 1:
         raise ValueError(f"{ds.path} has {len(ds.tokens)} tokens, not one window of --seq-len {seq_len} + 1")
@@ -92,9 +89,8 @@ def generate(
     seed: int = 0,
 ) -> list[int]:
     """New token ids after `prompt`: greedy (top_p None) or sampled from the top-p nucleus at
-    `temperature`. Only the tokenizer's `vocab_size` ids are eligible (the embedding may have padding
-    rows); stops at eos_id. No KV cache: each token reruns the window (the last
-    max_position_embeddings tokens), which is fine for the small models and prompts this is for."""
+    `temperature`, among the tokenizer's `vocab_size` ids (the embedding may pad), up to eos_id. No KV
+    cache: each token reruns the window, fine for the small models this is for."""
     device = model.lm_head.weight.device
     generator = torch.Generator(device).manual_seed(seed)
     ids, window = list(prompt), model.cfg.max_position_embeddings

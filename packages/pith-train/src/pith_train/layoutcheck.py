@@ -1,25 +1,19 @@
-"""`pith-train check-layout`: does a parallel layout train like one process, for this config?
+"""`pith-train check-layout`: per-step losses in one process and under torchrun with the [parallel]
+layout, from the same weights and batches. Adam eps 1e-3: with 1e-8, near-zero second moments amplify
+the layouts' different rounding (8.8e-3 in loss by step 7, dp=2, CPU; pith-train README)."""
 
-It trains the config for a few steps twice, from the same weights and batches: in one process, and
-under torchrun with the config's [parallel] layout; then compares the per-step losses. Both runs use
-a larger Adam eps (1e-3 by default) than the trainer's 1e-8: a layout changes the order of float
-sums, and with eps 1e-8 Adam divides those rounding differences in near-zero gradients by their
-near-zero second moments, so the runs drift apart within steps (8.8e-3 in loss by step 7, dp=2 on
-CPU) although both are correct; eps 1e-3 keeps the steps comparable (agreement within 1e-5, fp32).
-"""
-
-import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from pith_train.config import load_config
+from pith_train.metrics import read_metrics
 from pith_train.train import pretrain
 
 
 def _losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r["loss"] for r in read_metrics(run)}
 
 
 def check_layout(
@@ -35,14 +29,8 @@ def check_layout(
         one, many = Path(tmp) / "one", Path(tmp) / "layout"
         pretrain(load_config(config, [*overrides, *same, *single]), one)  # in this process
         data = [] if cfg.data.path else [f"--data.path={one / 'data'}"]  # the corpus the first run prepared
-        torchrun = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-        ]
-        cmd = [*torchrun, "-m", "pith_train", "pretrain", *base, *data, "--run-dir", str(many)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd += ["-m", "pith_train", "pretrain", *base, *data, "--run-dir", str(many)]
         if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode:
             raise ValueError("the torchrun run failed (its error is above)")
         want, got = _losses(one), _losses(many)

@@ -1,5 +1,5 @@
-"""Throughput accounting (FLOPs per token, peak FLOP/s, MFU), where step records go (metrics.jsonl,
-the text log line, TensorBoard, Weights & Biases), and `plot`."""
+"""Peak FLOP/s and memory, where step records go (metrics.jsonl, the text line, TensorBoard, Weights &
+Biases), and the plots."""
 
 import contextlib
 import hashlib
@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), by device-name fragment.
-# This is the convention MFU figures are usually quoted in (H100 SXM 989 TFLOP/s).
+# Dense bf16 datasheet peaks (no sparsity) by device-name fragment: the usual convention of MFU figures.
 BF16_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12}
 
 
@@ -47,7 +46,7 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def log_line(record: dict, total_steps: int) -> str:
-    """The per-step text line: `step N/TOTAL` then `name value` pairs, the metrics.jsonl names."""
+    """`step N/TOTAL` then `name value` pairs, with metrics.jsonl's names."""
     r = record
     load = max(r["expert_load_max_over_mean"], default=1.0)
     line = (
@@ -68,10 +67,9 @@ def _records(path: Path) -> list[dict]:
 
 
 class MetricsLog:
-    """Each step's record, on rank 0: appended to RUN_DIR/metrics.jsonl, and sent to TensorBoard
-    (RUN_DIR/tensorboard) and Weights & Biases when asked. A run resumed from step `start` trains the
-    steps after it again, so their earlier records are dropped (the file rewritten, TensorBoard's
-    purge_step): every step keeps one record, the one of the run that continued."""
+    """Each step's record, on rank 0, to RUN_DIR/metrics.jsonl, TensorBoard and Weights & Biases. A run
+    resumed from step `start` trains the steps after it again, so their earlier records are dropped
+    (the file rewritten, TensorBoard's purge_step): one record a step, the continued run's."""
 
     def __init__(self, run_dir: Path, start: int = 0, enabled=True, tensorboard=False, wandb="", config=None):
         self.path, self.enabled, self.tb, self.wandb = Path(run_dir) / "metrics.jsonl", enabled, None, None
@@ -131,11 +129,10 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def plot(run_dir: str, out: str | None = None) -> Path:
-    """PNG against step: training (and validation) loss, throughput, learning rate, gradient norm and
-    each MoE layer's max/mean expert load (the panels whose metrics the file has)."""
+    """PNG against step of the loss (and validation loss), tokens/s and the other metrics the file has."""
     import matplotlib
 
-    matplotlib.use("Agg")  # files only, no display needed
+    matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
@@ -175,8 +172,7 @@ def plot(run_dir: str, out: str | None = None) -> Path:
 
 
 def plot_schedule(pp: int, micro_batches: int, out: str) -> Path:
-    """PNG timeline of one step's pipeline schedule (DualPipeV; pith_engine.schedule.timeline's relative
-    costs): a row per rank, a box per action labelled with its micro-batch."""
+    """PNG timeline of one step's pipeline schedule (pith_engine.schedule.timeline): a row per rank."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -6,22 +6,14 @@ One matrix W [M, N] with gradient G, one step (Moonlight, arXiv:2502.16982, Nest
     O <- NS5(U)                                       ~ the orthogonal factor P Q^T of U = P S Q^T
     W <- W * (1 - lr * wd) - lr * 0.2 * sqrt(max(M, N)) * O
 NS5: X = U / (||U||_F + 1e-7) in the wide orientation (transposed when M > N), then 5 quintic steps
-X <- a X + (b A + c A^2) X, A = X X^T, (a, b, c) = (3.4445, -4.7750, 2.0315), all in bf16. O's
-RMS is about 1 / sqrt(max(M, N)), so the 0.2 * sqrt(max(M, N)) scale gives the update the RMS of
-about 0.2 that AdamW's typically has: AdamW's learning rate and weight decay carry over (Moonlight).
+X <- a X + (b A + c A^2) X, A = X X^T, in bf16. O's RMS is about 1 / sqrt(max(M, N)), so the scale
+gives the update AdamW's typical RMS of about 0.2: its lr and weight decay carry over (Moonlight).
+Which parameters Muon takes: hidden_matrices (pith-train README, Training).
 
-Muon takes the hidden 2-D weights (attention projections, dense MLPs, shared experts) and every
-routed expert's matrix: a stacked [E, D, F] weight is E matrices, orthogonalised in one batch.
-AdamW keeps the embedding, lm_head, norms, biases (a stacked expert bias [E, F] too), the routers
-(the nn.Linear children of the module that holds a layer's experts) and attention sinks.
-
-Sharded (FSDP2 shards every weight along dim 0 in torch.chunk pieces, some possibly empty): a stacked
-expert weight's shard holds whole experts, so those are orthogonalised where they are, on the ranks
-that hold them (EP included). A dense matrix's rows are spread over the dp x cp x ep ranks: each is
-given whole to one owner (greedy by NS cost, the same on every rank), one all-to-all brings every
-shard of U to its owner (in NS5's dtype: its first step is that cast), the owners orthogonalise and a
-second all-to-all brings each rank its rows of O. Every matrix is orthogonalised exactly once per
-step, from the same numbers as on one process, so the update is the single-process one.
+Sharded (FSDP2: dim 0 in torch.chunk pieces, some possibly empty): an expert stack's shard holds
+whole experts, orthogonalised where they are. A dense matrix goes whole to one owner rank (greedy by
+NS cost, the same on every rank): one all-to-all brings its shards of U there (in NS5's dtype, its
+first step's cast), a second brings each rank its rows of O back. The update is one process's.
 
 Shape legend: M rows, N columns, E matrices in a batch.
 """
@@ -53,7 +45,7 @@ def newton_schulz(u_EMN: Tensor, dtype: torch.dtype = torch.bfloat16, steps: int
 
 def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
     """The parameters Muon takes: 2-D weights and stacked [E, ., .] expert weights, less the embedding,
-    lm_head and routers."""
+    lm_head and routers (the nn.Linear children of the module holding a layer's experts)."""
     experts = [layer.experts for layer in model.layers.values() if layer.experts is not None]
     owners = [m for m in model.modules() if any(c is e for c in m.children() for e in experts)]
     routers = [c for m in owners for c in m.children() if isinstance(c, nn.Linear)]
@@ -111,8 +103,7 @@ def _exchange(send: list[Tensor], recv_sizes: list[int], group) -> list[Tensor]:
 
 
 def _orthogonalise_spread(shapes: list[torch.Size], u_local: list[Tensor], mesh, dtype) -> list[Tensor]:
-    """This rank's rows of NS5 of each row-sharded matrix (global `shapes`, local rows `u_local`): the
-    whole matrices go to their owners and the orthogonalised rows come back (two all-to-alls)."""
+    """This rank's rows of NS5 of each row-sharded matrix (global `shapes`, local rows `u_local`)."""
     group, W, me, n = mesh.get_group(), mesh.size(), mesh.get_local_rank(), len(shapes)
     owner = _owners(shapes, W)
     rows = [_rows(s[0], W) for s in shapes]
@@ -194,8 +185,8 @@ class Muon(torch.optim.Optimizer):
 
 
 class Chain:
-    """Optimizers stepped as one. DCP's get/set_optimizer_state_dict take an iterable of optimizers,
-    so a checkpoint keeps both states, keyed by parameter name exactly as for one optimizer."""
+    """Optimizers stepped as one; DCP's optimizer state dicts take an iterable of them, keyed by
+    parameter name as for one."""
 
     def __init__(self, *optimizers: torch.optim.Optimizer):
         self.optimizers = optimizers

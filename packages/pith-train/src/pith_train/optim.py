@@ -1,5 +1,4 @@
-"""AdamW (gradient clipping folded into its update) and the learning-rate schedules (linear warmup +
-cosine decay, and warmup-stable-decay)."""
+"""AdamW (gradient clipping folded into its update), the optimizers of a model, the lr schedules."""
 
 import math
 
@@ -14,16 +13,12 @@ from pith_train.muon import Chain, Muon, hidden_matrices
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW (its hyperparameters, state layout and checkpoints; amsgrad, maximize and tensor
-    learning rates left out), stepped by pith_ops.adamw_: `step(grad_scale=coef)` scales every
-    gradient by the device scalar coef inside the update (gradient clipping without a pass of its
-    own, measured in the pith-train README), and skips the update where coef is not finite: weights,
-    moments and step counts stay as they were. The step counts live on the device (as torch's
-    capturable AdamW keeps them), so the skip and the bias corrections need no host sync. A weight
-    with a kept bf16 cast (pith_ops.cast: the expert and lm_head weights), or kept FP8 copies
-    (train.fp8: pith_engine.layers.FP8Switch.fp8_weight), gets them rewritten in the same pass, and its
-    gradient read in bf16 from that cast (pith_ops.grad: the kept gradients, bit for bit the widened
-    ones), so zero_grad drops those too."""
+    """torch's AdamW (its hyperparameters, state and checkpoints; no amsgrad, maximize or tensor lr),
+    stepped by pith_ops.adamw_: `step(grad_scale=coef)` scales every gradient by the device scalar
+    coef inside the update (clipping without a pass of its own) and skips the update where coef is not
+    finite. Step counts live on the device, so neither needs a host sync. A weight's kept bf16 cast or
+    FP8 copies are rewritten in the same pass, and its gradient read in bf16 from the kept one
+    (pith_ops.grad), which zero_grad drops too."""
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -50,9 +45,9 @@ class AdamW(torch.optim.AdamW):
                     state["step"] = torch.zeros((), device=device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                # A checkpoint of a plain torch AdamW holds its counts on the host.
+                # A plain torch AdamW's checkpoint holds its counts on the host.
                 state["step"] = state["step"].to(device, torch.float32)
-            # The update's number where the step is not skipped, and its constants, for the group at once.
+            # The update's number where the step is not skipped, and its constants, for the whole group.
             steps = torch.stack([self.state[p]["step"] for p, _ in live]) + 1
             beta1, beta2 = group["betas"]
             constants = pith_ops.step_constants(group["lr"], beta1, beta2, steps)
@@ -69,9 +64,9 @@ class AdamW(torch.optim.AdamW):
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> AdamW | Chain:
-    """AdamW over fp32 parameters; matrices get weight decay, vectors (norm scales, biases) do not.
-    A stacked expert parameter [E, ...] is E of its per-expert shape (GPT-OSS's b_down [E, D]: vectors).
-    optim.name = "muon": Muon on the hidden matrices (pith_train.muon), this AdamW on the rest."""
+    """AdamW with weight decay on matrices only (a stacked expert parameter [E, ...] is E of its
+    per-expert shape: GPT-OSS's b_down [E, D] is vectors); under optim.name = "muon" on what Muon
+    leaves."""
     experts = expert_param_names(model)
     o = cfg.optim
     matrices = hidden_matrices(model) if o.name == "muon" else []

@@ -1,12 +1,9 @@
-"""`pith-train plan`: the memory one rank of a run holds, from its config alone; `check` runs it before
-`pretrain` and `bench` build anything, so a run that cannot fit is refused instead of killed.
+"""`pith-train plan`: the memory one rank of a run holds, from its config and the meta model; `check`
+runs it before `pretrain` and `bench` build anything, so a run that cannot fit is refused, not killed.
 
-The model is built on the meta device. Each term is bytes from its parameter counts, the layout and the
-batch, its formula commented with the code it follows, for measurements on a card to correct
-(benchmarks/plan_vs_measured.py). Two moments compete for the peak: the start of the backward (the
-activations of the micro-batches in flight, the gradients of those done, FSDP's gathered weights, one
-layer's backward or the loss's forward) and the optimizer step (every gradient, Muon's buffers); the plan
-reports the larger, of the pipeline rank holding the most. The device must hold total * SLACK + CONTEXT.
+Each term's formula is commented with the code it follows, for benchmarks/plan_vs_measured.py to
+correct. The peak is the larger of two moments, the start of the backward and the optimizer step, on
+the pipeline rank holding the most; the device must hold total * SLACK + CONTEXT.
 
 Shape legend: T tokens per micro-batch on one rank, D hidden, E experts, K top-k, F expert width,
 V vocabulary, L layers, b bytes of the compute dtype (bf16 on CUDA, fp32 on CPU).
@@ -69,10 +66,9 @@ def model_shape(model_cfg) -> Model:
 
 def in_flight(cfg: Config, L: int, rank: int) -> dict[int, float]:
     """Layer -> micro-batches whose activations of it pipeline rank `rank` holds at its peak. pp=1: one;
-    two when the schedule pairs F(m+1) with B(m) and nothing yields between them (no EP exchange, so
-    F(m+1) runs whole first: pith_engine.executor.interleave); under EP they interleave at each
-    exchange, a layer of F(m+1) for each layer B(m) frees. DualPipeV: rank r holds 2pp-r-1 (+1 on the
-    last rank) micro-batches of chunk r and r+1 of chunk 2pp-1-r."""
+    two when F(m+1) is paired with B(m) and runs whole first (no EP exchange to interleave at: under EP
+    a layer of F(m+1) for each layer B(m) frees). DualPipeV: rank r holds 2pp-r-1 (+1 on the last
+    rank) micro-batches of chunk r and r+1 of chunk 2pp-1-r."""
     p = cfg.parallel
     if p.pp == 1:
         paired = p.overlap and cfg.micro_batches > 1
@@ -187,8 +183,7 @@ def plan(cfg: Config, m: Model, cuda: bool, capacity: float | None = None) -> Pl
 
 
 def device_memory(device: torch.device, processes: int = 1) -> tuple[float, str]:
-    """(bytes one rank may use, what they are): the card's memory, or the RAM this machine has available
-    shared by its `processes`."""
+    """(bytes one rank may use, what they are): the card's, or this machine's available RAM shared."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return props.total_memory, props.name
@@ -199,7 +194,7 @@ def device_memory(device: torch.device, processes: int = 1) -> tuple[float, str]
 
 
 def valid(cfg: Config, m: Model, world: int | None = None) -> None:
-    """The layout checks of train.parallel_layout, for `world` processes (default: the layout's)."""
+    """The layout's checks, for `world` processes (default: the layout's)."""
     p = cfg.parallel
     layout = Layout(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
     check_layout(layout, world_size=world or layout.world, num_experts=m.E, seq_len=cfg.data.seq_len,
@@ -208,9 +203,9 @@ def valid(cfg: Config, m: Model, world: int | None = None) -> None:
 
 
 def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[tuple[str, Plan]]:
-    """The nearest changes that fit, the first of each kind: a stronger `ac`, a smaller micro-batch,
-    pipeline stages, more data ranks (the global batch grown alike); the last two also with ac full.
-    capacity: a card's bytes (more ranks take more cards), or a machine's (more ranks share it)."""
+    """The nearest change that fits of each kind: a stronger `ac`, a smaller micro-batch, pipeline
+    stages, more data ranks (and global batch); the last two also with ac full. capacity: a card's
+    bytes (more ranks take more cards), or a machine's (more ranks share it)."""
     t, p, out = cfg.train, cfg.parallel, []
     ac, full = ("none", "selective", "full"), ({}, {"train.ac": "full"})
     mbs = [t.micro_batch >> i for i in range(t.micro_batch.bit_length())]  # it and its halves
@@ -245,8 +240,8 @@ def terms(out: Plan) -> list[tuple[str, float]]:
 
 
 def check(cfg: Config, model_cfg, device: torch.device, launch: str) -> Plan:
-    """Before a run builds anything: ValueError when its layout does not match the processes started
-    (naming torchrun, `launch` being what follows `-m pith_train`) or its plan does not fit `device`."""
+    """ValueError when the layout does not match the processes started (naming the torchrun line, with
+    `launch` after `-m pith_train`) or the plan does not fit `device`."""
     p, m, started = cfg.parallel, model_shape(model_cfg), int(os.environ.get("WORLD_SIZE", 1))
     world = p.pp * p.dp * p.cp * p.ep
     try:

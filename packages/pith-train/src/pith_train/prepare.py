@@ -1,12 +1,6 @@
-"""Tokenizers and `prepare-data`: text files -> a packed, memory-mapped token dataset.
-
-A prepared dataset is a directory:
-    tokens.bin    every document's tokens followed by EOS, concatenated (uint16, or uint32 for vocabularies
-                  above 65536)
-    doc_ends.bin  int64 end offset (exclusive, after the EOS) of each document in tokens.bin
-    meta.json     tokenizer, its hash, vocab size, EOS id, dtype, token and document counts
-It appears only when complete (written under a temporary name, then renamed). This module does not
-import torch, so the tokenizing worker processes start quickly.
+"""Tokenizers and `prepare-data`: text files -> a packed token dataset, a directory of tokens.bin,
+doc_ends.bin and meta.json (pith-train README, Commands), renamed into place when complete. No torch
+import here, so the tokenizing worker processes start quickly.
 """
 
 import contextlib
@@ -38,7 +32,7 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer.json; EOS is the first of the usual end-of-text tokens it has."""
+    """A Hugging Face tokenizer.json; EOS is the first of the usual end-of-text tokens it has."""
 
     EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
 
@@ -65,8 +59,7 @@ class HFTokenizer:
 
 
 def padded_vocab(vocab_size: int) -> int:
-    """The model vocabulary to suggest for a tokenizer's: rounded up to a multiple of 64, as the GEMMs
-    (and FP8's multiples of 16) prefer; the extra rows are never a label."""
+    """The model vocabulary to suggest: a multiple of 64, as the GEMMs (and FP8's 16) prefer."""
     return -(-vocab_size // 64) * 64
 
 
@@ -106,7 +99,7 @@ def _read_documents(path: str, text_field: str):
 
 
 def _tokenize_file(args: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
-    """-> (tokens of every document, each followed by EOS; each document's length including EOS)."""
+    """-> (every document's tokens, each followed by EOS; each document's length with its EOS)."""
     path, text_field = args
     tok = _worker_tokenizer
     docs = [np.append(ids, tok.eos_id) for ids in tok.encode_batch(list(_read_documents(path, text_field)))]
@@ -131,9 +124,8 @@ def find_inputs(paths: list[str]) -> list[str]:
 
 
 def train_bpe(files: list[str], text_field: str, vocab_size: int, path: Path, progress: bool) -> None:
-    """A byte-level BPE tokenizer of `vocab_size` tokens (the 256 bytes, <|endoftext|> and merges; as
-    GPT-2's, any text round-trips) trained on the documents of `files`, written to `path`. The
-    documents stream in, one at a time; the tokenizers library counts their words in parallel."""
+    """A byte-level BPE of `vocab_size` tokens (GPT-2's scheme: the 256 bytes, <|endoftext|>, merges)
+    trained on `files`' documents, streamed one at a time, written to `path`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -158,9 +150,8 @@ def prepare(
     progress: bool = True,
     train_vocab: int = 0,
 ) -> dict:
-    """Tokenize `files` in parallel into a packed dataset at `out_dir`; returns its metadata. With
-    `train_vocab`, `tokenizer` is ignored: a byte-level BPE of that size is trained on the files first
-    and written to OUT_DIR/tokenizer.json (train_bpe)."""
+    """Tokenize `files` in parallel into a packed dataset at `out_dir`; -> its metadata. With
+    `train_vocab`, a BPE of that size trained on the files (OUT_DIR/tokenizer.json) replaces `tokenizer`."""
     out, tmp = Path(out_dir), Path(f"{out_dir}.tmp")
     if out.exists():
         raise ValueError(f"output {out_dir!r} already exists; remove it or choose another")

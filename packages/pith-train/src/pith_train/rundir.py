@@ -1,16 +1,5 @@
-"""The run directory across launches: what a new launch may do with what earlier ones left there.
-
-- A fresh start in a directory that holds a run (checkpoints, damaged ones too, metrics, event files,
-  its plot or config) is an error: with checkpoint.resume = false, or when no checkpoint is intact.
-  The new run would otherwise overwrite the old run's metrics, or interleave its checkpoints and
-  metrics with them, and `prune` (newest step numbers first) would delete the new run's checkpoints
-  as soon as they were written.
-- Resuming continues the run saved in the checkpoint, so a launch must agree with it on the model
-  (the checkpoint's config.json), on what fixes the data order (DATA_ORDER) and on the learning
-  rates of the steps already trained; the parallel layout, batch split, logging and checkpoint
-  cadence may change. Each checkpoint carries the run's config.toml for this check.
-- RUN_DIR/config.toml is the latest launch's config, written only once the launch's inputs passed
-  their checks.
+"""The run directory across launches (pith-train README, Run directory). A fresh start where a run
+is would mix the two, and `prune` (newest step numbers first) would delete the new checkpoints.
 """
 
 import dataclasses
@@ -27,7 +16,7 @@ from pith_train import config as config_mod
 from pith_train.config import Config
 from pith_train.optim import lr_at
 
-# The [optim] keys of the learning-rate schedule (checked against the steps trained, not reported).
+# The [optim] keys of the learning-rate schedule (checked against the steps trained, not warned of).
 SCHEDULE = ("schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
 # The keys that decide which sequences each step trains on (see data.py's layout contract).
 DATA_ORDER = (
@@ -47,7 +36,6 @@ def _value(cfg: Config, key: str):
 
 
 def read_json(path: Path):
-    """A JSON file's value; ValueError naming the file when it is missing or not JSON."""
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -55,8 +43,7 @@ def read_json(path: Path):
 
 
 def check_writable(directory: Path) -> None:
-    """ValueError unless `directory` (or, before it exists, its nearest existing parent) takes files;
-    creates nothing."""
+    """ValueError unless `directory` (or its nearest existing parent) takes files; creates nothing."""
     existing = Path(directory)
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -69,16 +56,13 @@ def check_writable(directory: Path) -> None:
 
 
 def history(run_dir: Path, config: bool = True) -> list[str]:
-    """What earlier launches left in run_dir (paths relative to it): checkpoints, intact or damaged,
-    metrics.jsonl, TensorBoard's event files, metrics.png, and with `config` its config.toml."""
+    """What earlier launches left in run_dir (relative paths), with `config` its config.toml."""
     found = [*Path(run_dir, "checkpoints").glob("step_*"), *Path(run_dir, "tensorboard").glob("events.*")]
     found += [run_dir / n for n in ("metrics.jsonl", "metrics.png", *["config.toml"] * config)]
     return sorted(str(p.relative_to(run_dir)) for p in found if p.exists())
 
 
 def refuse_history(run_dir: Path, why: str, config: bool = True) -> None:
-    """ValueError naming what an earlier run left in run_dir, when it left anything: `why` a fresh
-    start there would lose or mix it."""
     if held := history(run_dir, config):
         raise ValueError(
             f"{why}, but {run_dir} holds an earlier run ({', '.join(held)}): choose a new --run-dir, or"
@@ -117,8 +101,8 @@ def _steps(steps: list[int]) -> str:
 
 
 def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
-    """ValueError unless `cfg` can continue the run saved in checkpoint `ckpt`; `warn` names the
-    optimizer settings that change (the config's apply: a checkpoint holds no settings, only state)."""
+    """ValueError unless `cfg` can continue the run saved in `ckpt`; `warn` names the optimizer
+    settings that change (the config's apply: a checkpoint holds state, not settings)."""
     _model_check(ckpt, cfg, model_hf, "resume")
     if not (ckpt / "config.toml").is_file():
         return
@@ -146,10 +130,8 @@ def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
 
 
 def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
-    """checkpoint.init_from: the checkpoint a new run starts from (its weights and optimizer state, at
-    step 0 of this config's schedule), checked whole, and the data position to start at: the source
-    run's when it read the same data in the same order (an extension trains on what it has not seen),
-    else 0. ValueError naming what is wrong."""
+    """checkpoint.init_from, checked whole, and the data position to start at: its run's when it read
+    the same data in the same order (an extension trains on what it has not seen), else 0."""
     ckpt = Path(cfg.checkpoint.init_from)
     if not (ckpt / ".metadata").is_file():
         raise ValueError(f"checkpoint.init_from={str(ckpt)!r} is not a Pith checkpoint (no DCP .metadata)")
@@ -167,8 +149,8 @@ def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
 
 
 def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
-    """The checks of a launch against its run directory, before anything is built or written:
-    -> the checkpoint to resume from (None: a new run, from checkpoint.init_from when set: check_init)."""
+    """A launch's checks against its run directory, before anything is built or written: -> the
+    checkpoint to resume from (None: a new run)."""
     ckpt_root = run_dir / "checkpoints"
     check_writable(ckpt_root)
     if cfg.data.seq_len > model_cfg.max_position_embeddings:
@@ -192,7 +174,7 @@ def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
 
 
 def write_config(run_dir: Path, cfg: Config) -> None:
-    """RUN_DIR/config.toml, replaced atomically."""
+    """RUN_DIR/config.toml (the latest launch's, once its checks passed), replaced atomically."""
     tmp = run_dir / "config.toml.tmp"
     tmp.write_text(config_mod.to_toml(cfg))
     os.replace(tmp, run_dir / "config.toml")

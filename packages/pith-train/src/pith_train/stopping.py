@@ -1,16 +1,7 @@
-"""Stopping a run on SIGINT (Ctrl-C) or SIGTERM (what a cluster scheduler sends before preemption),
-and `pith-train pretrain --nproc-per-node N`, which starts a run's processes on one machine.
-
-The first signal asks the training loop to stop after the current step: every rank saves the same
-checkpoint once and raises Interrupted, which the CLI turns into a resume hint (the launch line
-itself: resume_command) and exit status 128 + signal (130, 143). A second signal ends the process at
-once with the signal's default action; copies arriving within a second of the first count as the
-first, because a terminal's Ctrl-C reaches a launcher and its workers together and the launcher
-forwards its own copy to the workers.
-
-Under torchrun the workers behave so, but torchrun itself answers a signal with a traceback of its
-own (SignalException) and exit status 1, which no worker can change; `--nproc-per-node N` (one
-machine) starts the same processes with torchrun's environment and exits as one process would.
+"""Stopping a run on SIGINT or SIGTERM (pith-train README, Run directory), and `pretrain
+--nproc-per-node N`: torchrun's processes with its environment, minus its own traceback and exit
+status 1 on a signal. A signal within a second of the first is the same one: a terminal's Ctrl-C
+reaches a launcher and its workers together, and the launcher forwards its own copy.
 """
 
 import os
@@ -35,8 +26,8 @@ class Interrupted(Exception):
 
 
 class StopOnSignal:
-    """A context in which SIGINT/SIGTERM set a flag (the main thread only: Python delivers signals
-    there) instead of killing the process; `requested` reads it for the loop."""
+    """A context in which SIGINT/SIGTERM set a flag instead of killing the process (in the main thread,
+    where Python delivers signals); a later one kills it."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -64,8 +55,7 @@ class StopOnSignal:
             )
 
     def requested(self, device: torch.device) -> int:
-        """The signal any rank received (0: none). Under torchrun every rank calls it after each step,
-        so all stop after the same one: one all-reduce of a scalar per step."""
+        """The signal any rank received (0: none): one all-reduce a step, so all stop after the same."""
         if not dist.is_initialized():
             return self.signum
         flag = torch.tensor(self.signum, device=device)
@@ -87,11 +77,9 @@ def resume_command(argv: list[str]) -> str:
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:
-    """`pith-train pretrain ARGV` in nproc processes on this machine, each with torchrun's environment
-    (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT): -> the exit status of the run. A signal reaches
-    the workers (forwarded once when it came to this process alone, e.g. a scheduler's SIGTERM) and
-    they stop as one process does; the status is theirs (130, 143). A worker that fails ends the
-    others (SIGTERM, then SIGKILL after 30 s), and its status is the run's."""
+    """`pith-train pretrain ARGV` in nproc processes with torchrun's environment: -> the run's exit
+    status. A signal is forwarded to the workers (a scheduler's SIGTERM reaches this process alone);
+    a worker that fails ends the others (SIGTERM, then SIGKILL after 30 s) with its status."""
     with socket.socket() as s:  # a free port for the env:// rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,6 +1,5 @@
-"""`pretrain`: build the model and data from a Config, then the training loop. Each optimizer step is
-one call of pith_engine.step.train_step (the schedule, the loss, clipping, the update), read with
-step_values; the loss it minimises is defined there."""
+"""`pretrain`: the model and data from a Config, then the training loop: each optimizer step is one
+pith_engine.step.train_step (which defines the loss), read with step_values."""
 
 import contextlib
 import dataclasses
@@ -13,7 +12,7 @@ from pathlib import Path
 import pith_models
 import torch
 import torch.distributed as dist
-from pith_engine import checkpoint, parallel, schedule
+from pith_engine import checkpoint, parallel
 from pith_engine.layers import FP8Switch, fp8_weights, gather_in_fp8, use_fp8
 from pith_engine.parallel import held_layers
 from pith_engine.step import Aux, Stages, evaluate, step_values, train_step
@@ -34,19 +33,9 @@ from pith_train.stopping import Interrupted, StopOnSignal
 
 def parallel_layout(cfg: Config, device: torch.device) -> parallel.Mesh:
     """This process's place in cfg.parallel (the world from torchrun's env), checked before any compute."""
+    plan.valid(cfg, plan.model_shape(model_config(cfg.model)), int(os.environ.get("WORLD_SIZE", 1)))
     p = cfg.parallel
-    shape = parallel.Layout(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
-    model_cfg = model_config(cfg.model)
-    parallel.check_layout(
-        shape,
-        world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        num_experts=parallel.num_experts(pith_models.build(model_cfg)),  # on meta
-        seq_len=cfg.data.seq_len,
-        global_batch=cfg.train.global_batch,
-        micro_batch=cfg.train.micro_batch,
-    )
-    schedule.check(shape.pp, cfg.micro_batches, model_cfg.num_hidden_layers)
-    return parallel.build_mesh(shape, device)
+    return parallel.build_mesh(parallel.Layout(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep), device)
 
 
 def step_settings(cfg: Config, model: nn.Module) -> tuple[Aux, float, float]:
@@ -58,8 +47,7 @@ def step_settings(cfg: Config, model: nn.Module) -> tuple[Aux, float, float]:
 
 
 def apply_fp8(cfg: Config, model: nn.Module, cuda: bool, warn=print) -> None:
-    """train.fp8, train.fp8_lm_head and train.fp8_all_gather on the (sharded) model
-    (pith_engine.layers.use_fp8, gather_in_fp8: the experts' weights only where stages compile)."""
+    """train.fp8, train.fp8_lm_head and train.fp8_all_gather on the (sharded) model."""
     use_fp8(model, cfg.train.fp8, lm_head=cfg.train.fp8_lm_head)
     if cfg.train.fp8_all_gather and not gather_in_fp8(model, experts_only=cfg.train.compile and cuda):
         warn(
@@ -69,9 +57,8 @@ def apply_fp8(cfg: Config, model: nn.Module, cuda: bool, warn=print) -> None:
 
 
 def fp8_size_problems(cfg: Config, model_cfg) -> list[str]:
-    """What the FP8 GEMMs would refuse on CUDA at their first call (cuBLAS's and CUTLASS's e4m3 GEMMs
-    take multiples of 16): an FP8 weight matrix with a dimension that is not one, or a micro-batch's
-    tokens (per CP rank) that are not. Checked on the meta device, before anything is built."""
+    """What the e4m3 GEMMs (cuBLAS's, CUTLASS's) would refuse on CUDA at their first call, from the
+    meta model: FP8 weight dimensions or a micro-batch's tokens (per CP rank) not multiples of 16."""
     if not (cfg.train.fp8 or cfg.train.fp8_lm_head):
         return []
     model = pith_models.build(model_cfg)
@@ -88,10 +75,8 @@ def fp8_size_problems(cfg: Config, model_cfg) -> list[str]:
 
 
 def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages:
-    """The model as the trainer runs it: compiled on CUDA (under FSDP too, its hooks outside the
-    compiled bodies: pith_engine.step.Stages), cfg's recompute, a bf16 residual stream on CUDA, under
-    FP8 expert groups padded to the 16 rows its GEMMs need, and on CUDA the step as a CUDA graph when
-    train.cuda_graph is set."""
+    """The model as the trainer runs it: on CUDA compiled, a bf16 residual stream and
+    train.cuda_graph; cfg's recompute; under FP8 expert groups padded to the 16 rows its GEMMs need."""
     cuda = mesh.device.type == "cuda"
     compile = cfg.train.compile and cuda
     dtype, align = torch.bfloat16 if cuda else None, GROUP_ALIGN if cfg.train.fp8 else 1
@@ -103,15 +88,9 @@ def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * N_active + 6 * L * S * H * (Dqk + Dv).
-
-    N_active counts the matmul weights one token goes through: every parameter except the embedding
-    lookup and vectors (norm scales, biases), with a stacked expert weight counted at K/E of its size
-    (K of E experts per token; from the model config). The factor 6 is 2 FLOPs per multiply-add,
-    times 3 for the forward plus a backward of twice its cost. The attention term is the score
-    (Dqk) and value (Dv) matmuls over the full S x S matrix per layer, ignoring causal masking, the
-    PaLM / TorchTitan convention (a causal kernel does about half of it).
-    """
+    """Training FLOPs per token, 6 * N_active + 6 * L * S * H * (Dqk + Dv) (PaLM / TorchTitan): the
+    matrices a token passes through (not the embedding lookup; a stacked expert weight at K/E of its
+    size), forward + backward = 3 x forward, and attention over the full S x S square."""
     c = model.cfg
     experts = checkpoint.expert_param_names(model)
     lookup_only = model.embed_tokens.weight is not model.lm_head.weight
@@ -132,14 +111,13 @@ def build_model(
     mesh: parallel.Mesh = parallel.SINGLE,
     param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """This rank's part (its experts, its FSDP shards over `mesh`) of a zoo model initialised from
-    seed, a Hugging Face directory or a Pith checkpoint's weights; only that part is materialised, and
-    only that part is read from a directory."""
+    """This rank's part (its experts, its FSDP shards over `mesh`) of a preset initialised from seed,
+    a Hugging Face directory or a Pith checkpoint; only that part is materialised or read."""
     model = ModelConfig(model) if isinstance(model, str) else model
     cfg = model_config(model)
-    if model.name in pith_models.MODELS or not (Path(model.name) / ".metadata").is_file():
-        if model.name in pith_models.MODELS:
-            return pith_models.build(cfg, device, seed, mesh, param_dtype)
+    if model.name in pith_models.MODELS:
+        return pith_models.build(cfg, device, seed, mesh, param_dtype)
+    if not (Path(model.name) / ".metadata").is_file():
         return pith_models.from_pretrained(model.name, device, mesh, param_dtype)
     built = pith_models.build(cfg, device, seed, mesh, param_dtype)
     checkpoint.load(Path(model.name), built, mesh=mesh)  # DCP reads this rank's pieces
@@ -170,27 +148,25 @@ def open_data(cfg: Config, run_dir: Path, main: bool) -> tuple[PackedDataset, Pa
     return ds, val_ds
 
 
-def _device(cfg: Config) -> torch.device:
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device is cuda, but torch sees no CUDA device")
-    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    if not use_cuda:
-        if cfg.train.cuda_graph:
-            raise ValueError("train.cuda_graph needs a CUDA device, and this run is on the CPU: turn it off")
+def pick_device(choice: str, key: str, cpu_threads: int = 0) -> torch.device:
+    """auto | cpu | cuda: this process's device (LOCAL_RANK's card), on CPU with `cpu_threads` intra-op
+    threads (0: torch's default)."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{key} is cuda, but torch sees no CUDA device")
+    if choice == "cpu" or not torch.cuda.is_available():
+        if cpu_threads:
+            torch.set_num_threads(cpu_threads)
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
 
 
 def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> dict:
-    """Train per `cfg` in `run_dir`, resuming from its latest intact checkpoint; stop after step
-    `stop_at` if given. SIGINT/SIGTERM stop it after the current step with a checkpoint (Interrupted).
-
-    Returns a summary: final step, last loss, validation loss, and the run's paths.
-    """
-    device = _device(cfg)
+    """Train per `cfg` in `run_dir`, resuming from its latest intact checkpoint, up to step `stop_at`
+    if given; SIGINT/SIGTERM save and raise Interrupted. -> the last step, losses and paths."""
+    device = pick_device(cfg.train.device, "train.device", cfg.train.cpu_threads)
+    if device.type == "cpu" and cfg.train.cuda_graph:
+        raise ValueError("train.cuda_graph needs a CUDA device, and this run is on the CPU: turn it off")
     plan.check(cfg, model_config(cfg.model), device, "pretrain CONFIG")  # before anything is built
-    if device.type == "cpu" and cfg.train.cpu_threads:
-        torch.set_num_threads(cfg.train.cpu_threads)
     mesh = parallel_layout(cfg, device)
     run_dir = Path(run_dir)
     main = not dist.is_initialized() or dist.get_rank() == 0
