@@ -37,16 +37,14 @@ from pith_train.train import (
 
 WORKLOAD = dataclasses.replace(qwen3_moe.QWEN3_30B_A3B, num_hidden_layers=4)
 WORKLOAD_SEQ_LEN, WORKLOAD_BATCH = 4096, 4
-# CI size (--tiny): the 2-layer test model with a vocabulary the byte tokenizer fits (--data).
+# --tiny: the 2-layer test model, a vocabulary the byte tokenizer fits (--data)
 TINY, TINY_SEQ_LEN, TINY_BATCH = dataclasses.replace(qwen3_moe.TINY, vocab_size=260), 32, 2
 LR = 3e-4  # constant: no schedule in a benchmark
 AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policies
 
-# Components of the profile breakdown: a kernel goes by FIRST_NAME_FRAGMENTS, else by the trainer's
-# record_function range it ran in, else by its launching ops (torch's grouped matmul launches CUTLASS
-# kernels whose names say nothing of experts), else by its own name. Replayed under cuda_graph kernels
-# have no launching op: names only (CUTLASS's float_e4m3_t and GroupProblemShape, cuBLAS's nvjet "qq";
-# H200, torch 2.11), so lm_head's GEMMs land in the GEMM components.
+# Profile components: a kernel goes by QUANT_FRAGMENTS, else by the trainer's record_function range,
+# else by its launching ops (torch's grouped matmul launches CUTLASS kernels whose names say nothing of
+# experts), else by its name: under cuda_graph the only way (names seen on an H200, torch 2.11).
 RANGES = {"optimizer": "optimizer", "lm_head+loss": "lm_head + loss"}
 OP_FRAGMENTS = (
     ("FP8 GEMMs", ("_scaled_mm", "_scaled_grouped_mm")),  # --fp8: experts and projections
@@ -64,17 +62,14 @@ NAME_FRAGMENTS = (
     ("other GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm")),
 )
 # Found by kernel name before the ranges: the FP8 quantisation kernels run inside the FP8 GEMM ops.
-FIRST_NAME_FRAGMENTS = (
-    ("FP8 quantisation", ("_quant_rows", "_cols_kernel", "_group_scale", "_weight_rows", "_weight_scales")),
-)
+QUANT_FRAGMENTS = ("_quant_rows", "_cols_kernel", "_group_scale", "_weight_rows", "_weight_scales")
 COMPONENTS = (*[c for c, _ in NAME_FRAGMENTS], "FP8 quantisation", "other")
 
 
 def classify(name: str, ranges: set[str]) -> str:
     low = name.lower()
-    for component, frags in FIRST_NAME_FRAGMENTS:
-        if any(f in low for f in frags):
-            return component
+    if any(f in low for f in QUANT_FRAGMENTS):
+        return "FP8 quantisation"
     for marked, component in RANGES.items():
         if marked in ranges:
             return component
@@ -94,9 +89,7 @@ def _ranges_above(event) -> set[str]:
 
 
 def _timed(prof):
-    """(component, name, microseconds) of each device activity of a torch.profiler run: a kernel linked
-    to its launching op goes by that op's enclosing ranges, an unlinked one by its name; on CPU each
-    op's self time."""
+    """(component, name, us) of each device activity (on CPU: each op's self time)."""
     events = prof.events()
     cpu = torch.autograd.DeviceType.CPU
     # Device activity (kernels, copies, fills), not the device-side spans of record_function ranges.
@@ -137,8 +130,7 @@ def kernels(prof, steps: int, top: int = 60) -> list[dict]:
 
 
 def idle(prof, steps: int, top: int = 12) -> dict | None:
-    """Time with no device activity on any stream, between the first and the last, by gap length
-    (launch gaps of a few us against the CPU falling behind), and the longest gaps; None on CPU."""
+    """Time with no device activity, by gap length (launch gaps against the CPU falling behind)."""
     cpu = torch.autograd.DeviceType.CPU
     spans = sorted(
         (e.time_range.start, e.time_range.end, e.name)
@@ -171,10 +163,8 @@ HISTORY_ENTRIES = 4_000_000  # the allocator history's ring buffer (--memory-pea
 
 
 def memory_at_peak(snapshot: dict, device: int = 0, top: int = 15) -> dict:
-    """The allocator's history (torch.cuda.memory._snapshot()) replayed to its largest total:
-    "peak_gib" beyond what was allocated before the recording began, "sites" the blocks live then by
-    the innermost frame in pith's packages (else the innermost), largest first, and "complete" False
-    when the trace filled HISTORY_ENTRIES (its start lost: not the run's peak)."""
+    """The allocator's history replayed to its largest total (beyond the recording's start), the blocks
+    live then by their innermost frame in pith's packages, and whether the history held it all."""
     trace = snapshot["device_traces"][device]
     events = [e for e in trace if e["action"] in ("alloc", "free_completed")]
     total, peak, at = 0, 0, -1
@@ -200,7 +190,6 @@ def memory_at_peak(snapshot: dict, device: int = 0, top: int = 15) -> dict:
 
 
 def _measured_matmul_flops(device: torch.device) -> float:
-    """bf16 matmul FLOP/s measured here (8192^3, median of 10); CPU: metrics.peak_flops'."""
     if device.type != "cuda":
         return peak_flops(device)[0]
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
@@ -245,15 +234,9 @@ def run(
     back_to_back: bool = True,
     memory_peak: bool = False,
 ) -> dict:
-    """`warmup` then `steps` timed training steps of the workload (or the tiny one), then
-    `profile_steps` under torch.profiler; -> the measurements.
-
-    dp, cp, ep: the [parallel] layout under torchrun; `batch` is global, each data rank (dp x ep)
-    draws its share. data: None for random tokens, or a prepared dataset read in the trainer's order.
-    perturb_seed (one process): every initial weight times 1 + u, u uniform in +-2^-9 (half a bf16
-    ulp, the rounding the bf16 forward gives it anyway), for loss_equivalence.py's noise runs.
-    memory_peak (CUDA): the allocator's history over the warm-up steps (recording costs host time),
-    capture included under cuda_graph, replayed by memory_at_peak."""
+    """-> the measurements. `batch` is global. perturb_seed: each initial weight times 1 + u, u uniform
+    in +-2^-9 (half a bf16 ulp), for loss_equivalence.py. memory_peak: the allocator's history over the
+    warm-up steps (recording costs host time)."""
     if steps < 1 or warmup < 0 or profile_steps < 0:
         raise ValueError(
             f"expected steps >= 1, warmup >= 0, profile_steps >= 0; got {steps}, {warmup}, {profile_steps}"
@@ -275,7 +258,6 @@ def run(
     mb = Bl if micro_batch is None else micro_batch
     if mb < 1 or Bl % mb:
         raise ValueError(f"micro_batch: expected a divisor of the {Bl} sequences per data rank, got {mb}")
-    # What train_step and the optimizer read, as the trainer's config (validated there).
     cfg = load_config(
         None,
         [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={mb}", f"train.device={device}",
@@ -366,16 +348,10 @@ def run(
     gib = 2**30
     out = {
         "card": torch.cuda.get_device_name(dev) if cuda else "cpu",
-        "layout": {
-            "world": mesh.layout.world,
-            "dp": dp,
-            "cp": cp,
-            "ep": ep,
-            "fsdp": mesh.dense_mesh is not None,
-        },
+        "layout": dict(world=mesh.layout.world, dp=dp, cp=cp, ep=ep, fsdp=mesh.dense_mesh is not None),
         "workload": {
             "model": dataclasses.asdict(model_cfg),
-            "params": pith_models.param_count(pith_models.build(model_cfg)),
+            "params": pith_models.param_count(whole),
             "active_params_nonembed": f_none / 6,
             "seq_len": S,
             "batch": B,

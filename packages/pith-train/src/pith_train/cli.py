@@ -73,8 +73,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
 
 
 def _routing_bias(model, refuse: bool) -> None:
-    """Before an HF export: no supported HF family holds a selection-only routing bias (pith-train
-    README, convert), so a nonzero one is dropped, saying so, or with `refuse` stops the export."""
+    """No supported HF family holds a selection-only routing bias: drop a nonzero one, or refuse."""
     import torch
 
     biases = [b for n, b in model.named_buffers() if n.endswith("expert_bias") and bool(b.any())]
@@ -96,14 +95,15 @@ def _routing_bias(model, refuse: bool) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    """HF directory <-> Pith checkpoint (told apart by their files), written as DST.tmp and renamed;
-    tokenizer.json and the run's config.toml go along, for eval and generate."""
+    """HF directory <-> Pith checkpoint, written as DST.tmp and renamed; tokenizer.json and the run's
+    config.toml go along, for eval and generate."""
     import json
 
     import pith_models
     import torch
     from pith_engine import checkpoint
-    from pith_models.hf import config_from_hf
+
+    from pith_train.train import build_model
 
     src, dst = Path(args.src), Path(args.dst)
     if dst.exists():
@@ -113,8 +113,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
     carried = {n: (src / n).read_text() for n in ("tokenizer.json", "config.toml") if (src / n).is_file()}
     try:
         if (src / ".metadata").is_file():
-            model = pith_models.build(config_from_hf(json.loads((src / "config.json").read_text())), "cpu")
-            checkpoint.load(src, model)
+            model = build_model(str(src), torch.device("cpu"), seed=0)
             _routing_bias(model, args.refuse_routing_bias)
             dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
             pith_models.save_pretrained(model, tmp, dtype=dtype)
@@ -182,16 +181,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not prompt:
         raise ValueError("--prompt is empty")
     model = build_model(str(path), _device(args), seed=0).eval()
-    new = generate(
-        model,
-        prompt,
-        args.max_new_tokens,
-        tok.vocab_size,
-        tok.eos_id,
-        args.top_p,
-        args.temperature,
-        args.seed,
-    )
+    new = generate(model, prompt, args.max_new_tokens, tok, args.top_p, args.temperature, args.seed)
     print(args.prompt + tok.decode(new))
 
 

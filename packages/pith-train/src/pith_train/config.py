@@ -12,20 +12,20 @@ from pathlib import Path
 
 @dataclass
 class ModelConfig:
-    # A name in pith_models.MODELS, a Hugging Face directory or a Pith checkpoint (its weights)
+    # A name in pith_models.MODELS, a Hugging Face directory or a Pith checkpoint
     name: str = "tiny-moe"
-    # Every other [model] key sets that field of a preset's model config (`num_hidden_layers = 2`)
+    # Every other [model] key sets that field of a preset's config (`num_hidden_layers = 2`)
     overrides: dict = field(default_factory=dict)
 
 
 @dataclass
 class DataConfig:
-    path: str = ""  # a dataset made by `pith-train prepare-data`; "" = built-in corpus, made in RUN_DIR/data
-    tokenizer: str = "byte"  # "byte" or a tokenizer.json; must be the one the dataset was made with
+    path: str = ""  # a prepared dataset; "" = the built-in corpus, made in RUN_DIR/data
+    tokenizer: str = "byte"  # "byte" or a tokenizer.json: the dataset's
     seq_len: int = 128  # tokens per training sequence
     # A prepared dataset (same tokenizer) for the validation loss; "" = hold windows of data.path out
     val_path: str = ""
-    # Windows of the validation loss, spread evenly over the set (a fixed sample, as Megatron's eval-iters)
+    # Windows of the validation loss, spread over the set (a fixed sample, as Megatron's eval-iters)
     val_windows: int = 16
 
 
@@ -37,14 +37,14 @@ class TrainConfig:
     lr: float = 3e-3  # peak learning rate
     seed: int = 0  # weight init and data order
     device: str = "auto"  # auto (cuda when there is one) | cpu | cuda
-    compile: bool = True  # torch.compile(fullgraph=True) the non-expert stages; used on CUDA only
+    compile: bool = True  # torch.compile the non-expert stages (CUDA only)
     ac: str = "none"  # activation checkpointing: none | selective (expert MLPs) | full (every stage)
-    fp8: bool = False  # projections and expert GEMMs in FP8 (e4m3; pith_engine.layers.use_fp8)
-    fp8_lm_head: bool = False  # lm_head's three GEMMs in FP8 too (pith_ops.linear_cross_entropy's w8)
+    fp8: bool = False  # projections and expert GEMMs in FP8 (e4m3)
+    fp8_lm_head: bool = False  # lm_head's three GEMMs in FP8 too
     # Under FSDP2, all-gather the FP8 weights in e4m3, half bf16's bytes; under train.compile the
     # experts' only (the compiled stages read the projections' weights)
     fp8_all_gather: bool = False
-    # The step's forward and backward as one CUDA graph, captured at the second step (one CUDA process)
+    # The step's forward and backward as one CUDA graph from the second step (one CUDA process)
     cuda_graph: bool = False
     # Global-batch load-balancing loss coefficient (0 = off). The default run ends at max/mean load
     # <= 1.57 with 3e-2, 3.96 of 4 with 1e-3 (pith-train README, Expert balance)
@@ -59,7 +59,7 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    # adamw | muon: Muon on the hidden matrices, AdamW on the rest; lr and weight_decay mean the same
+    # adamw | muon (on the hidden matrices, AdamW on the rest; lr and weight_decay mean the same)
     name: str = "adamw"
     muon_momentum: float = 0.95  # Muon's (Nesterov) momentum
     muon_ns_dtype: str = "bfloat16"  # bfloat16 | float32: dtype of Muon's Newton-Schulz iterations
@@ -80,8 +80,7 @@ class ParallelConfig:
     dp: int = 1  # data-parallel (FSDP) ranks
     cp: int = 1  # context-parallel ranks (share sequences, split them along time)
     ep: int = 1  # expert-parallel ranks (take different data, like dp)
-    # Overlapped forward+backward pairs (DualPipeV's; F(m+1) with B(m) under pp=1) interleave at their
-    # expert all-to-alls
+    # Overlapped forward+backward pairs (F(m+1) with B(m) under pp=1) interleave at their all-to-alls
     overlap: bool = True
     # Weight gradients of the projections and expert GEMMs wait for the schedule's W slots, under
     # pp > 1 only: under pp = 1 (no bubble) delaying cost 1.4-2.2% of tokens/s and ~7.5 GiB (H200)
@@ -90,11 +89,11 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 40  # steps between checkpoints (0 = only at the end); one is always written at the end
+    every: int = 40  # steps between checkpoints (0 = only at the end, where one always is)
     keep: int = 2  # how many of the latest checkpoints to keep
-    resume: bool = True  # continue from the latest checkpoint in RUN_DIR/checkpoints when there is one
-    # A checkpoint to start a new run from (its weights, optimizer state and, with the same data order,
-    # data position; this config's schedule from step 0); read only while RUN_DIR has no checkpoint
+    resume: bool = True  # continue from the latest checkpoint in RUN_DIR/checkpoints
+    # A checkpoint to start a new run from (its state; its data position if the order is the same;
+    # this config's schedule from step 0); read only while RUN_DIR has no checkpoint
     init_from: str = ""
 
 
@@ -105,7 +104,7 @@ class LogConfig:
     every: int = 0
     eval_every: int = 40  # steps between validation losses (0 = only at the end)
     tensorboard: bool = True  # TensorBoard event files in RUN_DIR/tensorboard
-    wandb: str = ""  # a Weights & Biases project to log to (needs the wandb package); "" = off
+    wandb: str = ""  # a Weights & Biases project (needs the wandb package); "" = off
 
 
 @dataclass
@@ -257,30 +256,25 @@ def validate(cfg: Config) -> None:
         model = model_config(cfg.model)
         cfg.model.overrides = {k: getattr(model, k) for k in cfg.model.overrides}
     t, o, p = cfg.train, cfg.optim, cfg.parallel
-    positive = {
-        "train.steps": t.steps,
-        "train.global_batch": t.global_batch,
-        "train.micro_batch": t.micro_batch,
-        "data.seq_len": cfg.data.seq_len,
-        "data.val_windows": cfg.data.val_windows,
-        "checkpoint.keep": cfg.checkpoint.keep,
-        "parallel.pp": p.pp,
-        "parallel.dp": p.dp,
-        "parallel.cp": p.cp,
-        "parallel.ep": p.ep,
+    at_least = {  # key: (value, the least allowed)
+        "train.steps": (t.steps, 1),
+        "train.global_batch": (t.global_batch, 1),
+        "train.micro_batch": (t.micro_batch, 1),
+        "data.seq_len": (cfg.data.seq_len, 1),
+        "data.val_windows": (cfg.data.val_windows, 1),
+        "checkpoint.keep": (cfg.checkpoint.keep, 1),
+        "parallel.pp": (p.pp, 1),
+        "parallel.dp": (p.dp, 1),
+        "parallel.cp": (p.cp, 1),
+        "parallel.ep": (p.ep, 1),
+        "checkpoint.every": (cfg.checkpoint.every, 0),
+        "log.eval_every": (cfg.log.eval_every, 0),
+        "log.every": (cfg.log.every, 0),
+        "train.cpu_threads": (t.cpu_threads, 0),
     }
-    for name, v in positive.items():
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    non_negative = {
-        "checkpoint.every": cfg.checkpoint.every,
-        "log.eval_every": cfg.log.eval_every,
-        "log.every": cfg.log.every,
-        "train.cpu_threads": t.cpu_threads,
-    }
-    for name, v in non_negative.items():
-        if v < 0:
-            raise ValueError(f"{name} must be >= 0, got {v}")
+    for key, (value, least) in at_least.items():
+        if value < least:
+            raise ValueError(f"{key} must be >= {least}, got {value}")
     per_step = t.micro_batch * cfg.data_ranks
     if t.global_batch % per_step:
         raise ValueError(

@@ -1,7 +1,5 @@
-"""The packed dataset (prepare.py) and the loader of its windows of seq_len + 1 tokens at stride
-seq_len, in the order the pith-train README (Data layout) sets out and the parallel engine relies on.
-Validation takes the middle window of each of val_windows equal parts, not the tail: a corpus's tail
-is often one document.
+"""The packed dataset and its windows of seq_len + 1 tokens at stride seq_len, in the order the
+pith-train README (Data layout) sets out and the parallel engine relies on.
 
 Shape legend: B sequences, S sequence length.
 """
@@ -84,6 +82,7 @@ class WindowLoader:
                     f" ({what or 'data.val_windows'}): lower data.val_windows or data.seq_len"
                 )
         self.val_tokens = val_from.tokens
+        # the middle window of each of val_windows parts: a corpus's tail is often one document
         self.val_ids = (2 * np.arange(val_windows) + 1) * val_total // (2 * val_windows)
         self.train_ids = np.setdiff1d(np.arange(total), self.val_ids) if held else np.arange(total)
         self.num_train = len(self.train_ids)

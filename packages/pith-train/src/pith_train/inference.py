@@ -40,8 +40,7 @@ def _autocast(device: torch.device):
 
 @torch.no_grad()
 def dataset_loss(model: nn.Module, ds: PackedDataset, seq_len: int, batch: int, max_windows: int = 0):
-    """Mean next-token cross-entropy over the dataset's windows (or the first max_windows) -> (loss,
-    tokens scored). Progress on stderr: a bar on a terminal, else a line per tenth of the windows."""
+    """(mean cross-entropy, tokens) over the dataset's windows; progress on stderr."""
     n = min(ds.num_windows(seq_len), max_windows or ds.num_windows(seq_len))
     if n < 1:
         raise ValueError(f"{ds.path} has {len(ds.tokens)} tokens, not one window of --seq-len {seq_len} + 1")
@@ -82,21 +81,19 @@ def generate(
     model: nn.Module,
     prompt: list[int],
     max_new_tokens: int,
-    vocab_size: int,
-    eos_id: int | None = None,
+    tok: ByteTokenizer | HFTokenizer,
     top_p: float | None = None,
     temperature: float = 1.0,
     seed: int = 0,
 ) -> list[int]:
-    """New token ids after `prompt`: greedy (top_p None) or sampled from the top-p nucleus at
-    `temperature`, among the tokenizer's `vocab_size` ids (the embedding may pad), up to eos_id. No KV
-    cache: each token reruns the window, fine for the small models this is for."""
+    """Greedy (top_p None) or nucleus sampling among `tok`'s ids (the embedding may pad), up to its EOS.
+    No KV cache: each token reruns the window, fine for the small models this is for."""
     device = model.lm_head.weight.device
     generator = torch.Generator(device).manual_seed(seed)
     ids, window = list(prompt), model.cfg.max_position_embeddings
     for _ in range(max_new_tokens):
         with _autocast(device):
-            logits_V = model(torch.tensor([ids[-window:]], device=device))[0, -1, :vocab_size].float()
+            logits_V = model(torch.tensor([ids[-window:]], device=device))[0, -1, : tok.vocab_size].float()
         if top_p is None:
             token = int(logits_V.argmax())
         else:
@@ -104,6 +101,6 @@ def generate(
             probs_V = probs_V * top_p_keep(probs_V, top_p)
             token = int(torch.multinomial(probs_V, 1, generator=generator))
         ids.append(token)
-        if token == eos_id:
+        if token == tok.eos_id:
             break
     return ids[len(prompt) :]

@@ -16,25 +16,22 @@ BF16_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e
 
 
 def peak_flops(device: torch.device) -> tuple[float, str]:
-    """(FLOP/s, where the number comes from): the datasheet for a known GPU, else a measured matmul."""
+    """(FLOP/s, its source): a known GPU's datasheet, else a measured matmul."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for fragment, flops in BF16_PEAK_FLOPS.items():
             if fragment in name:
                 return flops, f"{name} bf16 datasheet"
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    n = 2048 if device.type == "cuda" else 512
+    n, dtype = (2048, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
     a @ a  # warm-up
-    reps = 10
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     start = time.perf_counter()
-    for _ in range(reps):
+    for _ in range(10):
         a @ a
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = (time.perf_counter() - start) / reps
+    sync(device)
+    seconds = (time.perf_counter() - start) / 10
     return 2 * n**3 / seconds, f"measured {n}x{n} {str(dtype).removeprefix('torch.')} matmul on {device.type}"
 
 
@@ -67,9 +64,8 @@ def _records(path: Path) -> list[dict]:
 
 
 class MetricsLog:
-    """Each step's record, on rank 0, to RUN_DIR/metrics.jsonl, TensorBoard and Weights & Biases. A run
-    resumed from step `start` trains the steps after it again, so their earlier records are dropped
-    (the file rewritten, TensorBoard's purge_step): one record a step, the continued run's."""
+    """Each step's record, on rank 0, to RUN_DIR/metrics.jsonl, TensorBoard and W&B. A run resumed
+    from step `start` retrains the steps after it: their earlier records are dropped."""
 
     def __init__(self, run_dir: Path, start: int = 0, enabled=True, tensorboard=False, wandb="", config=None):
         self.path, self.enabled, self.tb, self.wandb = Path(run_dir) / "metrics.jsonl", enabled, None, None
@@ -129,7 +125,6 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def plot(run_dir: str, out: str | None = None) -> Path:
-    """PNG against step of the loss (and validation loss), tokens/s and the other metrics the file has."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only

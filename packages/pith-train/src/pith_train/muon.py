@@ -1,19 +1,13 @@
-"""Muon (momentum orthogonalised by Newton-Schulz) on the hidden matrices; AdamW keeps the rest.
-
-One matrix W [M, N] with gradient G, one step (Moonlight, arXiv:2502.16982, Nesterov form):
-    B <- mu * B + G                                   momentum buffer (the optimizer's state)
-    U <- G + mu * B                                   Nesterov
-    O <- NS5(U)                                       ~ the orthogonal factor P Q^T of U = P S Q^T
+"""Muon on the hidden matrices (pith-train README, Training). One matrix W [M, N] with gradient G, one
+step (Moonlight, arXiv:2502.16982, Nesterov form):
+    B <- mu * B + G;  U <- G + mu * B;  O <- NS5(U) ~ P Q^T of U = P S Q^T
     W <- W * (1 - lr * wd) - lr * 0.2 * sqrt(max(M, N)) * O
-NS5: X = U / (||U||_F + 1e-7) in the wide orientation (transposed when M > N), then 5 quintic steps
-X <- a X + (b A + c A^2) X, A = X X^T, in bf16. O's RMS is about 1 / sqrt(max(M, N)), so the scale
-gives the update AdamW's typical RMS of about 0.2: its lr and weight decay carry over (Moonlight).
-Which parameters Muon takes: hidden_matrices (pith-train README, Training).
+NS5: X = U / (||U||_F + 1e-7), wide (transposed when M > N), then 5 steps X <- a X + (b A + c A^2) X,
+A = X X^T, in bf16. O's RMS is ~1 / sqrt(max(M, N)): the scale gives AdamW's typical RMS of ~0.2.
 
-Sharded (FSDP2: dim 0 in torch.chunk pieces, some possibly empty): an expert stack's shard holds
-whole experts, orthogonalised where they are. A dense matrix goes whole to one owner rank (greedy by
-NS cost, the same on every rank): one all-to-all brings its shards of U there (in NS5's dtype, its
-first step's cast), a second brings each rank its rows of O back. The update is one process's.
+Sharded: an expert stack's FSDP2 shard holds whole experts, orthogonalised there. A dense matrix goes
+whole to one owner rank (greedy by NS cost): one all-to-all brings it there, a second the rows of O
+back. The update is one process's.
 
 Shape legend: M rows, N columns, E matrices in a batch.
 """

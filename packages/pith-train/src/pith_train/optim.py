@@ -13,12 +13,9 @@ from pith_train.muon import Chain, Muon, hidden_matrices
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW (its hyperparameters, state and checkpoints; no amsgrad, maximize or tensor lr),
-    stepped by pith_ops.adamw_: `step(grad_scale=coef)` scales every gradient by the device scalar
-    coef inside the update (clipping without a pass of its own) and skips the update where coef is not
-    finite. Step counts live on the device, so neither needs a host sync. A weight's kept bf16 cast or
-    FP8 copies are rewritten in the same pass, and its gradient read in bf16 from the kept one
-    (pith_ops.grad), which zero_grad drops too."""
+    """torch's AdamW by pith_ops.adamw_: `step(grad_scale=coef)` scales the gradients inside the update
+    (clipping without a pass of its own) and skips it where coef is not finite, with no host sync.
+    Kept casts and FP8 copies are rewritten in the same pass."""
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -47,7 +44,6 @@ class AdamW(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 # A plain torch AdamW's checkpoint holds its counts on the host.
                 state["step"] = state["step"].to(device, torch.float32)
-            # The update's number where the step is not skipped, and its constants, for the whole group.
             steps = torch.stack([self.state[p]["step"] for p, _ in live]) + 1
             beta1, beta2 = group["betas"]
             constants = pith_ops.step_constants(group["lr"], beta1, beta2, steps)
@@ -64,9 +60,8 @@ class AdamW(torch.optim.AdamW):
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> AdamW | Chain:
-    """AdamW with weight decay on matrices only (a stacked expert parameter [E, ...] is E of its
-    per-expert shape: GPT-OSS's b_down [E, D] is vectors); under optim.name = "muon" on what Muon
-    leaves."""
+    """AdamW, weight decay on matrices only (GPT-OSS's stacked b_down [E, D] is E vectors); under
+    optim.name = "muon" Muon first."""
     experts = expert_param_names(model)
     o = cfg.optim
     matrices = hidden_matrices(model) if o.name == "muon" else []

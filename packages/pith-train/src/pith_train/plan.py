@@ -1,9 +1,6 @@
-"""`pith-train plan`: the memory one rank of a run holds, from its config and the meta model; `check`
-runs it before `pretrain` and `bench` build anything, so a run that cannot fit is refused, not killed.
-
-Each term's formula is commented with the code it follows, for benchmarks/plan_vs_measured.py to
-correct. The peak is the larger of two moments, the start of the backward and the optimizer step, on
-the pipeline rank holding the most; the device must hold total * SLACK + CONTEXT.
+"""`pith-train plan`: the memory a rank of a run holds at its peak (the start of the backward or the
+optimizer step), from the config and the meta model; `check` refuses a run that cannot fit before it
+builds anything. Each formula names the code it follows, for benchmarks/plan_vs_measured.py to correct.
 
 Shape legend: T tokens per micro-batch on one rank, D hidden, E experts, K top-k, F expert width,
 V vocabulary, L layers, b bytes of the compute dtype (bf16 on CUDA, fp32 on CPU).
@@ -65,10 +62,9 @@ def model_shape(model_cfg) -> Model:
 
 
 def in_flight(cfg: Config, L: int, rank: int) -> dict[int, float]:
-    """Layer -> micro-batches whose activations of it pipeline rank `rank` holds at its peak. pp=1: one;
-    two when F(m+1) is paired with B(m) and runs whole first (no EP exchange to interleave at: under EP
-    a layer of F(m+1) for each layer B(m) frees). DualPipeV: rank r holds 2pp-r-1 (+1 on the last
-    rank) micro-batches of chunk r and r+1 of chunk 2pp-1-r."""
+    """Layer -> micro-batches whose activations of it pipeline rank `rank` holds at its peak. pp=1: one,
+    two when F(m+1) runs whole before B(m) (under EP they interleave, a layer for a layer). DualPipeV:
+    2pp-r-1 (+1 on the last rank) of chunk r and r+1 of chunk 2pp-1-r."""
     p = cfg.parallel
     if p.pp == 1:
         paired = p.overlap and cfg.micro_batches > 1
@@ -98,8 +94,8 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
     T = t.micro_batch * cfg.data.seq_len / p.cp
     flight = in_flight(cfg, len(m.layers), rank)
     mine, root, lm = [m.layers[i] for i in flight], m.root * (rank == 0), m.lm_head * (rank == 0)
-    # FSDP2 (pith_engine.parallel.parallelize): dense weights over dp*cp*ep, this EP rank's experts over
-    # dp*cp; a group of one rank shards nothing and leaves its weights plain tensors.
+    # FSDP2 shards dense weights over dp*cp*ep, this EP rank's experts over dp*cp; a group of one leaves
+    # them plain tensors.
     dense_ranks, expert_ranks = p.dp * p.cp * p.ep, p.dp * p.cp
     dense, ex = sum(x.dense for x in mine) + root, sum(x.experts for x in mine) / p.ep
     gemm, linear = sum(x.gemm for x in mine) / p.ep, sum(x.linear for x in mine)
@@ -107,9 +103,9 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
     whole = dense * (dense_ranks > 1) + ex * (expert_ranks > 1)  # what FSDP gathers
     muon = cfg.optim.name == "muon"
     muon_local = muon * (sum(x.muon for x in mine) / dense_ranks + gemm / expert_ranks)
-    # Plain weights read through pith_ops.cast / stand_in keep a bf16 cast or FP8 copies (2 bytes each)
-    # between steps, and AdamW's (keep_grads) their gradient in bf16 while one micro-batch is in it:
-    # the expert GEMMs', lm_head's, and the projections' in FP8 when eager (compiled ones quantise per call).
+    # Plain weights read through pith_ops.cast / stand_in keep a bf16 cast or FP8 copies (2 bytes) and
+    # under AdamW a bf16 gradient after one micro-batch: the expert GEMMs', lm_head's, and the
+    # projections' in eager FP8 (compiled ones quantise per call).
     ex_plain, lm_plain = gemm * (expert_ranks == 1), lm * (dense_ranks == 1)
     lin_plain = linear * (dense_ranks == 1 and t.fp8 and not (t.compile and cuda))
     copies = 2 * (ex_plain * (t.fp8 or b == 2) + lm_plain * (t.fp8_lm_head or b == 2) + lin_plain)
@@ -117,7 +113,7 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
 
     def grads(done: int, final: bool) -> float:  # after `done` micro-batches' backward
         plain = kept_grad * (2 if done == 1 else 4) + (dense + ex - whole - kept_grad) * 4 if done else 0
-        # FSDP: unsharded fp32 accumulators until the last micro-batch reduce-scatters (step.py), then shards
+        # FSDP: unsharded fp32 accumulators until the last micro-batch reduce-scatters, then shards
         return plain + (4 * (local - dense - ex + whole) if final else 4 * whole * (done > 0 or p.pp > 1))
 
     static = {
@@ -128,33 +124,32 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
     rows = 1 if t.fp8 else b  # the dispatched rows: e4m3 under FP8 (pith_ops.FP8Rows)
     u = p.ep * (1 - (1 - 1 / p.ep) ** K)  # EP ranks a token is sent to (uniform routing, deduplicated)
 
-    def acts(x: Layer) -> float:  # one micro-batch, kept from its forward to its backward: each stage's
-        # inputs and outputs (pith_engine.executor.Tape) and what its ops save, less what `ac` recomputes
+    def acts(x: Layer) -> float:  # one micro-batch's: each stage's inputs and outputs (executor.Tape)
+        # and what its ops save, less what `ac` recomputes
         a = b * T * D  # the layer's output, the next one's input
         if t.ac != "full":  # stage 1: each projection's input and output (~), the router's fp32 input
             a += b * T * x.io + (4 - b) * T * D * bool(x.F)
         if not x.F:
             return a
-        # the residual after attention and the routed input; fp32 router logits and probs, int64 ids and
-        # fp32 weights; the dispatched rows and the experts' outputs; under EP the rows sent both ways
+        # the residual and the routed input; fp32 router logits and probs, int64 ids, fp32 weights; the
+        # dispatched rows and the experts' outputs; under EP the rows sent both ways
         a += (2 * b * D + 8 * E + 12 * K) * T + (rows + b) * T * K * D
         a += (2 * rows + 2 * b) * T * u * D * (p.ep > 1)
-        if t.ac == "none":  # stage 3: SwiGLU's input [2F], the down GEMM's [F]; under FP8 SwiGLU's bf16
-            # input, its e4m3 output and the column copies of both GEMMs' inputs (their weight gradients)
+        if t.ac == "none":  # stage 3: SwiGLU's input [2F], the down GEMM's [F]; under FP8 SwiGLU's
+            # bf16 input, its e4m3 output and column copies of both GEMMs' inputs (for weight gradients)
             a += T * K * (2 * x.F * b + 2 * x.F + D if t.fp8 else 3 * x.F * b)
         return a
 
     act = sum(n * acts(m.layers[i]) for i, n in flight.items())
-    if rank == 0:  # the embedding's output; the fused loss's dh and dw (pith_ops.linear_cross_entropy
-        # computes them in its forward), for each micro-batch in flight
+    if rank == 0:  # the embedding's output; the fused loss's dh and dw (computed in its forward)
         act += flight[0] * b * T * D + flight[next(reversed(flight))] * b * (T * D + V * D)
     big = max(mine, key=lambda x: x.dense + x.experts / p.ep)
-    # Evaluation's forward (and one layer's backward's first half): the rows, the hidden [3F], the output
+    # Evaluation's forward (and a layer's backward's first half): the rows, the hidden [3F], the output
     rows_work = b * T * K * (2 * D + 3 * big.F)
     if rank == 0:  # the loss's forward: a chunk of logits; FP8: half, and e4m3 gradients of half the tokens
         rows_work = max(rows_work, b * min(LOGITS, T * V) / (1 + t.fp8_lm_head) + t.fp8_lm_head * T * V / 2)
-    # one layer's backward: its rows' gradients, stage 3 (and under full, stage 1) recomputed, and its
-    # weights' gradients (plain ones; FSDP's count in the communication term)
+    # a layer's backward: its rows' gradients, stage 3 (under full, 1 too) recomputed, its plain
+    # weights' gradients (FSDP's count in communication)
     recompute = b * T * K * 3 * big.F * (t.ac != "none") + b * T * big.io * (t.ac == "full")
     wgrads = 4 * big.dense * (dense_ranks == 1) + (2 if b == 2 and not muon else 4) * big.experts / p.ep * (
         expert_ranks == 1)  # fmt: skip
@@ -165,12 +160,12 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
     done = max(0, M - int(max(flight.values()))) if p.pp == 1 else M - 1
     start = {**static, "gradients": grads(done, False), "activations": act, "working set": work,
              "communication": comm}  # fmt: skip
-    # Muon: U = G + mu * B of every matrix (fp32), their orthogonalised results (bf16), and NS5 on the
-    # batch of the largest shape (the experts' w_gate_up: 2/3 of their GEMM weights) a few times over
+    # Muon: U = G + mu * B (fp32) and its orthogonalised O (bf16) of every matrix, and NS5 on the
+    # largest batch (the experts' w_gate_up, 2/3 of their GEMM weights) a few times over
     muon_work = 6 * muon_local + muon * 6 * 2 / 3 * gemm / expert_ranks
     step = {**static, "gradients": grads(M, True), "optimizer working set": muon_work}
-    if t.cuda_graph and cuda:  # the graph's pool keeps the backward's peak between steps (StepGraph):
-        start["beside the CUDA-graph pool"] = muon_work + rows_work  # the optimizer and evaluation
+    if t.cuda_graph and cuda:  # the graph's pool keeps the backward's peak; the optimizer and
+        start["beside the CUDA-graph pool"] = muon_work + rows_work  # evaluation allocate beside it
     return [Plan(start, "the start of the backward", rank), Plan(step, "the optimizer step", rank)]
 
 
@@ -183,7 +178,6 @@ def plan(cfg: Config, m: Model, cuda: bool, capacity: float | None = None) -> Pl
 
 
 def device_memory(device: torch.device, processes: int = 1) -> tuple[float, str]:
-    """(bytes one rank may use, what they are): the card's, or this machine's available RAM shared."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return props.total_memory, props.name
@@ -194,7 +188,6 @@ def device_memory(device: torch.device, processes: int = 1) -> tuple[float, str]
 
 
 def valid(cfg: Config, m: Model, world: int | None = None) -> None:
-    """The layout's checks, for `world` processes (default: the layout's)."""
     p = cfg.parallel
     layout = Layout(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
     check_layout(layout, world_size=world or layout.world, num_experts=m.E, seq_len=cfg.data.seq_len,
@@ -204,8 +197,8 @@ def valid(cfg: Config, m: Model, world: int | None = None) -> None:
 
 def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[tuple[str, Plan]]:
     """The nearest change that fits of each kind: a stronger `ac`, a smaller micro-batch, pipeline
-    stages, more data ranks (and global batch); the last two also with ac full. capacity: a card's
-    bytes (more ranks take more cards), or a machine's (more ranks share it)."""
+    stages, more data ranks; the last two also with ac full. More ranks take more cards, or share a
+    machine's `capacity`."""
     t, p, out = cfg.train, cfg.parallel, []
     ac, full = ("none", "selective", "full"), ({}, {"train.ac": "full"})
     mbs = [t.micro_batch >> i for i in range(t.micro_batch.bit_length())]  # it and its halves
@@ -240,8 +233,8 @@ def terms(out: Plan) -> list[tuple[str, float]]:
 
 
 def check(cfg: Config, model_cfg, device: torch.device, launch: str) -> Plan:
-    """ValueError when the layout does not match the processes started (naming the torchrun line, with
-    `launch` after `-m pith_train`) or the plan does not fit `device`."""
+    """ValueError when the layout does not match the processes started (naming the torchrun line) or
+    the plan does not fit `device`."""
     p, m, started = cfg.parallel, model_shape(model_cfg), int(os.environ.get("WORLD_SIZE", 1))
     world = p.pp * p.dp * p.cp * p.ep
     try:

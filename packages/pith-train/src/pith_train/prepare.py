@@ -1,7 +1,5 @@
-"""Tokenizers and `prepare-data`: text files -> a packed token dataset, a directory of tokens.bin,
-doc_ends.bin and meta.json (pith-train README, Commands), renamed into place when complete. No torch
-import here, so the tokenizing worker processes start quickly.
-"""
+"""Tokenizers and `prepare-data` (pith-train README, Commands). No torch import here, so the
+tokenizing worker processes start quickly."""
 
 import contextlib
 import hashlib
@@ -81,7 +79,6 @@ def _init_worker(spec: str) -> None:
 
 
 def _read_documents(path: str, text_field: str):
-    """A .jsonl file gives one document per line (its `text_field`); any other file is one document."""
     if not path.endswith(".jsonl"):
         yield Path(path).read_text(encoding="utf-8", errors="replace")
         return
@@ -124,8 +121,7 @@ def find_inputs(paths: list[str]) -> list[str]:
 
 
 def train_bpe(files: list[str], text_field: str, vocab_size: int, path: Path, progress: bool) -> None:
-    """A byte-level BPE of `vocab_size` tokens (GPT-2's scheme: the 256 bytes, <|endoftext|>, merges)
-    trained on `files`' documents, streamed one at a time, written to `path`."""
+    """A byte-level BPE (GPT-2's: the 256 bytes, <|endoftext|>, merges) trained on `files`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -150,8 +146,8 @@ def prepare(
     progress: bool = True,
     train_vocab: int = 0,
 ) -> dict:
-    """Tokenize `files` in parallel into a packed dataset at `out_dir`; -> its metadata. With
-    `train_vocab`, a BPE of that size trained on the files (OUT_DIR/tokenizer.json) replaces `tokenizer`."""
+    """Tokenize `files` into a packed dataset at `out_dir`; -> its metadata. `train_vocab`: with a BPE
+    of that size trained on the files instead of `tokenizer`."""
     out, tmp = Path(out_dir), Path(f"{out_dir}.tmp")
     if out.exists():
         raise ValueError(f"output {out_dir!r} already exists; remove it or choose another")

@@ -1,6 +1,5 @@
-"""The run directory across launches (pith-train README, Run directory). A fresh start where a run
-is would mix the two, and `prune` (newest step numbers first) would delete the new checkpoints.
-"""
+"""The run directory across launches (pith-train README). A fresh start where a run already is would
+mix the two, and `prune` (newest step numbers first) would delete the new checkpoints."""
 
 import dataclasses
 import importlib.util
@@ -18,7 +17,7 @@ from pith_train.optim import lr_at
 
 # The [optim] keys of the learning-rate schedule (checked against the steps trained, not warned of).
 SCHEDULE = ("schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
-# The keys that decide which sequences each step trains on (see data.py's layout contract).
+# The keys that decide which sequences each step trains on (pith-train README, Data layout).
 DATA_ORDER = (
     "data.path",
     "data.tokenizer",
@@ -101,8 +100,7 @@ def _steps(steps: list[int]) -> str:
 
 
 def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
-    """ValueError unless `cfg` can continue the run saved in `ckpt`; `warn` names the optimizer
-    settings that change (the config's apply: a checkpoint holds state, not settings)."""
+    """ValueError unless `cfg` can continue the run saved in `ckpt`; optimizer settings may change."""
     _model_check(ckpt, cfg, model_hf, "resume")
     if not (ckpt / "config.toml").is_file():
         return
@@ -130,8 +128,7 @@ def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
 
 
 def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
-    """checkpoint.init_from, checked whole, and the data position to start at: its run's when it read
-    the same data in the same order (an extension trains on what it has not seen), else 0."""
+    """checkpoint.init_from, checked, and the data position: its run's if the data order is the same."""
     ckpt = Path(cfg.checkpoint.init_from)
     if not (ckpt / ".metadata").is_file():
         raise ValueError(f"checkpoint.init_from={str(ckpt)!r} is not a Pith checkpoint (no DCP .metadata)")
@@ -149,8 +146,7 @@ def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
 
 
 def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
-    """A launch's checks against its run directory, before anything is built or written: -> the
-    checkpoint to resume from (None: a new run)."""
+    """A launch's checks, before anything is built: -> the checkpoint to resume from (None: new run)."""
     ckpt_root = run_dir / "checkpoints"
     check_writable(ckpt_root)
     if cfg.data.seq_len > model_cfg.max_position_embeddings:
@@ -174,7 +170,6 @@ def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
 
 
 def write_config(run_dir: Path, cfg: Config) -> None:
-    """RUN_DIR/config.toml (the latest launch's, once its checks passed), replaced atomically."""
     tmp = run_dir / "config.toml.tmp"
     tmp.write_text(config_mod.to_toml(cfg))
     os.replace(tmp, run_dir / "config.toml")

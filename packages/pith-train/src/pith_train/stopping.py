@@ -1,8 +1,5 @@
-"""Stopping a run on SIGINT or SIGTERM (pith-train README, Run directory), and `pretrain
---nproc-per-node N`: torchrun's processes with its environment, minus its own traceback and exit
-status 1 on a signal. A signal within a second of the first is the same one: a terminal's Ctrl-C
-reaches a launcher and its workers together, and the launcher forwards its own copy.
-"""
+"""Stopping on SIGINT or SIGTERM (pith-train README, Run directory), and `pretrain --nproc-per-node
+N`: torchrun's processes without torchrun's traceback and exit status 1 on a signal."""
 
 import os
 import shlex
@@ -18,16 +15,14 @@ import torch.distributed as dist
 
 
 class Interrupted(Exception):
-    """Training stopped on a signal after saving `checkpoint` at `step`."""
-
     def __init__(self, signum: int, step: int, checkpoint):
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.signum = signum
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; saved {checkpoint}")
 
 
 class StopOnSignal:
-    """A context in which SIGINT/SIGTERM set a flag instead of killing the process (in the main thread,
-    where Python delivers signals); a later one kills it."""
+    """SIGINT/SIGTERM set a flag instead of killing the process (in the main thread: Python delivers
+    signals there)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -43,7 +38,8 @@ class StopOnSignal:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, frame) -> None:  # Ctrl-C reaches a launcher and its workers, and
+        # the launcher forwards its own copy: a copy within a second is the same signal
         if self.signum and time.monotonic() - self.first > 1.0:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -77,9 +73,8 @@ def resume_command(argv: list[str]) -> str:
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:
-    """`pith-train pretrain ARGV` in nproc processes with torchrun's environment: -> the run's exit
-    status. A signal is forwarded to the workers (a scheduler's SIGTERM reaches this process alone);
-    a worker that fails ends the others (SIGTERM, then SIGKILL after 30 s) with its status."""
+    """`pith-train pretrain ARGV` in nproc processes: -> the exit status. Signals are forwarded (a
+    scheduler's SIGTERM reaches this process alone); a failed worker ends the others."""
     with socket.socket() as s:  # a free port for the env:// rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

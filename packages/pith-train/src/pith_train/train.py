@@ -39,7 +39,7 @@ def parallel_layout(cfg: Config, device: torch.device) -> parallel.Mesh:
 
 
 def step_settings(cfg: Config, model: nn.Module) -> tuple[Aux, float, float]:
-    """train_step's arguments after the learning rate: the loss terms, the clipping norm, the bias rate."""
+    """train_step's arguments after the learning rate."""
     whole = pith_models.build(model.cfg)  # on meta: every layer, whichever this rank holds
     moe_layers = sum(layer.experts is not None for layer in held_layers(whole).values())
     aux = Aux(cfg.train.lbl_coef, cfg.train.z_loss_coef, max(1, moe_layers))
@@ -57,8 +57,7 @@ def apply_fp8(cfg: Config, model: nn.Module, cuda: bool, warn=print) -> None:
 
 
 def fp8_size_problems(cfg: Config, model_cfg) -> list[str]:
-    """What the e4m3 GEMMs (cuBLAS's, CUTLASS's) would refuse on CUDA at their first call, from the
-    meta model: FP8 weight dimensions or a micro-batch's tokens (per CP rank) not multiples of 16."""
+    """What the e4m3 GEMMs would refuse on CUDA: dimensions or micro-batch tokens not multiples of 16."""
     if not (cfg.train.fp8 or cfg.train.fp8_lm_head):
         return []
     model = pith_models.build(model_cfg)
@@ -75,22 +74,19 @@ def fp8_size_problems(cfg: Config, model_cfg) -> list[str]:
 
 
 def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages:
-    """The model as the trainer runs it: on CUDA compiled, a bf16 residual stream and
-    train.cuda_graph; cfg's recompute; under FP8 expert groups padded to the 16 rows its GEMMs need."""
+    """The model as the trainer runs it (under FP8 expert groups padded to the rows its GEMMs take)."""
     cuda = mesh.device.type == "cuda"
     compile = cfg.train.compile and cuda
     dtype, align = torch.bfloat16 if cuda else None, GROUP_ALIGN if cfg.train.fp8 else 1
-    # Weight-gradient delay only where the schedule has bubbles to fill (pp > 1): under pp = 1 each W
-    # would follow its backward and only hold the GEMM inputs longer (config.py has the numbers).
+    # Weight-gradient delay only where the schedule has bubbles to fill (config.py has the numbers).
     overlap, wgrad = cfg.parallel.overlap, cfg.parallel.wgrad_delay and mesh.layout.pp > 1
     graph = cfg.train.cuda_graph and cuda
     return Stages(model, mesh, compile, cfg.train.ac, dtype, align, overlap, wgrad, graph)
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token, 6 * N_active + 6 * L * S * H * (Dqk + Dv) (PaLM / TorchTitan): the
-    matrices a token passes through (not the embedding lookup; a stacked expert weight at K/E of its
-    size), forward + backward = 3 x forward, and attention over the full S x S square."""
+    """6 * N_active + 6 * L * S * H * (Dqk + Dv) (PaLM / TorchTitan): the matrices a token passes
+    through (a stacked expert weight at K/E; not the embedding lookup), attention over the full S x S."""
     c = model.cfg
     experts = checkpoint.expert_param_names(model)
     lookup_only = model.embed_tokens.weight is not model.lm_head.weight
@@ -111,8 +107,7 @@ def build_model(
     mesh: parallel.Mesh = parallel.SINGLE,
     param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """This rank's part (its experts, its FSDP shards over `mesh`) of a preset initialised from seed,
-    a Hugging Face directory or a Pith checkpoint; only that part is materialised or read."""
+    """This rank's part (experts, FSDP shards) of a preset, a Hugging Face directory or a checkpoint."""
     model = ModelConfig(model) if isinstance(model, str) else model
     cfg = model_config(model)
     if model.name in pith_models.MODELS:
@@ -125,8 +120,7 @@ def build_model(
 
 
 def open_data(cfg: Config, run_dir: Path, main: bool) -> tuple[PackedDataset, PackedDataset | None]:
-    """The configured dataset and validation dataset (None: none configured); the built-in corpus is
-    prepared into RUN_DIR/data on first use."""
+    """The dataset and validation dataset (or None); the built-in corpus prepared on first use."""
     tok = load_tokenizer(cfg.data.tokenizer)
     path = Path(cfg.data.path) if cfg.data.path else run_dir / "data"
     if not cfg.data.path and not (path / "meta.json").is_file():
@@ -166,13 +160,12 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     device = pick_device(cfg.train.device, "train.device", cfg.train.cpu_threads)
     if device.type == "cpu" and cfg.train.cuda_graph:
         raise ValueError("train.cuda_graph needs a CUDA device, and this run is on the CPU: turn it off")
-    plan.check(cfg, model_config(cfg.model), device, "pretrain CONFIG")  # before anything is built
+    model_cfg = model_config(cfg.model)
+    plan.check(cfg, model_cfg, device, "pretrain CONFIG")  # before anything is built
     mesh = parallel_layout(cfg, device)
     run_dir = Path(run_dir)
     main = not dist.is_initialized() or dist.get_rank() == 0
     ckpt_root = run_dir / "checkpoints"
-    # -- the run directory and the inputs, checked before any training compute
-    model_cfg = model_config(cfg.model)
     warn = tqdm.write if main else lambda text: None
     resume_from = rundir.preflight(cfg, run_dir, model_cfg, mesh, warn)
     init = None  # checkpoint.init_from: (the checkpoint, the data position)
@@ -193,7 +186,6 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
         rundir.write_config(run_dir, cfg)
     torch.manual_seed(cfg.train.seed)
     cuda = device.type == "cuda"
-    # Each rank builds only its layers, experts and FSDP shards (fp32); bf16 all-gathers, fp32 reduction.
     model = build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
     apply_fp8(cfg, model, cuda, warn)
     optimizer = build_optimizer(model, cfg)
@@ -209,9 +201,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     settings = step_settings(cfg, model)
     flops = flops_per_token(pith_models.build(model.cfg), cfg.data.seq_len)  # the whole model, on meta
     peak, peak_source = peak_flops(device)
-    metrics = MetricsLog(
-        run_dir, step, main, cfg.log.tensorboard, cfg.log.wandb, dataclasses.asdict(cfg)
-    )  # fmt: skip
+    metrics = MetricsLog(run_dir, step, main, cfg.log.tensorboard, cfg.log.wandb, dataclasses.asdict(cfg))
     G, S = cfg.train.global_batch, cfg.data.seq_len
     data_slice = mesh.data_rank, mesh.layout.data_ranks  # which sequences of each batch are this rank's
     last = min(cfg.train.steps, stop_at or cfg.train.steps)
