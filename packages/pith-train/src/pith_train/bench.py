@@ -1,8 +1,6 @@
 """`pith-train bench`: the trainer's own step (train_step through its `Stages`) timed on a fixed MoE
-workload (pith-train README, Throughput). `mfu_989`: `train.flops_per_token` (full S x S attention)
-over the 989 TFLOP/s datasheet peak; `mfu_measured`: its causal half of attention over the bf16
-matmul rate measured here. Each timed step ends with a sync, as the trainer reads each step's values;
-`step_ms_back_to_back` syncs once after all of them (the gap is that read's cost).
+workload; its two MFUs are the pith-train README's (Throughput). Each timed step ends with a sync, as
+the trainer reads each step's values; `step_ms_back_to_back` syncs once after all of them.
 
 Shape legend: B sequences, S sequence length.
 """
@@ -42,9 +40,9 @@ TINY, TINY_SEQ_LEN, TINY_BATCH = dataclasses.replace(qwen3_moe.TINY, vocab_size=
 LR = 3e-4  # constant: no schedule in a benchmark
 AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policies
 
-# Profile components: a kernel goes by QUANT_FRAGMENTS, else by the trainer's record_function range,
-# else by its launching ops (torch's grouped matmul launches CUTLASS kernels whose names say nothing of
-# experts), else by its name: under cuda_graph the only way (names seen on an H200, torch 2.11).
+# Profile components: a kernel goes by QUANT_FRAGMENTS, the trainer's record_function range, its
+# launching ops (CUTLASS's grouped GEMMs' names say nothing of experts), or its name (under
+# cuda_graph the only way; names seen on an H200, torch 2.11).
 RANGES = {"optimizer": "optimizer", "lm_head+loss": "lm_head + loss"}
 OP_FRAGMENTS = (
     ("FP8 GEMMs", ("_scaled_mm", "_scaled_grouped_mm")),  # --fp8: experts and projections
@@ -261,11 +259,10 @@ def run(
     cfg = load_config(
         None,
         [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={mb}", f"train.device={device}",
-         f"train.compile={str(compile).lower()}", f"train.ac={ac}", f"train.seed={seed}",
-         f"train.fp8={str(fp8).lower()}", f"train.fp8_lm_head={str(fp8_lm_head).lower()}",
-         f"train.cuda_graph={str(cuda_graph).lower()}",
+         f"train.compile={compile}", f"train.ac={ac}", f"train.seed={seed}", f"train.fp8={fp8}",
+         f"train.fp8_lm_head={fp8_lm_head}", f"train.cuda_graph={cuda_graph}",
          f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
-         f"parallel.overlap={str(overlap).lower()}", f"parallel.wgrad_delay={str(wgrad_delay).lower()}"],
+         f"parallel.overlap={overlap}", f"parallel.wgrad_delay={wgrad_delay}"],
     )  # fmt: skip
     # As TorchTitan runs: freed blocks coalesce, so the reserved peak stays near the allocated one.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -279,7 +276,7 @@ def run(
     planned = check(cfg, model_cfg, dev, f"bench --dp {dp} --cp {cp} --ep {ep}")  # before anything is built
     pith_ops._common.USE_TORCH_GROUPED_MM = grouped_gemm == "torch"
     torch.manual_seed(seed)
-    mesh = parallel_layout(cfg, dev)  # one process without torchrun: no groups, local experts
+    mesh = parallel_layout(cfg, dev)
     model = pith_models.build(model_cfg, dev, seed, mesh, torch.bfloat16 if cuda else None)
     if perturb_seed is not None:
         gen = torch.Generator(dev).manual_seed(perturb_seed)
@@ -403,7 +400,6 @@ def run(
 
 
 def summary(r: dict) -> str:
-    """The measurements as a few lines of text."""
     mem = (
         f"peak memory {r['peak_allocated_gib']:.1f} GiB allocated, {r['peak_reserved_gib']:.1f} GiB reserved"
         f" (pith-train plan: {r['plan_gib']['total']:.1f})"

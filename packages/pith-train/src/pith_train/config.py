@@ -124,7 +124,6 @@ class Config:
 
     @property
     def micro_batches(self) -> int:
-        """Micro-batches per optimizer step."""
         return self.train.global_batch // (self.train.micro_batch * self.data_ranks)
 
 
@@ -139,7 +138,6 @@ def _typed(where: str, value, kind: type):
 
 
 def _parse_text(where: str, text: str, kind: type):
-    """A command-line string as `kind`."""
     if kind is str:
         return text
     if kind is bool:
@@ -292,25 +290,21 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"optim.schedule: expected 'cosine' or 'wsd', got {o.schedule!r}")
     if o.name not in ("adamw", "muon"):
         raise ValueError(f"optim.name: expected 'adamw' or 'muon', got {o.name!r}")
-    if not 0 <= o.muon_momentum < 1:
-        raise ValueError(f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
     if o.muon_ns_dtype not in ("bfloat16", "float32"):
         raise ValueError(f"optim.muon_ns_dtype: expected 'bfloat16' or 'float32', got {o.muon_ns_dtype!r}")
     if t.ac not in ("none", "selective", "full"):
         raise ValueError(f"train.ac: expected none, selective or full, got {t.ac!r}")
     if t.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"train.device: expected auto, cpu or cuda, got {t.device!r}")
-    if not 0 <= o.min_lr_ratio <= 1 or not 0 <= o.decay_fraction <= 1:
-        raise ValueError(
-            f"optim.min_lr_ratio={o.min_lr_ratio} and optim.decay_fraction={o.decay_fraction}"
-            " must be in [0, 1]"
-        )
     ranges = {  # key: (value, allowed, what the fix is)
         "train.lr": (t.lr, t.lr > 0, "> 0"),
         "optim.warmup_steps": (o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
         "optim.grad_clip": (o.grad_clip, o.grad_clip >= 0, ">= 0 (0 turns clipping off)"),
         "optim.beta1": (o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
         "optim.beta2": (o.beta2, 0 <= o.beta2 < 1, "in [0, 1)"),
+        "optim.muon_momentum": (o.muon_momentum, 0 <= o.muon_momentum < 1, "in [0, 1)"),
+        "optim.min_lr_ratio": (o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
+        "optim.decay_fraction": (o.decay_fraction, 0 <= o.decay_fraction <= 1, "in [0, 1]"),
         "optim.eps": (o.eps, o.eps > 0, "> 0"),
         "optim.weight_decay": (o.weight_decay, o.weight_decay >= 0, ">= 0"),
     }

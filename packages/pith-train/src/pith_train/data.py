@@ -98,7 +98,6 @@ class WindowLoader:
     def step_batch(
         self, cursor: int, global_batch: int, micro_batch: int, rank: int = 0, ranks: int = 1
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's (inputs_BS, labels_BS) for each micro-batch of the step starting at `cursor`."""
         out = []
         for j in range(global_batch // (micro_batch * ranks)):
             first = cursor + (j * ranks + rank) * micro_batch

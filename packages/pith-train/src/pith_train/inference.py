@@ -18,7 +18,6 @@ from pith_train.prepare import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
 def run_config(path: Path) -> Config | None:
-    """The config of the run that trained a checkpoint or its export, or None (from elsewhere)."""
     return load_config(str(path / "config.toml")) if (path / "config.toml").is_file() else None
 
 

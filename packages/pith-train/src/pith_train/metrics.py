@@ -36,7 +36,7 @@ def peak_flops(device: torch.device) -> tuple[float, str]:
 
 
 def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory of this process: allocated on the GPU, resident (max RSS) on CPU."""
+    """Allocated on the GPU, resident (max RSS) on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
@@ -127,7 +127,7 @@ def read_metrics(run_dir: str) -> list[dict]:
 def plot(run_dir: str, out: str | None = None) -> Path:
     import matplotlib
 
-    matplotlib.use("Agg")  # files only
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)

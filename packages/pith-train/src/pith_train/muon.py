@@ -4,10 +4,7 @@ step (Moonlight, arXiv:2502.16982, Nesterov form):
     W <- W * (1 - lr * wd) - lr * 0.2 * sqrt(max(M, N)) * O
 NS5: X = U / (||U||_F + 1e-7), wide (transposed when M > N), then 5 steps X <- a X + (b A + c A^2) X,
 A = X X^T, in bf16. O's RMS is ~1 / sqrt(max(M, N)): the scale gives AdamW's typical RMS of ~0.2.
-
-Sharded: an expert stack's FSDP2 shard holds whole experts, orthogonalised there. A dense matrix goes
-whole to one owner rank (greedy by NS cost): one all-to-all brings it there, a second the rows of O
-back. The update is one process's.
+Under FSDP2 every matrix is orthogonalised whole, once: the update is one process's.
 
 Shape legend: M rows, N columns, E matrices in a batch.
 """
@@ -24,7 +21,6 @@ NS_STEPS = 5
 
 
 def newton_schulz(u_EMN: Tensor, dtype: torch.dtype = torch.bfloat16, steps: int = NS_STEPS) -> Tensor:
-    """NS5 of each matrix of u_EMN, in `dtype` (returned in it)."""
     a, b, c = NS_COEFFICIENTS
     x = u_EMN.to(dtype)
     tall = x.shape[-2] > x.shape[-1]
@@ -58,7 +54,7 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _orthogonalise(mats: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    """NS5 of every [E, M, N] in `mats`, one batch per matrix shape."""
+    """NS5 of every [E, M, N] in `mats`, a batch per shape."""
     out: list[Tensor | None] = [None] * len(mats)
     shapes = {tuple(m.shape[1:]) for m in mats}
     for shape in shapes:
@@ -90,14 +86,14 @@ def _flat(ts: list[Tensor], empty: Tensor) -> Tensor:
 
 
 def _exchange(send: list[Tensor], recv_sizes: list[int], group) -> list[Tensor]:
-    """all_to_all_single of send[j] to rank j; -> the pieces from each rank (recv_sizes elements)."""
     recv = send[0].new_empty(sum(recv_sizes))
     dist.all_to_all_single(recv, torch.cat(send), recv_sizes, [t.numel() for t in send], group=group)
     return list(recv.split(recv_sizes))
 
 
 def _orthogonalise_spread(shapes: list[torch.Size], u_local: list[Tensor], mesh, dtype) -> list[Tensor]:
-    """This rank's rows of NS5 of each row-sharded matrix (global `shapes`, local rows `u_local`)."""
+    """This rank's rows of NS5 of each row-sharded matrix (global `shapes`, local rows `u_local`): each
+    goes whole to one owner rank (greedy by NS cost) and its rows of O come back, two all-to-alls."""
     group, W, me, n = mesh.get_group(), mesh.size(), mesh.get_local_rank(), len(shapes)
     owner = _owners(shapes, W)
     rows = [_rows(s[0], W) for s in shapes]
@@ -125,8 +121,7 @@ def _orthogonalise_spread(shapes: list[torch.Size], u_local: list[Tensor], mesh,
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon over 2-D matrices and stacked [E, M, N] ones (plain tensors or FSDP2 DTensors sharded on dim
-    0); `ns_dtype` is NS5's dtype (bf16; float64 for the tests' exact comparisons)."""
+    """Muon over [M, N] and [E, M, N] tensors (or FSDP2 DTensors sharded on dim 0); `ns_dtype`: NS5's."""
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float, ns_dtype=torch.bfloat16):
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
@@ -137,8 +132,8 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: Tensor | None = None):
-        """One update; `grad_scale` (a device scalar [1], the clip coefficient) scales every gradient,
-        and where it is not finite the step changes nothing (weights and momentum), with no host sync."""
+        """`grad_scale` (the clip coefficient [1]) scales every gradient; where it is not finite the step
+        changes nothing, with no host sync."""
         todo = []  # (param, its group, this rank's U)
         ok = None if grad_scale is None else torch.isfinite(grad_scale)
         for group in self.param_groups:

@@ -6,10 +6,9 @@ import pith_ops
 import torch
 from pith_engine.parallel import expert_param_names
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from pith_train.config import Config
-from pith_train.muon import Chain, Muon, hidden_matrices
+from pith_train.muon import Chain, Muon, _local, hidden_matrices
 
 
 class AdamW(torch.optim.AdamW):
@@ -29,28 +28,27 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: Tensor | None = None):
-        local = lambda t: t.to_local() if isinstance(t, DTensor) else t
         for group in self.param_groups:
             live = [(p, g) for p in group["params"] if (g := pith_ops.grad(p)) is not None]
             if not live:
                 continue
-            device = local(live[0][0]).device
+            device = _local(live[0][0]).device
             scale = torch.ones(1, device=device) if grad_scale is None else grad_scale
             for p, _ in live:
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), device=device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
                 # A plain torch AdamW's checkpoint holds its counts on the host.
                 state["step"] = state["step"].to(device, torch.float32)
             steps = torch.stack([self.state[p]["step"] for p, _ in live]) + 1
             beta1, beta2 = group["betas"]
             constants = pith_ops.step_constants(group["lr"], beta1, beta2, steps)
             for (p, grad), bias in zip(live, constants):
-                state, w = self.state[p], local(p)
+                state, w = self.state[p], _local(p)
                 pith_ops.adamw_(
-                    w, *(local(t) for t in (grad, state["exp_avg"], state["exp_avg_sq"])), scale,
+                    w, *(_local(t) for t in (grad, state["exp_avg"], state["exp_avg_sq"])), scale,
                     lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                     eps=group["eps"], step=bias, copy=pith_ops.kept_copy(w),
                     fp8=pith_ops.kept_copy(w, torch.float8_e4m3fn),
@@ -80,7 +78,7 @@ def build_optimizer(model: nn.Module, cfg: Config) -> AdamW | Chain:
 
 
 def lr_at(step: int, cfg: Config) -> float:
-    """The learning rate of update `step` (0-based) out of cfg.train.steps."""
+    """The learning rate of update `step` (0-based)."""
     o, peak, total = cfg.optim, cfg.train.lr, cfg.train.steps
     low = peak * o.min_lr_ratio
     if step < o.warmup_steps:

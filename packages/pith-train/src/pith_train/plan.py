@@ -88,7 +88,6 @@ class Plan:
 
 
 def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
-    """Pipeline rank `rank`'s two moments."""
     t, p, M, c = cfg.train, cfg.parallel, cfg.micro_batches, m.cfg
     b, D, K, E, V = (2 if cuda else 4), c.hidden_size, c.num_experts_per_tok, m.E, c.vocab_size  # autocast
     T = t.micro_batch * cfg.data.seq_len / p.cp
@@ -258,7 +257,6 @@ def check(cfg: Config, model_cfg, device: torch.device, launch: str) -> Plan:
 
 
 def report(cfg: Config, m: Model, out: Plan, what: str, fixes: list[tuple[str, Plan]]) -> str:
-    """What `pith-train plan` prints."""
     p, t, n = cfg.parallel, cfg.train, sum(x.dense + x.experts for x in m.layers) + m.root
     gap = abs((out.capacity or 0) - out.needs) / GIB
     return "\n".join([

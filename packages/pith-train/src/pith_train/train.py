@@ -175,8 +175,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
         run_dir.mkdir(parents=True, exist_ok=True)
     ds, val_ds = open_data(cfg, run_dir, main)
     ds.check_vocab(model_cfg.vocab_size)
-    bad = fp8_size_problems(cfg, model_cfg) if device.type == "cuda" else []
-    if bad:
+    if device.type == "cuda" and (bad := fp8_size_problems(cfg, model_cfg)):
         raise ValueError(
             f"train.fp8 / train.fp8_lm_head on CUDA need multiples of 16, got {', '.join(bad)}: pad the"
             " model (e.g. --model.vocab_size), change data.seq_len or train.micro_batch, or turn FP8 off"
