@@ -59,7 +59,6 @@ class PackedDataset:
 
 
 def windows(tokens: np.ndarray, seq_len: int, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs_BS, labels_BS) of windows `ids` of `tokens`."""
     rows = np.stack([tokens[i * seq_len : (i + 1) * seq_len + 1] for i in ids]).astype(np.int64)
     # Two tensors, not two views of one: a caller writing labels (val_batches' padding) leaves inputs.
     return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())

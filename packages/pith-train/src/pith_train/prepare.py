@@ -62,7 +62,6 @@ def padded_vocab(vocab_size: int) -> int:
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
-    """ "byte" or the path of a tokenizer.json."""
     if spec == "byte":
         return ByteTokenizer()
     if not Path(spec).is_file():

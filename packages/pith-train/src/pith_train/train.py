@@ -47,7 +47,6 @@ def step_settings(cfg: Config, model: nn.Module) -> tuple[Aux, float, float]:
 
 
 def apply_fp8(cfg: Config, model: nn.Module, cuda: bool, warn=print) -> None:
-    """train.fp8, train.fp8_lm_head and train.fp8_all_gather on the (sharded) model."""
     use_fp8(model, cfg.train.fp8, lm_head=cfg.train.fp8_lm_head)
     if cfg.train.fp8_all_gather and not gather_in_fp8(model, experts_only=cfg.train.compile and cuda):
         warn(
