@@ -7,7 +7,10 @@ from pathlib import Path
 import pith_ops
 import pytest
 import torch
-from pith_engine import checkpoint, layers
+from pith_engine import checkpoint
+from pith_engine.fp8 import use_fp8
+from pith_engine.layers import Linear
+from pith_models import qwen3_moe
 from pith_ops.fp8_quant import FP8Weight, quantize_weight, weight_amax
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
@@ -91,11 +94,11 @@ class FP8Model(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.layers = nn.ModuleDict({"0": nn.Module()})
-        self.layers["0"].experts = layers.Experts(E, D, F)
+        self.layers["0"].experts = qwen3_moe.Experts(E, D, F)
         for p in self.layers["0"].experts.parameters():
             nn.init.normal_(p)
-        self.lm_head = layers.Linear(D, 7, bias=False)
-        layers.use_fp8(self, lm_head=True)
+        self.lm_head = Linear(D, 7, bias=False)
+        use_fp8(self, lm_head=True)
         pith_ops.keep_grads(self.parameters())  # as pith-train's optimizers: their FP8 copies are kept
 
 

@@ -18,8 +18,11 @@ import pith_models
 import pytest
 import torch
 import torch.distributed as dist
-from pith_engine import executor, layers, parallel
+from pith_engine import executor, parallel
+from pith_engine.fp8 import GatheredFP8, gather_in_fp8, use_fp8
+from pith_engine.layers import Linear
 from pith_models import qwen3_moe
+from pith_models.qwen3_moe import Experts
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -76,7 +79,7 @@ def _reductions(model: torch.nn.Module, mesh: parallel.Mesh, sync_each: bool):
 class _ProjectionAndExperts(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.proj, self.experts = layers.Linear(256, 512, bias=False), layers.Experts(4, 256, 128)
+        self.proj, self.experts = Linear(256, 512, bias=False), Experts(4, 256, 128)
 
     def forward(self, x_ND, ends_E):
         return self.proj(x_ND), self.experts(x_ND, ends_E)
@@ -104,9 +107,9 @@ def _fp8_all_gather_on_one_gpu(dev: torch.device) -> None:
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for m in (model.proj, model.experts, model):
             fully_shard(m, mesh=mesh1, mp_policy=fp32)
-        layers.use_fp8(model)
+        use_fp8(model)
         if gathered:
-            layers.gather_in_fp8(model)
+            gather_in_fp8(model)
         for m in (model.proj, model.experts):  # the weights each forward sees (FSDP's unsharded ones)
             m.register_forward_pre_hook(lambda m, _: seen.append(type(next(m.parameters()))))
         got = []
@@ -120,7 +123,7 @@ def _fp8_all_gather_on_one_gpu(dev: torch.device) -> None:
                 for p in model.parameters():
                     p.mul_(3)
         runs.append(got)
-    assert [t is layers.GatheredFP8 for t in seen] == [False] * 4 + [True] * 4, seen
+    assert [t is GatheredFP8 for t in seen] == [False] * 4 + [True] * 4, seen
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
 
@@ -129,15 +132,15 @@ def _fp8_all_gather_refusals(world: int) -> None:
     """gather_in_fp8 names the weight it cannot gather in e4m3 and why, before any compute: one shared
     with a module that does not quantise it (a tied embedding), one FSDP shards unevenly."""
     mesh = init_device_mesh("cpu", (world,))
-    tied = torch.nn.Sequential(torch.nn.Embedding(16, 16), layers.Linear(16, 16, bias=False))
+    tied = torch.nn.Sequential(torch.nn.Embedding(16, 16), Linear(16, 16, bias=False))
     tied[0].weight = tied[1].weight
-    uneven = layers.Experts(world + 1, 16, 16)
+    uneven = Experts(world + 1, 16, 16)
     whys = (r"1\.weight \(16, 16\) is shared", f"does not shard evenly over {world} ranks")
     for model, why in zip((tied, uneven), whys, strict=True):
         fully_shard(model, mesh=mesh)
-        layers.use_fp8(model)
+        use_fp8(model)
         with pytest.raises(ValueError, match=why):
-            layers.gather_in_fp8(model)
+            gather_in_fp8(model)
 
 
 def _worker(world: int, rank: int, tmp: Path, device: str) -> None:

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from pith_engine import checkpoint
-from pith_engine.layers import use_fp8
+from pith_engine.fp8 import use_fp8
 from pith_engine.parallel import Layout, Mesh, build_mesh, full_state, held_layers, parallelize
 from pith_engine.step import Aux, Stages, train_step
 from pith_models import deepseek_v2, gpt_oss, qwen3_moe

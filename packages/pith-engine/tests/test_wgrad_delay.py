@@ -19,10 +19,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from pith_engine import layers
-from pith_engine.layers import Experts, Linear, WeightGradQueue, set_wgrad_queue, use_fp8
+from pith_engine.fp8 import FP8Switch, use_fp8
+from pith_engine.layers import Linear
 from pith_engine.parallel import Layout, Mesh
 from pith_engine.step import Aux, Stages, train_step
+from pith_engine.wgrad import WeightGradQueue, set_wgrad_queue
 from pith_models import qwen3_moe
+from pith_models.qwen3_moe import Experts
 from pith_ops import _common, quantize_weight
 
 
@@ -196,9 +199,7 @@ def _train(modules, kept: bool, steps=2, micro=3):
             z = experts(torch.randn(12, 16, generator=g), ends_E)
             (y.square().sum() + z.square().sum()).backward()
             outs += [y.detach(), z.detach()]
-        scales = [
-            layers.FP8Switch.fp8_weight(w, quantize_weight)[1].flatten()[0] for w in params if w.ndim > 1
-        ]
+        scales = [FP8Switch.fp8_weight(w, quantize_weight)[1].flatten()[0] for w in params if w.ndim > 1]
         with torch.no_grad():
             for p, (m, v) in zip(params, state):
                 pith_ops.adamw_(p, pith_ops.grad(p), m, v, torch.ones(1), lr=1e-3, beta1=0.9, beta2=0.95,

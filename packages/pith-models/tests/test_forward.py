@@ -8,7 +8,7 @@ import pith_ops
 import pytest
 import torch
 from pith_engine.executor import LocalExperts, forward
-from pith_engine.layers import use_fp8
+from pith_engine.fp8 import use_fp8
 from pith_ops import linear_cross_entropy
 
 pytestmark = pytest.mark.usefixtures("ops_take_their_torch_path")  # see conftest.py

@@ -16,7 +16,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pith_engine.layers import Experts, Linear, expert_gemm, use_fp8
+from pith_engine.fp8 import use_fp8
+from pith_engine.layers import Linear, expert_gemm
+from pith_models.qwen3_moe import Experts
 from pith_ops import (
     FP8Rows,
     fp8_grouped_gemm,

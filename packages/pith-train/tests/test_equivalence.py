@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from pith_engine import checkpoint
-from pith_engine.layers import FP8Switch, GatheredFP8
+from pith_engine.fp8 import FP8Switch, GatheredFP8
 from pith_engine.parallel import SINGLE, Layout, build_mesh, full_state, local_rows
 from pith_engine.step import Stages, step_values, train_step
 from pith_models import deepseek_v2, gpt_oss, hf, qwen3_moe

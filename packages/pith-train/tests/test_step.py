@@ -12,8 +12,9 @@ import pith_ops._common
 import pytest
 import torch
 from pith_engine import parallel
-from pith_engine.layers import Experts, Linear
+from pith_engine.layers import Linear
 from pith_engine.step import Stages, loss_sum, step_values, train_step
+from pith_models.qwen3_moe import Experts
 from pith_ops import kept_copy
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.optim import AdamW, build_optimizer

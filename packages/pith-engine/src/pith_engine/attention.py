@@ -22,40 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pith_engine.attention_kernels import attention_reference, band_visible, flex_attention_lse
 from pith_engine.contract import Positions
-
-
-def attention_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    pos_q_BS: Tensor,
-    pos_k_BS: Tensor,
-    *,
-    scale: float,
-    window: int | None = None,
-    sinks_H: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Plain-PyTorch attention in fp32 (fp64 for fp64 inputs): returns (out [B, Sq, Hq, Dv] in q's
-    dtype, lse [B, Hq, Sq] in that compute dtype).
-
-    lse is the log-sum-exp of the scaled, masked scores over the keys given (sinks excluded), the
-    quantity ring attention merges partial results by. A query that sees no key gets out 0, lse -inf.
-    """
-    B, Sq, Hq, _ = q.shape
-    Hk = k.shape[2]
-    compute = torch.promote_types(q.dtype, torch.float32)
-    qf, kf, vf = (t.to(compute).transpose(1, 2) for t in (q, k, v))
-    kf = kf.repeat_interleave(Hq // Hk, dim=1)
-    vf = vf.repeat_interleave(Hq // Hk, dim=1)
-    scores = (qf @ kf.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
-    visible = band_visible(pos_q_BS[:, None, :, None] - pos_k_BS[:, None, None, :], window)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    denom = lse if sinks_H is None else torch.logaddexp(lse, sinks_H.to(compute)[None, :, None])
-    probs = torch.exp(scores - denom.nan_to_num(neginf=0.0)[..., None])
-    out = (probs @ vf).transpose(1, 2).to(q.dtype)
-    return out, lse
+from pith_engine.ring_attention import ring_attention
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
@@ -70,22 +39,6 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
         enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
-
-
-def band_visible(dist: Tensor, window: int | None) -> Tensor:
-    """Whether a query sees a key dist = q_pos - k_pos ahead of it: causal, banded when window is set."""
-    return (dist >= 0) & (dist < window) if window is not None else dist >= 0
-
-
-_FP32_BLOCKS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
-
-
-@functools.cache
-def _compiled_flex_attention():
-    # imported on first use: flex_attention's import costs about half of torch's own
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention)
 
 
 @functools.lru_cache(maxsize=32)
@@ -110,26 +63,6 @@ def flex_attention(
     return (out.float() * keep_BHS.transpose(1, 2)[..., None]).to(q.dtype)
 
 
-def flex_attention_lse(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -> tuple[Tensor, Tensor]:
-    """Compiled flex_attention of [B, S, H, D] tensors under block_mask (GQA allowed) ->
-    (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32)."""
-    from torch.nn.attention.flex_attention import AuxRequest  # here: flex's import is slow, CUDA-only
-
-    out_BHSD, aux = _compiled_flex_attention()(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=True,
-        return_aux=AuxRequest(lse=True),
-        # fp32 tiles at flex's default block sizes overflow shared memory for head dims above 128 (MLA's
-        # 192): 32-row blocks fit every head dim here; bf16 keeps the tuned defaults.
-        kernel_options=dict.fromkeys(_FP32_BLOCKS, 32) if q.dtype == torch.float32 else None,
-    )
-    return out_BHSD.transpose(1, 2), aux.lse
-
-
 def attention(
     q: Tensor,
     k: Tensor,
@@ -142,8 +75,6 @@ def attention(
 ) -> Tensor:
     """Causal attention over the local sequence (ring attention across `pos.cp_group` when set)."""
     if pos.cp_group is not None:
-        from pith_engine.ring_attention import ring_attention  # imported here: it builds on this module
-
         return ring_attention(q, k, v, pos, scale=scale, window=window, sinks_H=sinks_H)
     if q.is_cuda and window is None and sinks_H is None:
         return sdpa_attention(q, k, v, scale=scale)

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from pith_engine.layers import FP8Switch, fp8_weights
+from pith_engine.fp8 import FP8Switch, fp8_weights
 from pith_engine.parallel import SINGLE, Mesh, expert_param_names, local_rows
 
 STEP_DIR = re.compile(r"step_(\d+)")

@@ -61,7 +61,7 @@ class DecoderLayer(Protocol):
     # The routed experts: a module holding only their weights, each [E_held, ...], that stage3 calls
     # (module call, so FSDP's hooks run); None for a dense layer. The engine slices it to a rank's
     # experts under EP and shards it over dp x cp, apart from the rest of the layer. Its `fp8` flag
-    # (pith_engine.layers.FP8Switch) says whether stage 2 sends it FP8 rows (stage3).
+    # (pith_engine.fp8.FP8Switch) says whether stage 2 sends it FP8 rows (stage3).
     experts: nn.Module | None
     # The router: a module that stage1 calls (x_TD -> fp32 logits_TE, pith_engine.layers.Router), so
     # the engine can keep its weight fp32 under FSDP (its own unit); None for a dense layer.

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from pith_engine.attention import attention_reference, band_visible, flex_attention_lse
+from pith_engine.attention_kernels import attention_reference, band_visible, flex_attention_lse
 from pith_engine.contract import Positions
 
 

@@ -38,26 +38,24 @@ import pith_ops
 import torch
 from pith_engine.attention import attention, attention_reference
 from pith_engine.contract import Positions, Routing, Stage1Out
+from pith_engine.fp8 import FP8Switch
 from pith_engine.layers import (
-    MLP,
     DecoderModel,
-    Experts,
     Linear,
     RMSNorm,
     Router,
-    combine,
-    config_kwargs_from_hf,
-    from_hf_swiglu_state_dict,
+    expert_gemm,
     init_normal,
     rope_inv_freq,
     rotary_positions,
-    to_hf_swiglu_state_dict,
+    routed_reference,
     yarn_mscale,
-    yarn_params_from_hf,
 )
 from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+
+from pith_models.hf_config import config_kwargs_from_hf, yarn_params_from_hf
 
 LORA_NORM_EPS = 1e-6  # upstream builds q_a_layernorm / kv_a_layernorm with the default eps
 
@@ -259,6 +257,42 @@ class Attention(nn.Module):
         return self.o_proj(o_BSHA.reshape(B, S, H * A))
 
 
+# MLP, Experts and the HF conversion are qwen3_moe's too, deliberately: each family owns its own.
+class MLP(nn.Module):
+    """Dense SwiGLU; gate and up projections fused into one GEMM (gate | up halves)."""
+
+    def __init__(self, D: int, F: int):
+        super().__init__()
+        self.gate_up_proj = Linear(D, 2 * F, bias=False)
+        self.down_proj = Linear(F, D, bias=False)
+
+    def forward(self, x: Tensor, reference: bool = False) -> Tensor:
+        swiglu = pith_ops.swiglu_reference if reference else pith_ops.swiglu
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+
+class Experts(FP8Switch, nn.Module):
+    """The routed SwiGLU experts, stage 3; a module of their own so the engine can shard them apart."""
+
+    def __init__(self, E: int, D: int, F: int):
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate | up halves
+        self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
+
+    def forward(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
+        gemm = lambda x, w, *x8: expert_gemm(x, w, group_ends_E, self.fp8, self.wgrad_queue, *x8)
+        h_N2F = gemm(x_ND, self.w_gate_up)
+        if self.fp8:  # SwiGLU writes the down projection's FP8 rows too (one pass less over them)
+            a_NF, *x8 = pith_ops.swiglu_fp8(h_N2F)
+            return gemm(a_NF, self.w_down, x8)
+        return gemm(pith_ops.swiglu(h_N2F), self.w_down)
+
+    def reference(self, x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        w_gate_up, w_down = self.w_gate_up, self.w_down
+        expert = lambda e, x: pith_ops.swiglu_reference(x @ w_gate_up[e]) @ w_down[e]
+        return routed_reference(x_TD, expert_ids_TK, weights_TK, w_gate_up.shape[0], expert)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
@@ -322,7 +356,7 @@ class Layer(nn.Module):
         return self.mlp.experts(x_ND, group_ends_E)
 
     def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
-        return combine(h_BSD, y_ND, slots_TK, weights_TK)
+        return h_BSD + pith_ops.moe_unpermute(y_ND, slots_TK, weights_TK).view_as(h_BSD)
 
     def reference_forward(self, h_BSD: Tensor, pos: Positions) -> Tensor:
         h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD, True), pos, True)
@@ -347,15 +381,61 @@ def init_weights(model: Model, seed: int, mesh: Mesh = SINGLE) -> None:
 
 
 def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config, experts: range | None = None) -> dict[str, Tensor]:
-    """Hugging Face names/layouts (per-expert [out, in] weights, separate gate and up) -> ours."""
-    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
+    """Hugging Face names and layouts -> ours: every gate_proj / up_proj pair [F, D] fuses into
+    gate_up_proj [2F, D]; the per-expert [out, in] weights of layers.{i}.mlp.experts.{e}, e in
+    `experts` (default all), stack into w_gate_up [len(experts), D, 2F] and w_down [len(experts), F, D];
+    each MoE layer gets a zero expert_bias [E]. Assumes a complete input (hf.py checks it first)."""
+    out = {}
+    for k, v in sd.items():
+        name = k.removeprefix("model.")
+        if ".experts." in name or name.endswith(".up_proj.weight"):
+            continue
+        if name.endswith(".gate_proj.weight"):
+            up = sd[k.replace(".gate_proj.", ".up_proj.")]
+            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat((v, up))
+        else:
+            out[name] = v
     held = range(cfg.n_routed_experts) if experts is None else experts
-    return from_hf_swiglu_state_dict(sd, moe_layers, cfg.n_routed_experts, cfg.tie_word_embeddings, held)
+    for i in filter(cfg.is_moe, range(cfg.num_hidden_layers)):
+        hf, ours = f"model.layers.{i}.mlp.experts.", f"layers.{i}.mlp."
+        per_expert = [f"{hf}{e}." for e in held]
+        out[ours + "experts.w_gate_up"] = torch.stack(
+            [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in per_expert]
+        )
+        out[ours + "experts.w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in per_expert])
+        out[ours + "expert_bias"] = torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
-    """Ours -> Hugging Face. A nonzero expert_bias is an error: DeepSeek-V2 has no selection bias."""
-    return to_hf_swiglu_state_dict(sd, cfg.tie_word_embeddings, "DeepSeek-V2")
+    """The inverse of from_hf_state_dict. A nonzero expert_bias is a ValueError: HF DeepSeek-V2 has no
+    selection-only bias to export it to."""
+    out = {}
+    for k, v in sd.items():
+        prefix = k.rpartition(".")[0] + "."
+        if k.endswith("expert_bias"):
+            if not v.is_meta and bool(v.any()):
+                raise ValueError(f"{k} is nonzero: HF DeepSeek-V2 has no routing bias to export it to")
+        elif k.endswith("mlp.experts.w_gate_up"):
+            for e in range(v.shape[0]):
+                gate, up = v[e].chunk(2, dim=-1)
+                out[f"model.{prefix}{e}.gate_proj.weight"] = gate.T
+                out[f"model.{prefix}{e}.up_proj.weight"] = up.T
+        elif k.endswith("mlp.experts.w_down"):
+            for e in range(v.shape[0]):
+                out[f"model.{prefix}{e}.down_proj.weight"] = v[e].T
+        elif k.endswith("gate_up_proj.weight"):
+            gate, up = v.chunk(2)
+            out[f"model.{prefix.removesuffix('gate_up_proj.')}gate_proj.weight"] = gate
+            out[f"model.{prefix.removesuffix('gate_up_proj.')}up_proj.weight"] = up
+        elif k == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out[k] = v
+        else:
+            out["model." + k] = v
+    return out
 
 
 # For tests (and the trainer: vocab 260 fits its byte tokenizer): a dense layer then two MoE layers;

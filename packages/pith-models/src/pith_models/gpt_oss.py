@@ -30,25 +30,24 @@ import pith_ops
 import torch
 from pith_engine.attention import attention, attention_reference
 from pith_engine.contract import Positions, Routing, Stage1Out
+from pith_engine.fp8 import FP8Switch
 from pith_engine.layers import (
     DecoderModel,
-    FP8Switch,
     Linear,
     RMSNorm,
     Router,
-    combine,
-    config_kwargs_from_hf,
     expert_gemm,
     init_normal,
     rope_inv_freq,
     rotary_positions,
     routed_reference,
     yarn_mscale,
-    yarn_params_from_hf,
 )
 from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+
+from pith_models.hf_config import config_kwargs_from_hf, yarn_params_from_hf
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -281,7 +280,7 @@ class Layer(nn.Module):
         return self.mlp.experts(x_ND, group_ends_E)
 
     def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
-        return combine(h_BSD, y_ND, slots_TK, weights_TK)
+        return h_BSD + pith_ops.moe_unpermute(y_ND, slots_TK, weights_TK).view_as(h_BSD)
 
     def reference_forward(self, h_BSD: Tensor, pos: Positions) -> Tensor:
         h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD, True), pos, True)

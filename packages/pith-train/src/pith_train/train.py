@@ -13,7 +13,7 @@ import pith_models
 import torch
 import torch.distributed as dist
 from pith_engine import checkpoint, parallel
-from pith_engine.layers import FP8Switch, fp8_weights, gather_in_fp8, use_fp8
+from pith_engine.fp8 import FP8Switch, fp8_weights, gather_in_fp8, use_fp8
 from pith_engine.parallel import held_layers
 from pith_engine.step import Aux, Stages, evaluate, step_values, train_step
 from pith_models import deepseek_v2

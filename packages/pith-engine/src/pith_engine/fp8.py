@@ -1,0 +1,157 @@
+"""FP8 GEMMs: the switch a model's projections and experts carry (FP8Switch, use_fp8), their weights'
+kept FP8 copies, and FSDP2's all-gather of those weights in e4m3 (gather_in_fp8, GatheredFP8)."""
+
+from collections.abc import Callable
+
+import pith_ops
+import torch
+import torch.distributed as dist
+from pith_ops.fp8_quant import FP8Weight, weight_amax
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+
+class GatheredFP8(Tensor):
+    """A weight FSDP2 all-gathered in e4m3 (gather_in_fp8): the unsharded parameter
+    FSDP hands the module, of the weight's shape and compute dtype, holding no values in that dtype,
+    only `copies` (an fp8_quant.FP8Weight: q in the weight's layout, its transposed copy, their
+    scales), which the FP8 GEMMs read (FP8Switch.fp8_weight). Its gradient reaches it through a
+    stand-in (pith_ops.stand_in); any other op on it is an error naming what to turn off."""
+
+    copies: FP8Weight
+
+    @staticmethod
+    def __new__(cls, copies: FP8Weight, dtype: torch.dtype):
+        t = Tensor._make_wrapper_subclass(cls, copies.q.shape, dtype=dtype, device=copies.q.device)
+        t.copies = copies
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        w, aten = args[0], torch.ops.aten
+        same_view = func is aten.as_strided.default and tuple(args[1]) == tuple(w.shape)  # FSDP's
+        if func in (aten.detach.default, aten.alias.default) or same_view:
+            return cls(w.copies, w.dtype)
+        raise NotImplementedError(
+            f"{func} on a weight FSDP gathered in FP8: only the FP8 GEMMs read it; set"
+            " train.fp8_all_gather=false to use it otherwise"
+        )
+
+
+class FP8Switch:
+    """A module whose GEMMs run in FP8 while `fp8` is set (use_fp8 sets it for a whole model), and
+    whose weight gradients go to `wgrad_queue` when one is set (set_wgrad_queue). Its FP8 weights: a
+    Linear's weight, an experts module's 3-D parameters."""
+
+    fp8: bool = False
+    wgrad_queue = None  # a pith_engine.wgrad.WeightGradQueue: set_wgrad_queue
+    weight_ndim = 3  # its FP8 weights' ndim: an experts module's [E, in, out] (a Linear's: 2)
+
+    @staticmethod
+    def fp8_weight(w: Tensor, quantize: Callable[[Tensor], tuple]) -> tuple:
+        """w's FP8 copies (quantize = pith_ops.fp8_*_weight, i.e. pith_ops.quantize_weight): its kept
+        copies while valid (pith_ops.kept_copy), else quantize(w), kept (an fp8_quant.FP8Weight with
+        w's amax) when w is a weight whose optimizer marks it (pith_ops.keep_grads: pith-train's AdamW,
+        whose update pass rewrites them, pith_ops.adamw_). So a weight is quantised once, on its first
+        forward; the micro-batches, recomputes and steps after read what the update pass wrote. Under
+        FSDP2 the forward sees the all-gathered weight, not the optimizer's: quantised per call; under
+        torch.compile too (a graph keeps no Python state)."""
+        if isinstance(w, GatheredFP8):
+            return w.copies[:4]
+        if torch.compiler.is_compiling():
+            return quantize(w)
+        kept = pith_ops.kept_copy(w, torch.float8_e4m3fn)
+        if kept is not None:
+            return kept[:4]
+        copies = quantize(w)
+        if FP8Switch.keeps_copies(w) and torch.is_grad_enabled():
+            pith_ops.keep(w, FP8Weight(*copies, weight_amax(w)), torch.float8_e4m3fn)
+        return copies
+
+    @staticmethod
+    def keeps_copies(w: Tensor) -> bool:
+        """Whether fp8_weight keeps w's FP8 copies (in eager code): w is a weight its optimizer marks and
+        the optimizer's own tensor, not FSDP's sharded one."""
+        return bool(w.__dict__.get("_pith_keep_grad")) and type(w) in (Tensor, nn.Parameter)
+
+
+def use_fp8(model: nn.Module, enabled: bool = True, lm_head: bool = False) -> None:
+    """Run every projection (Linear) and expert GEMM of `model` in FP8 (train.fp8): e4m3 operands with
+    power-of-two scales (pith_ops.fp8_linear, fp8_grouped_gemm, the recipe in the pith-ops README),
+    the weights quantised from their fp32 master copies, once, then by the optimizer's update pass
+    (FP8Switch.fp8_weight). lm_head (a Linear the loss fuses: pith_engine.step.loss_sum) by its own
+    switch (train.fp8_lm_head). Embeddings, norms, routers and attention stay in higher precision."""
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Switch):
+            m.fp8 = lm_head if name == "lm_head" else enabled
+
+
+def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> int:
+    """Let FSDP2 all-gather the FP8 weights of `model` (those of FP8Switch modules with fp8 set) in e4m3
+    (train.fp8_all_gather): 1 byte an element on the wire instead of bf16's 2, and no quantisation
+    of the gathered weight. Each rank quantises its shard with the whole weight's scale (per expert
+    for expert weights; the amax from one all-reduce of max over the shard group, a scalar or one per
+    expert, per gather), and the unsharded parameter is a GatheredFP8 of the gathered copies. They are
+    bit for bit what quantising the gathered fp32 weight gives (tested on gloo against an fp32
+    policy); under a bf16 policy the bf16 rounding before quantisation is skipped. Weights not under
+    FSDP stay as they are. experts_only: the experts' weights only (a compiled graph does not take a
+    GatheredFP8; stage 3 is not compiled). Call after use_fp8 and before the first forward (FSDP's
+    lazy init looks for the hooks, on the shard tensors that to_empty and checkpoint loads keep).
+    -> how many weights FSDP will gather in e4m3 (0 where none is sharded)."""
+    tied = {
+        id(p) for m in model.modules() for p in m.parameters(recurse=False) if not isinstance(m, FP8Switch)
+    }
+    hooked = 0
+    for name, m in model.named_modules():
+        if not (isinstance(m, FP8Switch) and m.fp8) or (experts_only and m.weight_ndim == 2):
+            continue
+        for pname, p in fp8_weights(m):
+            if not isinstance(p, DTensor):
+                continue
+            ranks = p.device_mesh.size()
+            why = (
+                "is shared with a module that does not quantise it" if id(p) in tied
+                else f"does not shard evenly over {ranks} ranks" if p.shape[0] % ranks
+                else "has rows not a multiple of 16 (CUDA's FP8 GEMMs)" if p.is_cuda and p.shape[-2] % 16
+                else None
+            )  # fmt: skip
+            if why:
+                raise ValueError(f"train.fp8_all_gather: {name}.{pname} {tuple(p.shape)} {why}; turn it off")
+            local = p._local_tensor
+            local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _fp8_gather_hooks(local, tuple(p.shape))
+            hooked += 1
+    return hooked
+
+
+def _fp8_gather_hooks(local: Tensor, shape: tuple):
+    """FSDP2's all-gather extension hooks (looked up on the shard tensor) for one weight."""
+
+    def pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy):
+        held = local.shape[0]
+        start = mesh.get_local_rank() * held
+        amax = weight_amax(local)
+        if len(shape) == 3:  # each rank's experts whole: their amaxes, zeros elsewhere
+            amax = torch.zeros(shape[0], dtype=torch.float32, device=local.device).index_copy_(
+                0, torch.arange(start, start + held, device=local.device), amax
+            )
+        dist.all_reduce(amax, dist.ReduceOp.MAX, group=mesh.get_group())
+        own = amax[start : start + held] if len(shape) == 3 else amax
+        q = pith_ops.quantize_weight(local.detach(), own)[0]
+        return (q.view(torch.uint8),), amax
+
+    def post_all_gather(outputs, amax, param_dtype, *, out=None):
+        q = outputs[0].view(torch.float8_e4m3fn).view(shape)
+        if out is not None:  # the same storages, refilled by FSDP: the copies rewritten in place
+            out.copies = pith_ops.copies_of_quantized(q, amax, out.copies)
+            return None
+        copies = pith_ops.copies_of_quantized(q, amax)  # qt: unpadded (rows of 16), or a view of q
+        return GatheredFP8(copies, param_dtype), (outputs[0], copies.qt)  # storages FSDP frees, refills
+
+    return pre_all_gather, post_all_gather
+
+
+def fp8_weights(m: FP8Switch) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of m's FP8 weights: a Linear's weight, an experts module's 3-D parameters."""
+    return [(n, p) for n, p in m.named_parameters(recurse=False) if p.ndim == m.weight_ndim]
