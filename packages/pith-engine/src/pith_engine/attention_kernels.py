@@ -1,7 +1,6 @@
-"""The attention computations both attention paths build on, over explicit positions (key j visible to
-query i when pos_j <= pos_i, and pos_i - pos_j < W with a sliding window W): the fp32 reference (the
-specification) and compiled flex_attention returning the log-sum-exp. pith_engine.attention calls
-them on one process, pith_engine.ring_attention per block of the ring.
+"""What both attention paths (pith_engine.attention, and ring_attention per block) compute with, over
+explicit positions (key j visible to query i when pos_j <= pos_i, and pos_i - pos_j < W with a sliding
+window W): the fp32 reference, the specification, and compiled flex_attention returning the lse.
 """
 
 import functools
@@ -21,12 +20,9 @@ def attention_reference(
     window: int | None = None,
     sinks_H: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Plain-PyTorch attention in fp32 (fp64 for fp64 inputs): returns (out [B, Sq, Hq, Dv] in q's
-    dtype, lse [B, Hq, Sq] in that compute dtype).
-
-    lse is the log-sum-exp of the scaled, masked scores over the keys given (sinks excluded), the
-    quantity ring attention merges partial results by. A query that sees no key gets out 0, lse -inf.
-    """
+    """Plain-PyTorch attention in fp32 (fp64 for fp64 inputs) -> (out [B, Sq, Hq, Dv] in q's dtype,
+    lse [B, Hq, Sq]: the log-sum-exp of the masked scores, sinks excluded, by which ring attention
+    merges partial results). A query that sees no key gets out 0, lse -inf."""
     B, Sq, Hq, _ = q.shape
     Hk = k.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)
@@ -44,7 +40,6 @@ def attention_reference(
 
 
 def band_visible(dist: Tensor, window: int | None) -> Tensor:
-    """Whether a query sees a key dist = q_pos - k_pos ahead of it: causal, banded when window is set."""
     return (dist >= 0) & (dist < window) if window is not None else dist >= 0
 
 

@@ -1,30 +1,21 @@
 """Checkpoints: torch.distributed.checkpoint (DCP) in a canonical layout, made visible atomically.
 
-Canonical layout: keys are the model's own names with global layer indices (the position in
-`model.layers`), and each stacked expert parameter [E, ...] is stored as E entries, one per expert
-with its global index: "model.layers.3.mlp.experts.w_gate_up" -> "...w_gate_up.0" ... ".{E-1}"; its
-optimizer state is split the same way ("optim.state.layers.3.mlp.experts.w_gate_up.17.exp_avg").
-Nothing in it depends on the parallel layout, so a checkpoint loads under any other one:
-- a dense weight is a DTensor sharded over dp x cp x ep (or a plain tensor on one process); DCP
-  reads the slices each rank holds;
-- an EP rank holds experts [ep_rank*El, (ep_rank+1)*El), sharded by FSDP along the expert dim over
-  dp x cp in torch.chunk pieces (uneven when El does not divide: 3 experts over 2 shards are 2 + 1),
-  so every expert lives whole on exactly one rank; that rank writes (and on loading asks for) its
-  experts' entries, read straight into its shard rows.
-Loading is in place: entries are views of the parameters and of the optimizer's state.
-The routers' `expert_bias` buffers (aux-loss-free balancing state) are saved whether or not a model
-registers them as persistent. So is the scale of each FP8 weight's kept e4m3 copies (per expert), which
-the update wrote with the old weight's amax (delayed scaling, pith_ops.adamw_); loading requantises
-the weight with it. None where a layout keeps no copies (FSDP); a checkpoint without them still loads.
+Canonical layout: keys are the model's own names with global layer indices, and each stacked expert
+parameter [E, ...] is stored as E entries, one per global expert ("...experts.w_gate_up.17"), its
+optimizer state split the same way. Nothing depends on the parallel layout, so a checkpoint loads
+under any other one: DCP reads the slices of a dense weight each rank holds, and every expert lives
+whole on exactly one rank (FSDP shards an EP rank's experts along the expert dim), which writes and
+reads its entries straight into its shard rows. Loading is in place (entries are views).
+The routers' `expert_bias` buffers are saved whether or not a model registers them as persistent.
+So is the scale of each FP8 weight's kept e4m3 copies, which the update wrote with the old weight's
+amax (delayed scaling, pith_ops.adamw_); loading requantises the weight with it.
 
-A checkpoint is a directory: the DCP files, `files` written by rank 0 (the trainer's JSON, the model's
-config.json) and `rng.{rank}.pt`, and `manifest.json`: every other file's size and SHA-256. It is
-written under NAME.tmp, the manifest last, and renamed to NAME when every rank has finished, so a
-process killed while saving leaves earlier checkpoints as they were and at most a *.tmp directory,
-which `prune` removes. Saving a step that exists moves the old one to NAME.old until the new one is
-in place; a kill in between leaves NAME.old, which `tidy` puts back. `load` verifies the manifest
-before reading anything (CorruptCheckpoint, naming the file and what is wrong); `latest_intact`
-skips damaged checkpoints, moving each aside as NAME.damaged.
+A checkpoint is a directory: the DCP files, `files` written by rank 0, `rng.{rank}.pt`, and
+`manifest.json` (every other file's size and SHA-256). It is written under NAME.tmp, the manifest
+last, and renamed to NAME when every rank has finished, so a process killed while saving leaves the
+earlier checkpoints intact and at most a *.tmp (`prune` removes it). Saving a step that exists moves
+the old one to NAME.old until the new one is in place (`tidy` puts back an orphan). `load` verifies
+the manifest first (CorruptCheckpoint); `latest_intact` moves damaged checkpoints aside.
 """
 
 import hashlib
@@ -64,8 +55,7 @@ def _barrier(mesh: Mesh) -> None:
 
 
 def _dcp(fn, state: dict, path: Path, mesh: Mesh) -> None:
-    """dcp.save or dcp.load; without process groups DCP warns at every call that it assumes one
-    process, which is the intent here (two lines of noise per checkpoint in the training log)."""
+    # Without process groups DCP warns at every call that it assumes one process: the intent here.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         fn(state, checkpoint_id=path, no_dist=not _distributed(mesh))
@@ -76,9 +66,8 @@ class CorruptCheckpoint(ValueError):
 
 
 def _my_share(items: list, mesh: Mesh) -> list:
-    """Every rank hashes a slice of the files, so the cost of a manifest does not grow with the world.
-    SHA-256 ran at 402 MiB/s on one core of this project's busy 2-core CPU VM (hashlib, 256 MiB,
-    SHA-NI): a few seconds per GB per rank, against a save that writes the same bytes once."""
+    """Every rank hashes a slice of the files. SHA-256 ran at 402 MiB/s on one core of this project's
+    busy 2-core CPU VM (hashlib, 256 MiB, SHA-NI): a few seconds per GB per rank."""
     return items[_rank(mesh) :: dist.get_world_size()] if _distributed(mesh) else items
 
 
@@ -158,8 +147,8 @@ def _split_optim(osd: dict, experts: set[str], mesh: Mesh) -> dict:
 
 
 def _fp8_scales(model: nn.Module, mesh: Mesh, kept_only: bool) -> tuple[dict[str, Tensor], list]:
-    """The FP8 weights' kept copies' scales -> (canonical entries, [(weight, scales [B], entry names)]):
-    of the weights holding copies (kept_only), else zeros to load into for those that would keep them."""
+    """The FP8 weights' kept copies' scales -> (canonical entries, [(weight, scales [B], entry names)]);
+    not kept_only: zeros to load into, for the weights that would keep copies."""
     experts = expert_param_names(model)
     fp8 = {p for m in model.modules() if isinstance(m, FP8Switch) and m.fp8 for _, p in fp8_weights(m)}
     entries, weights = {}, []
@@ -178,8 +167,7 @@ def _fp8_scales(model: nn.Module, mesh: Mesh, kept_only: bool) -> tuple[dict[str
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh) -> tuple[dict, dict | None]:
-    """The canonical state dict, every entry a view of this rank's live tensors; and the optimizer's
-    own state dict (to give back to it after loading)."""
+    """The canonical state dict (views of this rank's live tensors) and the optimizer's own."""
     experts = expert_param_names(model)
     # The sharded parameters: a forward without backward (evaluation) leaves the FSDP root unsharded.
     for m in model.modules():
@@ -240,9 +228,8 @@ def load(
     mesh: Mesh = SINGLE,
     verify: bool = True,
 ) -> None:
-    """Load a checkpoint, saved under any layout, into `model` and (when given) `optimizer`, in place.
-    verify: check the manifest first (CorruptCheckpoint before anything is read); False when the
-    caller just did (latest_intact)."""
+    """Load a checkpoint, saved under any layout, into `model` (and `optimizer`), in place.
+    verify: check the manifest first; False when the caller just did."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise ValueError(f"{str(path)!r} is not a Pith checkpoint (it has no DCP .metadata file)")
@@ -303,9 +290,8 @@ def prune(root: Path, keep: int) -> None:
 
 
 def latest_intact(root: Path, mesh: Mesh = SINGLE, warn: Callable[[str], None] = print) -> Path | None:
-    """The newest intact checkpoint under root, or None when there is none at all. Each damaged one
-    newer than it is renamed NAME.damaged (kept, out of the way) after `warn` names what is wrong;
-    ValueError when checkpoints exist and none is intact. Every rank calls this."""
+    """The newest intact checkpoint under root (None: no checkpoint); each damaged newer one is renamed
+    NAME.damaged after `warn` names what is wrong; ValueError when none is intact. Every rank calls this."""
     if _rank(mesh) == 0:
         tidy(root)
     _barrier(mesh)

@@ -9,11 +9,9 @@ micro-batch's compute while another's all-to-all is in flight:
     stage 4 (engine)  combine: the inverse exchange, handing back rows plus (slots, weights)
     stage 5 (model)   h + sum_k weights[t, k] * y[slots[t, k]]  (moe_unpermute), the layer output
 
-Without expert parallelism stages 2 and 4 are local (permute, identity) and `slots`/`weights` are
-the permutation's slots and the router's weights. Under EP the engine may hand stage 5 other
-slots/weights (for example one pre-weighted row per destination rank); a slot < 0 contributes
-nothing. Models never see process groups except through `Positions.cp_group`, which they pass on
-to `pith_engine.attention.attention` unchanged.
+Under EP the engine may hand stage 5 other slots/weights than the router's (one pre-weighted row per
+destination rank); a slot < 0 contributes nothing. Models see process groups only through
+`Positions.cp_group`, which they pass on to `pith_engine.attention.attention` unchanged.
 
 Shape legend: B batch, S sequence (local to this rank under CP), T = B*S tokens, D model dim,
 K router top-k, E experts, N rows grouped by expert (>= T*K when padded), V vocabulary,
@@ -28,11 +26,8 @@ from torch.distributed import ProcessGroup
 
 
 class Positions(NamedTuple):
-    """What attention needs to know about where the local tokens sit in their sequences.
-
-    Without CP the positions of each sequence run in order, one step at a time (p0, p0+1, ...):
-    attention's CUDA fast paths use the index-based causal triangle. Under CP they are the zigzag
-    halves of such a run, and ring attention masks by the positions themselves."""
+    """Where the local tokens sit in their sequences: without CP in order, one step at a time
+    (attention's CUDA fast paths use the index-based triangle); under CP zigzag halves of such a run."""
 
     position_ids_BS: Tensor  # global positions of the local tokens (zigzag order under CP)
     cos_BSR: Tensor  # rotary cos table for those positions, fp32 (model-specific scaling applied)
@@ -56,25 +51,19 @@ class Stage1Out(NamedTuple):
 
 
 class DecoderLayer(Protocol):
-    """One decoder layer, dense or MoE, in the five-stage form."""
-
-    # The routed experts: a module holding only their weights, each [E_held, ...], that stage3 calls
-    # (module call, so FSDP's hooks run); None for a dense layer. The engine slices it to a rank's
-    # experts under EP and shards it over dp x cp, apart from the rest of the layer. Its `fp8` flag
-    # (pith_engine.fp8.FP8Switch) says whether stage 2 sends it FP8 rows (stage3).
+    # The routed experts: a module holding only their weights [E_held, ...], called by stage3 (so FSDP's
+    # hooks run); None for a dense layer. The engine slices it under EP and shards it apart. Its `fp8`
+    # flag (pith_engine.fp8.FP8Switch) says whether stage 2 sends it FP8 rows.
     experts: nn.Module | None
-    # The router: a module that stage1 calls (x_TD -> fp32 logits_TE, pith_engine.layers.Router), so
-    # the engine can keep its weight fp32 under FSDP (its own unit); None for a dense layer.
+    # The router, a module stage1 calls (-> fp32 logits_TE), so FSDP can keep its weight fp32.
     router: nn.Module | None
 
     def stage1(self, h_BSD: Tensor, pos: Positions) -> Stage1Out: ...
 
     def stage3(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
-        """Expert MLPs over rows grouped by the experts this module holds (group_ends: int32 cumulative
-        row ends, one per local expert; rows past the last end are padding and may hold anything).
-        When `experts.fp8` is set, x_ND is a pith_ops.FP8Rows (the rows dispatched in e4m3, its x a
-        stand-in carrying their gradient: executor.run_layer), which pith_engine.layers.expert_gemm
-        takes."""
+        """Expert MLPs over rows grouped by local expert (group_ends: int32 cumulative row ends; rows
+        past the last end are padding). With `experts.fp8` set, x_ND is a pith_ops.FP8Rows
+        (pith_engine.layers.expert_gemm takes it)."""
         ...
 
     def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor: ...
@@ -85,20 +74,14 @@ class DecoderLayer(Protocol):
 
 
 class MoEModel(Protocol):
-    """A decoder-only language model built from DecoderLayers."""
-
     layers: nn.ModuleDict  # DecoderLayers keyed by str(global layer index), in order (maybe a subset)
     lm_head: nn.Linear  # weight [V, D]; the loss fuses it (pith_ops.linear_cross_entropy)
 
-    def prologue(self, input_ids_BS: Tensor) -> Tensor:
-        """Token embedding -> h_BSD."""
-        ...
+    def prologue(self, input_ids_BS: Tensor) -> Tensor: ...  # token embedding -> h_BSD
 
     def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions: ...
 
-    def epilogue(self, h_BSD: Tensor) -> Tensor:
-        """Final norm -> h_BSD, ready for lm_head."""
-        ...
+    def epilogue(self, h_BSD: Tensor) -> Tensor: ...  # final norm -> h_BSD, ready for lm_head
 
     def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
         """Logits [B, S, V] in plain PyTorch (positions 0..S-1, no parallelism)."""

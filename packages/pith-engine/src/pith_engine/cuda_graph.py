@@ -8,25 +8,13 @@ from torch import Tensor, nn
 
 
 class StepGraph:
-    """The schedule's forward and backward work of train_step (`work`) as one CUDA graph: run eagerly
-    at the first call, captured at the second and replayed from then on, so the host launches one graph
-    instead of the step's thousands of kernels (and their Python) and a step whose launches
-    outrun its kernels (FP8's) runs at the GPU's pace. The gradient norm, the optimizer and the
-    expert-bias update stay eager: their few hundred launches queue while the graph runs.
-
-    What makes a replay the step: the step has no host sync (tested), so no value of one step steers
-    its Python, and its kernels read and write the same addresses every step: the micro-batches are
-    copied into the graph's own input tensors, the gradients land in the tensors the capture made
-    (set back on the parameters after each replay, as the optimizer's zero_grad drops them), and the
-    weights' kept copies (pith_ops.cast, FP8Switch.fp8_weight) are rewritten in place by the
-    optimizer. The eager first call runs on the capture stream, so lazy library state, compilation
-    and autotuning happen outside the capture, and the capture sees the optimizer's state in memory
-    (peak memory measured after it is the step's). One process (an expert, context or data exchange
-    needs host-side sizes from its peers; FSDP runs Python hooks inside the step), CUDA, one shape of
-    micro-batches and one Aux (the graph keeps the captured ones); a weight whose kept copies the
-    graph reads must keep them (a weight written outside the optimizer, e.g. a checkpoint loaded into
-    the model, drops them): each is a ValueError before the replay. The graph's memory pool holds
-    the step's activations between steps, so evaluation allocates beside it."""
+    """The schedule's work of train_step (`work`) as one CUDA graph: eager at the first call, captured
+    at the second, replayed after, so the host launches one graph instead of thousands of kernels and
+    a step whose launches outrun its kernels (FP8's) runs at the GPU's pace. A replay is the step: it
+    has no host sync (tested) and the same addresses every step (inputs copied in, gradients set back
+    on the parameters, kept weight copies rewritten in place by the optimizer). The eager call runs on
+    the capture stream, so compilation and autotuning happen outside the capture. One CUDA process,
+    one shape of micro-batches, one Aux, and weights written only by the optimizer: ValueError else."""
 
     def __init__(self, work: Callable):
         self.work = work  # (stages, micro, aux) -> the step's work's outputs: step._schedule_work

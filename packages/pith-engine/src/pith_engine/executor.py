@@ -1,16 +1,10 @@
 """Run a model through the five stages, optionally as separate autograd segments, optionally two at once.
 
-Stages 2 and 4 go through an `ExpertComm`: `LocalExperts` keeps every expert on this process
-(permute, identity); the expert-parallel engine supplies one that exchanges rows by all-to-all.
-The same stage functions run in both cases; there is no second code path.
-
-A layer's stages are a generator of steps (`run_layer`): it yields right after it issues an
-all-to-all and, resumed, waits for it. `drain` runs one to its end; `interleave` runs two
-alternately (the overlapped forward+backward pair of pith_engine.step), so each exchange of one is
-in flight while the other computes. Pieces run through `Segments`: `DIRECT` makes them one autograd
-graph (`forward`, evaluation, tests); a `Tape` records each as its own autograd segment, whose
-backward is again a generator of steps (the training step: a pipeline schedule drives one chunk's
-backward segment by segment while it runs another's forward)"""
+Stages 2 and 4 go through an `ExpertComm` (`LocalExperts`, or the expert-parallel all-to-all). A
+layer's stages are a generator of steps (`run_layer`) that yields right after issuing an all-to-all
+and, resumed, waits for it: `interleave` runs two so each exchange of one is in flight while the
+other computes. `DIRECT` runs the pieces as one autograd graph; a `Tape` records each as its own
+segment, whose backward is again steps (a schedule drives one chunk's backward beside a forward)."""
 
 import functools
 from collections.abc import Generator
@@ -31,24 +25,21 @@ Steps = Generator[None, None, Any]  # stage pieces; each yield: an exchange was 
 
 class Segments(Protocol):
     """How stage pieces run: `seg(fn, *args, owner=...)` a compute piece, `seg.exchange(...)` an
-    all-to-all. `Direct` runs them as one autograd graph; a `Tape` records each as its own segment."""
+    all-to-all."""
 
     def __call__(self, fn, *args, owner: nn.Module | None = None): ...
 
     def exchange(self, tensors: list[Tensor], out_splits: list[int], in_splits: list[int], group) -> Steps:
-        """Issue the all-to-all of `tensors` (row blocks of in_splits out, of out_splits in), yield,
-        -> the received tensors."""
+        """Issue the all-to-all of `tensors`, yield, -> the received tensors."""
         ...
 
 
 class ExpertComm(Protocol):
-    """Stages 2 and 4 as generators (`Steps`): each yields right after it issues an exchange, and
-    resumes by waiting for it, so a caller can run other work while the exchange is in flight."""
+    """Stages 2 and 4 as generators of steps."""
 
     def dispatch(self, r: Routing, seg: Segments, fp8: bool = False) -> Steps:
-        """Stage 2: -> (x_ND rows grouped by local expert, group_ends_E int32, handle for combine).
-        fp8 (the layer's experts run in FP8): the rows quantised once per token and moved in e4m3,
-        x_ND a pith_ops.FP8Rows (its x a stand-in carrying the gradient)."""
+        """Stage 2: -> (x_ND rows grouped by local expert, group_ends_E int32, handle for combine);
+        fp8: the rows quantised once per token and moved in e4m3, x_ND a pith_ops.FP8Rows."""
         ...
 
     def combine(self, y_ND: Tensor, handle: Any, seg: Segments) -> Steps:
@@ -57,7 +48,6 @@ class ExpertComm(Protocol):
 
 
 def drain(steps: Steps):
-    """Run a generator of steps to its end, each exchange waited for as soon as it is issued."""
     while True:
         try:
             next(steps)
@@ -66,9 +56,8 @@ def drain(steps: Steps):
 
 
 def interleave(first: Steps, second: Steps, trace: list | None = None, tags=("first", "second")) -> None:
-    """Run two generators of steps alternately, switching sides at each yield (an exchange of the side
-    in flight): every exchange of one overlaps the other's compute up to its next exchange. trace
-    collects (tag, "issue") at each yield and (tag, "wait") when that side resumes."""
+    """Run two generators of steps, switching sides at each yield: every exchange of one overlaps the
+    other's compute. trace collects (tag, "issue") at each yield and (tag, "wait") at each resume."""
     sides, i = [(first, tags[0]), (second, tags[1])], 0
     issued = set()
     while sides:
@@ -88,8 +77,6 @@ def interleave(first: Steps, second: Steps, trace: list | None = None, tags=("fi
 
 
 class Direct:
-    """Stage pieces as they come, in one autograd graph; exchanges differentiable and synchronous."""
-
     def __call__(self, fn, *args, owner: nn.Module | None = None):
         return fn(*args)
 
@@ -102,8 +89,6 @@ DIRECT = Direct()
 
 
 class LocalExperts:
-    """Stages 2 and 4 when this process holds every expert: no exchange."""
-
     def __init__(self, align: int = 1):
         self.align = align  # per-expert row padding the grouped GEMM prefers
 
@@ -122,14 +107,8 @@ class LocalExperts:
 
 
 class Pending:
-    """An all-to-all in flight (issued with async_op=True); wait() -> its output.
-
-    On CUDA, NCCL runs it on the process group's own stream (the communication stream), which waits
-    by a CUDA event for the work issued so far on the current stream; wait() makes the current stream
-    wait for it in turn, without blocking the host. On CPU, gloo runs it on its own thread and wait()
-    blocks until done. One code path for both: compute issued between start and wait overlaps it.
-    stand_in (a forward exchange of a tensor of strides 0, pith_ops.FP8Rows' x: zeros carrying only
-    a gradient edge): nothing is sent, the output is zeros of strides 0 of the received rows."""
+    """An all-to-all in flight (NCCL's stream); wait() makes the current stream wait for it without
+    blocking the host. stand_in (zeros of strides 0, pith_ops.FP8Rows' x): nothing is sent."""
 
     def __init__(
         self, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup, stand_in=False
@@ -150,9 +129,8 @@ class Pending:
         return self.out
 
     def host(self, *more: Tensor) -> list[int]:
-        """The output (and `more`, issued before it) as host integers, waiting only for the exchange:
-        on CUDA a side stream waits for it and copies to pinned memory, so the host does not also wait
-        for the compute queued since (the other micro-batch's stages keep the GPU busy meanwhile)."""
+        """The output (and `more`) as host integers, waiting for the exchange only (a side stream copies
+        it to pinned memory), not for the compute queued since."""
         if not self.out.is_cuda:
             self.work.wait()
             return torch.cat([*more, self.out.flatten()]).tolist()
@@ -174,8 +152,6 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; its backward is the reverse exchange."""
-
     @staticmethod
     def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
@@ -192,33 +168,20 @@ def _stand_in(t: Tensor) -> bool:
 
 
 def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> Tensor:
-    """Differentiable all_to_all_single: row blocks of in_splits sent, of out_splits received."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
 class Tape:
-    """The autograd segments of one forward (a pipeline chunk on one micro-batch), oldest first.
-
-    `tape(fn, *args)` runs fn with every tensor in args that requires grad replaced by a detached leaf
-    that requires grad, and keeps fn's outputs. `tape.exchange(tensors, ...)` issues their all-to-all,
-    yields, and on resuming waits for it and records it: the received tensors are leaves whose grads
-    go back by the reverse exchange. `seed(t, grad)` gives an output its gradient (ones for a loss
-    term). `backward()` (a generator of steps, as run_layer) then runs the segments newest first, each
-    one torch.autograd.backward(its seeded outputs, their grads), an exchange's reverse issued and
-    yielded on: parameters accumulate their .grad as usual, and each input leaf's grad becomes the grad
-    of the tensor it was detached from; `grad(t)` then hands out what reached a tensor the tape did not
-    produce (the chunk's input). Gradients are kept beside the tensor they belong to, looked up by its
-    id(): the entry keeps the tensor alive, so a freed tensor's address, reused by a later one, never
-    finds a stale gradient (a seeded aux loss that needed no gradient once did, 9 steps in 100 wrong).
-
-    final: this is the step's last backward of the modules its segments name as `owner`: each such
-    FSDP module reduces its gradients in that segment's backward and in no other (they accumulate
-    unreduced until then, pith_engine.step). trace: a list that collects (tag, piece) in the order
-    the pieces run, forward and backward, a piece named by its function (the overlap's tests)."""
+    """The autograd segments of one forward (a pipeline chunk on one micro-batch). `tape(fn, *args)` runs
+    fn on detached leaves of its differentiable args; `backward()` (steps) runs the segments newest
+    first from the outputs' `seed`ed gradients, each leaf's grad passed to the tensor it was detached
+    from. Gradients are kept beside their tensor, by id(): the entry keeps the tensor alive, so a
+    reused address never finds a stale gradient (a seeded aux loss once did, 9 steps in 100 wrong).
+    final: each FSDP `owner` reduces its gradients in its segment's backward (the step's last)."""
 
     def __init__(self, final: bool = False, trace: list | None = None, tag: str = ""):
         self.final, self.trace, self.tag = final, trace, tag
-        # (input leaves, the tensors they were detached from, outputs, owner or an exchange's splits, name)
+        # (leaves, the tensors they were detached from, outputs, owner or an exchange's splits, name)
         self.segments = []
         self.grads: dict[int, tuple[Tensor, Tensor]] = {}  # id(t) -> (t, its gradient)
 
@@ -249,8 +212,7 @@ class Tape:
         return received
 
     def seed(self, t: Tensor, grad: Tensor | None = None) -> None:
-        """Give output t its gradient (ones: a loss term); a t that needs no gradient (an aux loss
-        switched off) has nothing to back-propagate."""
+        """Give output t its gradient (ones: a loss term); none if t needs none (an aux loss off)."""
         if t.requires_grad:
             self._add(t, torch.ones_like(t) if grad is None else grad)
 
@@ -260,7 +222,6 @@ class Tape:
             self.grads[id(t)] = (t, grad if held is None else held[1] + grad)
 
     def grad(self, t: Tensor) -> Tensor | None:
-        """The gradient that reached t (and leave it): the seeds of an output, or an input's."""
         held = self.grads.pop(id(t), None)
         assert held is None or held[0] is t
         return None if held is None else held[1]
@@ -302,9 +263,8 @@ def run_layer(
     seg: Segments = DIRECT,
     module: nn.Module | None = None,
 ) -> Steps:
-    """The five stages of one layer (a generator of steps: drain() it, or interleave it with another);
-    with a Tape as `seg`, each its own segment. module: the layer's nn.Module (its FSDP unit) when
-    `layer` wraps its stage functions (pith_engine.step.Stages). -> (h_BSD, routing or None)."""
+    """The five stages of one layer as steps; module: the layer's nn.Module (its FSDP unit) when
+    `layer` wraps its stage functions (step.Stages). -> (h_BSD, routing or None)."""
     s1 = seg(layer.stage1, h_BSD, pos, owner=module or layer)
     r = s1.routing
     if r is None:
@@ -316,17 +276,9 @@ def run_layer(
     return seg(layer.stage5, s1.h_BSD, y_ND, slots_TK, weights_TK), r
 
 
-def forward(
-    model: MoEModel,
-    input_ids_BS: Tensor,
-    comm: ExpertComm,
-    position_ids_BS: Tensor | None = None,
-    cp_group: ProcessGroup | None = None,
-) -> tuple[Tensor, list[Routing]]:
+def forward(model: MoEModel, input_ids_BS: Tensor, comm: ExpertComm) -> tuple[Tensor, list[Routing]]:
     """Prologue, every layer's stages, epilogue -> (final normed h_BSD, the MoE layers' routings)."""
-    if position_ids_BS is None:
-        position_ids_BS = default_position_ids(input_ids_BS)
-    pos = model.positions(position_ids_BS, cp_group)
+    pos = model.positions(default_position_ids(input_ids_BS))
     h = model.prologue(input_ids_BS)
     routings = []
     for layer in model.layers.values():

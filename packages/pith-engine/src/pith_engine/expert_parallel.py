@@ -1,21 +1,12 @@
 """Expert parallelism: stages 2 and 4 as all-to-all exchanges over the EP group, deduplicated.
 
-EP rank r of R holds the global experts [r*El, (r+1)*El), El = E / R. Dispatch sends each token once
-to every rank that holds any of its top-k experts (not once per expert), with a row of routing
-metadata (its combine weights and global expert ids, the same for every destination); the receiver
-expands the rows over its local experts with pith_ops.moe_permute. Combine mirrors it: the receiver
-forms, per received row, the weighted sum over its experts (pith_ops.moe_unpermute) and sends one
-row back; stage 5 on the source adds its <= R returned rows with weight 1 (slots, slot -1 = no row).
-The routing weights travel through the exchange, so their gradient (and x's) flows back through it.
-
-Host synchronisations per MoE layer: exactly one, in dispatch (one D2H copy of the exchanged row and
-pair counts: all_to_all_single needs its split sizes on the host). Combine and the backward of both
-reuse those sizes: no sync. Collectives: 4 all-to-alls forward (counts, rows, metadata, combine), 3
-backward; with FP8 experts the rows go as e4m3 bytes and their fp32 scales (pith_ops.FP8Rows, quantised
-once per token on the source: half bf16's bytes), 5 forward. The indices come from pith_ops.moe_permute
-(Triton on the GPU), in the pass that copies the rows: on the source, rows grouped by destination rank
-(id -1 where a token skips a rank) are the all-to-all's send layout; on the receiver, ids outside this
-rank's experts are -1. The counts from the one sync give both calls their static row counts.
+EP rank r of R holds the global experts [r*El, (r+1)*El). Dispatch sends each token once to every
+rank holding any of its top-k experts, with its combine weights and global expert ids (so their
+gradient flows back through the exchange); the receiver expands the rows over its local experts.
+Combine sends back, per received row, the weighted sum over its experts; stage 5 on the source adds
+its <= R returned rows with weight 1. One host sync per MoE layer, in dispatch (all_to_all_single
+needs its split sizes on the host); 4 all-to-alls forward, 3 backward (5 forward with FP8 rows, half
+bf16's bytes). More: the pith-engine README, "Parallelism".
 
 Shape legend: T local tokens, K top-k, D model dim, R EP ranks, El experts per rank, S rows sent
 (one per (token, destination)), M rows received, N grouped rows.
@@ -58,19 +49,15 @@ class _Handle(NamedTuple):
 
 
 class ExpertParallel:
-    """Stages 2 and 4 across an EP group; this rank holds experts [rank*El, (rank+1)*El).
-
-    dispatch and combine are generators of their pieces (executor.Steps), yielding at each exchange
-    in flight so that an overlapped pair runs the other side's compute meanwhile: counts (issued) ->
-    plan (the host sync) -> send_layout -> rows and metadata (issued) -> receive; combine: partial
-    rows -> back (issued). executor.drain runs one straight through."""
+    """Stages 2 and 4 across an EP group, as generators yielding at each exchange in flight: counts
+    (issued) -> plan (the host sync) -> send_layout -> rows and metadata (issued) -> receive; combine:
+    partial rows -> back (issued)."""
 
     def __init__(self, group: ProcessGroup, align: int = 1):
         self.group, self.ranks, self.align = group, dist.get_world_size(group), align
         self.rank = dist.get_rank(group)
 
     def counts(self, r: Routing) -> Counts:
-        """Issue the exchange of per-destination (token, pair) counts; stage 1's router output suffices."""
         E, R, dev = r.probs_TE.shape[-1], self.ranks, r.x_TD.device
         if E % R:
             raise ValueError(f"expert parallelism: {E} experts do not divide over ep={R} ranks")
@@ -82,9 +69,7 @@ class ExpertParallel:
         return Counts(need_RT, send_counts_R2, Pending(send_counts_R2, [1] * R, [1] * R, self.group))
 
     def plan(self, c: Counts) -> Plan:
-        """Wait for the counts: the layer's one host sync (all_to_all_single needs its split sizes on
-        the host, and the receiver's row count gives moe_permute a static shape). It waits for the
-        exchange alone (Pending.host), not for compute issued after it."""
+        """Wait for the counts: the layer's one host sync, for the exchange alone (Pending.host)."""
         R = self.ranks
         counts = c.recv.host(c.send_counts_R2[:, 0])
         return Plan(counts[:R], counts[R::2], sum(counts[R + 1 :: 2]))
@@ -121,10 +106,7 @@ class ExpertParallel:
         return x_ND, group_ends_E, slots_MK, weights_MK
 
     def dispatch(self, r: Routing, seg: Segments = DIRECT, fp8: bool = False) -> Steps:
-        """Stage 2 as steps: the counts' exchange issued (yield: the other side of an overlapped pair
-        computes before this layer's host sync), then the rows' and metadata's (yield). fp8: the
-        rows go as e4m3 bytes and fp32 scales (half bf16's bytes), with their gradient's stand-in,
-        which sends nothing (executor.Pending)."""
+        # The first yield lets the other side of an overlapped pair compute before the host sync.
         c = self.counts(r)
         yield
         p = self.plan(c)
@@ -137,7 +119,6 @@ class ExpertParallel:
         return x_ND, group_ends_E, _Handle(slots_MK, weights_MK, slots_TR, p.send_rows, p.recv_rows)
 
     def combine(self, y_ND: Tensor, handle: Any, seg: Segments = DIRECT) -> Steps:
-        """Stage 4 as steps: each received row's weighted sum over its experts, sent back (yield)."""
         h: _Handle = handle
         partial_MD = seg(pith_ops.moe_unpermute, y_ND, h.slots_MK, h.weights_MK)
         (rows_SD,) = yield from seg.exchange([partial_MD], h.send_rows, h.recv_rows, self.group)

@@ -12,11 +12,9 @@ from torch.distributed.tensor import DTensor
 
 
 class GatheredFP8(Tensor):
-    """A weight FSDP2 all-gathered in e4m3 (gather_in_fp8): the unsharded parameter
-    FSDP hands the module, of the weight's shape and compute dtype, holding no values in that dtype,
-    only `copies` (an fp8_quant.FP8Weight: q in the weight's layout, its transposed copy, their
-    scales), which the FP8 GEMMs read (FP8Switch.fp8_weight). Its gradient reaches it through a
-    stand-in (pith_ops.stand_in); any other op on it is an error naming what to turn off."""
+    """A weight FSDP2 all-gathered in e4m3 (gather_in_fp8): the unsharded parameter, of the weight's
+    shape and compute dtype but holding only `copies` (an fp8_quant.FP8Weight), which the FP8 GEMMs
+    read. Its gradient reaches it through a stand-in (pith_ops.stand_in); any other op is an error."""
 
     copies: FP8Weight
 
@@ -41,9 +39,8 @@ class GatheredFP8(Tensor):
 
 
 class FP8Switch:
-    """A module whose GEMMs run in FP8 while `fp8` is set (use_fp8 sets it for a whole model), and
-    whose weight gradients go to `wgrad_queue` when one is set (set_wgrad_queue). Its FP8 weights: a
-    Linear's weight, an experts module's 3-D parameters."""
+    """A module whose GEMMs run in FP8 while `fp8` is set (use_fp8), and whose weight gradients go to
+    `wgrad_queue` when one is set."""
 
     fp8: bool = False
     wgrad_queue = None  # a pith_engine.wgrad.WeightGradQueue: set_wgrad_queue
@@ -51,13 +48,10 @@ class FP8Switch:
 
     @staticmethod
     def fp8_weight(w: Tensor, quantize: Callable[[Tensor], tuple]) -> tuple:
-        """w's FP8 copies (quantize = pith_ops.fp8_*_weight, i.e. pith_ops.quantize_weight): its kept
-        copies while valid (pith_ops.kept_copy), else quantize(w), kept (an fp8_quant.FP8Weight with
-        w's amax) when w is a weight whose optimizer marks it (pith_ops.keep_grads: pith-train's AdamW,
-        whose update pass rewrites them, pith_ops.adamw_). So a weight is quantised once, on its first
-        forward; the micro-batches, recomputes and steps after read what the update pass wrote. Under
-        FSDP2 the forward sees the all-gathered weight, not the optimizer's: quantised per call; under
-        torch.compile too (a graph keeps no Python state)."""
+        """w's FP8 copies (quantize: pith_ops.fp8_*_weight): its kept copies while valid, else
+        quantize(w), kept when w's optimizer marks it (pith_ops.keep_grads; its update pass rewrites
+        them, pith_ops.adamw_). So a weight is quantised once, on its first forward. FSDP2's gathered
+        weight is not the optimizer's: quantised per call; under torch.compile too (no Python state)."""
         if isinstance(w, GatheredFP8):
             return w.copies[:4]
         if torch.compiler.is_compiling():
@@ -72,34 +66,26 @@ class FP8Switch:
 
     @staticmethod
     def keeps_copies(w: Tensor) -> bool:
-        """Whether fp8_weight keeps w's FP8 copies (in eager code): w is a weight its optimizer marks and
-        the optimizer's own tensor, not FSDP's sharded one."""
+        """Whether fp8_weight keeps w's copies: its optimizer marks it and it is not FSDP's DTensor."""
         return bool(w.__dict__.get("_pith_keep_grad")) and type(w) in (Tensor, nn.Parameter)
 
 
 def use_fp8(model: nn.Module, enabled: bool = True, lm_head: bool = False) -> None:
-    """Run every projection (Linear) and expert GEMM of `model` in FP8 (train.fp8): e4m3 operands with
-    power-of-two scales (pith_ops.fp8_linear, fp8_grouped_gemm, the recipe in the pith-ops README),
-    the weights quantised from their fp32 master copies, once, then by the optimizer's update pass
-    (FP8Switch.fp8_weight). lm_head (a Linear the loss fuses: pith_engine.step.loss_sum) by its own
-    switch (train.fp8_lm_head). Embeddings, norms, routers and attention stay in higher precision."""
+    """Run every projection and expert GEMM of `model` in FP8 (train.fp8; the recipe: the pith-ops
+    README); lm_head (fused in the loss) by its own switch (train.fp8_lm_head). Embeddings, norms,
+    routers and attention stay in higher precision."""
     for name, m in model.named_modules():
         if isinstance(m, FP8Switch):
             m.fp8 = lm_head if name == "lm_head" else enabled
 
 
 def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> int:
-    """Let FSDP2 all-gather the FP8 weights of `model` (those of FP8Switch modules with fp8 set) in e4m3
-    (train.fp8_all_gather): 1 byte an element on the wire instead of bf16's 2, and no quantisation
-    of the gathered weight. Each rank quantises its shard with the whole weight's scale (per expert
-    for expert weights; the amax from one all-reduce of max over the shard group, a scalar or one per
-    expert, per gather), and the unsharded parameter is a GatheredFP8 of the gathered copies. They are
-    bit for bit what quantising the gathered fp32 weight gives (tested on gloo against an fp32
-    policy); under a bf16 policy the bf16 rounding before quantisation is skipped. Weights not under
-    FSDP stay as they are. experts_only: the experts' weights only (a compiled graph does not take a
-    GatheredFP8; stage 3 is not compiled). Call after use_fp8 and before the first forward (FSDP's
-    lazy init looks for the hooks, on the shard tensors that to_empty and checkpoint loads keep).
-    -> how many weights FSDP will gather in e4m3 (0 where none is sharded)."""
+    """Let FSDP2 all-gather the FP8 weights of `model` in e4m3 (train.fp8_all_gather): 1 byte an
+    element on the wire instead of bf16's 2. Each rank quantises its shard with the whole weight's
+    scale (per expert; the amax from one all-reduce of max per gather), bit for bit what quantising the
+    gathered fp32 weight gives (tested on gloo). experts_only: a compiled graph does not take a
+    GatheredFP8, and stage 3 is not compiled. Call after use_fp8, before the first forward (FSDP's
+    lazy init looks for the hooks). -> how many weights FSDP will gather in e4m3."""
     tied = {
         id(p) for m in model.modules() for p in m.parameters(recurse=False) if not isinstance(m, FP8Switch)
     }
@@ -153,5 +139,5 @@ def _fp8_gather_hooks(local: Tensor, shape: tuple):
 
 
 def fp8_weights(m: FP8Switch) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) of m's FP8 weights: a Linear's weight, an experts module's 3-D parameters."""
+    """(name, parameter) of m's FP8 weights."""
     return [(n, p) for n, p in m.named_parameters(recurse=False) if p.ndim == m.weight_ndim]

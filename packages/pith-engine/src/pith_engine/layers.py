@@ -1,7 +1,6 @@
-"""Building blocks the model files share, the same in every model that uses them: RMSNorm, the
-projections (Linear) and the experts' grouped GEMM (expert_gemm), both with the FP8 switch and the
-weight-gradient delay, the fp32 router, the reference loop over experts, RoPE tables (plain and YaRN),
-the embedding / final-norm / lm_head frame of a model and the seeded normal initialiser.
+"""Building blocks the model files share: RMSNorm, the projections (Linear) and the experts'
+grouped GEMM (expert_gemm) with the FP8 switch and the weight-gradient delay, the fp32 router, the
+reference loop over experts, RoPE tables, the frame of a model and the seeded initialiser.
 Parameter names are the checkpoints' and the engine's: renaming one here renames it in every model.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D hidden, E experts (those a module holds), K
@@ -43,9 +42,7 @@ class RMSNorm(nn.Module):
 
 
 class Linear(FP8Switch, nn.Linear):
-    """nn.Linear, through pith_ops.fp8_linear while fp8 is set (the FP8 weight copies cached per
-    optimizer step: FP8Switch.fp8_weight). The model files' projections. Its weight gradients can be
-    deferred (set_wgrad_queue), in FP8 too."""
+    """nn.Linear, through pith_ops.fp8_linear while fp8 is set; its weight gradients deferrable."""
 
     weight_ndim = 2
 
@@ -82,11 +79,8 @@ def expert_gemm(
     queue: WeightGradQueue | None = None,
     x8: tuple = (None, None),
 ) -> Tensor:
-    """The experts' grouped GEMM: FP8 from the (fp32 master) weight's FP8 copies (FP8Switch.fp8_weight;
-    x8: the rows' FP8 copy when the pass writing them made it, pith_ops.swiglu_fp8; x_ND FP8Rows: rows
-    dispatched in FP8, executor.run_layer), or in the rows' dtype (bf16 rows under autocast meet fp32
-    master weights; a no-op cast otherwise; pith_ops.cast for a vectorised cast of the gradient back,
-    its docstring has the numbers), its weight gradient deferrable to `queue` either way."""
+    """The experts' grouped GEMM, its weight gradient deferrable to `queue`: in FP8 from the weight's
+    FP8 copies (x8: the rows' FP8 copy if the pass writing them made one), else in the rows' dtype."""
     if isinstance(x_ND, pith_ops.FP8Rows):
         if not fp8:  # its x is a stand-in: zeros
             raise ValueError(
@@ -95,9 +89,8 @@ def expert_gemm(
         x_ND, x8 = x_ND.x, (x_ND.q, x_ND.scale)
     if fp8:
         w8 = FP8Switch.fp8_weight(w_EIO, fp8_grouped_gemm_weight)
-        # Not x_ND itself in the closure: the backward keeps the rows' FP8 copy, and a closure over the
-        # bf16 rows kept them alive to the backward too (the pith-train bench: 2 GiB of permuted rows
-        # and 0.8 GiB of SwiGLU outputs at its peak, H200).
+        # Not x_ND in the closure: it kept the bf16 rows alive to the backward beside their FP8 copy
+        # (the pith-train bench: 2 GiB of permuted rows and 0.8 GiB of SwiGLU outputs at its peak, H200).
         x_dtype = x_ND.dtype
 
         def split_backward(saved, dy_NO, need_dx):
@@ -120,8 +113,8 @@ def expert_gemm(
 def routed_reference(
     x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, E: int, expert: Callable[[int, Tensor], Tensor]
 ) -> Tensor:
-    """Stages 2 to 5 unstaged: expert(e, rows) over each expert's tokens in a loop, weighted sum in fp32
-    (fp64 for a float64 model, whose routing weights are fp64)."""
+    """Stages 2 to 5 unstaged: expert(e, rows) over each expert's tokens in a loop, summed in fp32
+    (fp64 for a float64 model)."""
     out_TD = torch.zeros_like(x_TD, dtype=torch.promote_types(weights_TK.dtype, torch.float32))
     for e in range(E):
         t, k = (expert_ids_TK == e).nonzero(as_tuple=True)
@@ -130,10 +123,9 @@ def routed_reference(
 
 
 class Router(nn.Linear):
-    """The routing linear: logits [T, E] in fp32 (fp64 for a float64 model, tests) whatever the dtype
-    of its input and weight (bf16 weights, bf16 autocast): bf16 keeps ~3 significant digits, enough to
-    flip near-tied top-k choices. A module of its own, so FSDP can gather its weight in fp32 (its own
-    unit, pith_engine.parallel)."""
+    """The routing linear: logits [T, E] in fp32 (fp64 for a float64 model) whatever the dtypes of
+    input and weight: bf16 keeps ~3 significant digits, enough to flip near-tied top-k choices. A
+    module of its own, so FSDP can gather its weight in fp32 (pith_engine.parallel)."""
 
     def forward(self, x_TD: Tensor) -> Tensor:
         dtype = torch.promote_types(self.weight.dtype, torch.float32)
@@ -143,18 +135,18 @@ class Router(nn.Linear):
 
 
 class YarnParams(Protocol):
-    """The YaRN fields the frequency blend reads (each model's Yarn config has them)."""
+    """The YaRN fields the frequency blend reads (each model's Yarn config has them, commented)."""
 
-    factor: float  # context extension factor
-    original_max_position_embeddings: int  # pretraining context length
-    beta_fast: float  # rotations bounding the extrapolated (high-frequency) band
-    beta_slow: float  # rotations bounding the interpolated (low-frequency) band
-    truncate: bool  # round the blend range to whole dims
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    truncate: bool
 
 
 def rope_inv_freq(theta: float, dim: int, device: torch.device, yarn: YarnParams | None = None) -> Tensor:
-    """Inverse frequencies [R = dim/2] in fp64 of RoPE with base theta over `dim` rotary dims, with
-    YaRN's blend of the original and the interpolated (divided by factor) frequencies when given."""
+    """RoPE's inverse frequencies [R = dim/2] in fp64, with YaRN's blend of the original and the
+    interpolated (divided by factor) frequencies when given."""
     inv_freq_R = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim)
     if yarn is None:
         return inv_freq_R
@@ -189,15 +181,9 @@ def rotary_positions(
 
 
 class DecoderModel(nn.Module):
-    """The frame of a pith_engine.contract.MoEModel: embed_tokens, the decoder layers, the final
-    RMSNorm `norm` and lm_head (tied to the embedding when cfg.tie_word_embeddings). A model file
-    subclasses it, passing `make_layer(i)` (the layer of global index i), and defines `positions`
-    (its rotary tables), which reference_forward calls.
-
-    layer_ids: the global indices of the layers to build (None: all of cfg.num_hidden_layers). The
-    layers sit in an nn.ModuleDict keyed by str(global index), in increasing order, so a model built
-    with only some of them (a pipeline rank's chunks, which need not be adjacent) keeps the names
-    `layers.<i>.` of the whole model: state dicts and checkpoints are layout-independent."""
+    """The frame of a pith_engine.contract.MoEModel (embedding, layers, final norm, lm_head); a model
+    file subclasses it with `make_layer(i)` and defines `positions`. layer_ids: the global indices of
+    the layers to build, keyed by str(index), so a pipeline rank's model keeps the whole one's names."""
 
     def __init__(self, cfg, make_layer: Callable[[int], nn.Module], layer_ids: Iterable[int] | None = None):
         super().__init__()
@@ -220,9 +206,7 @@ class DecoderModel(nn.Module):
         return self.norm(h_BSD)
 
     def forward(self, input_ids_BS: Tensor) -> Tensor:
-        """model(input_ids) -> logits [B, S, V]: the staged path (executor.forward, every expert on
-        this process), i.e. the function the trainer optimises, with its kernels; reference_forward
-        stays the plain-PyTorch specification that the tests hold it to."""
+        """-> logits [B, S, V] through the staged path (every expert local): what the trainer runs."""
         h_BSD, _ = executor.forward(self, input_ids_BS, executor.LocalExperts())
         return self.lm_head(h_BSD)
 
@@ -243,13 +227,9 @@ def _generator(device: torch.device, seed: int, key: str) -> torch.Generator:
 def init_normal(
     model: nn.Module, seed: int, std: float, zero: tuple[str, ...] = (), mesh: Mesh = SINGLE
 ) -> None:
-    """Norm weights 1, parameters named ending in one of `zero` 0, expert_bias buffers 0, every other
-    parameter N(0, std), whatever the layout: each tensor of the canonical checkpoint layout (a
-    parameter, or one expert of a stacked expert weight: `name.<global expert>`) draws from its own
-    generator seeded by (seed, its name), so one process and every dp/cp/ep/pp layout hold the same
-    global weights, and a rank draws only the pieces it holds (a dense parameter whole, once, then
-    its FSDP rows kept; an expert only where this rank holds it). `model` may be sharded by
-    pith_engine.parallel.parallelize over `mesh`, after materialising (model.to_empty)."""
+    """Norm weights 1, parameters named ending in `zero` 0, expert_bias 0, others N(0, std). Each tensor
+    of the canonical checkpoint layout (a parameter, or one expert `name.<e>`) draws from a generator
+    seeded by (seed, its name): every layout holds the same global weights; a rank draws what it holds."""
     if next(model.parameters()).device.type == "meta":
         raise ValueError("the model is on the meta device: materialise it (model.to_empty(device=...)) first")
     experts = expert_param_names(model)

@@ -1,26 +1,10 @@
 """The device mesh, the layout checks, FSDP2 wrapping and the few collectives a training step needs.
 
-Mesh axes, outer to inner: pp, dp, cp, ep (world = pp*dp*cp*ep). Data ranks are dp x ep (EP is carved
-out of data parallelism: EP ranks take different sequences); CP ranks share sequences and split them
-along time (zigzag, pith_engine.ring_attention). Everything a step needs travels in one `Mesh`.
-
-FSDP2: expert weights shard over dp x cp (each EP rank holds other experts), every other weight over
-dp x cp x ep. Gradients are SUMMED, never averaged (divide factor 1): the trainer normalises each
-rank's loss by the global label-token count, so the summed gradient is exactly the single-process
-one for experts and dense weights alike (an expert's gradient already sums the tokens of every EP
-rank through the all-to-all backward; dense weights are summed over ep by FSDP).
-
-FSDP's unshard/reshard hooks run on module calls; the five-stage executor calls `stage1` (and the
-model's `prologue` / `epilogue`) as methods, so those are registered as FSDP forward methods; stage 3
-calls `layer.experts` (a module); stage 5 must not use parameters of its own. Each router (`layer.
-router`, called as a module inside stage 1) is an FSDP unit of its own with an fp32 policy: routing
-logits, softmax and top-k stay fp32 while the rest of the layer computes in bf16.
-
-Sharded build: `parallelize` works on the meta device, so a rank builds the whole model on meta,
-keeps its experts and its FSDP shards, and materialises (to_empty) and initialises only those
-(pith_models.build; pith_engine.layers.init_normal draws the same global weights under any layout).
-`local_rows` says which rows of a global tensor a rank's shard holds; initialisation, HF loading and
-checkpoints all go through it.
+Mesh axes, outer to inner: pp, dp, cp, ep; data ranks are dp x ep. FSDP2 shards expert weights over
+dp x cp and every other weight over dp x cp x ep, gradients SUMMED (each rank's loss is normalised by
+the global label-token count). FSDP's hooks run on module calls: `stage1`, `prologue` and `epilogue`
+are registered as FSDP forward methods, stage 3 calls `layer.experts`, stage 5 must use no parameters
+of its own. The design and its measurements: the pith-engine README, "Parallelism".
 
 Shape legend: E experts, El experts per EP rank.
 """
@@ -62,7 +46,6 @@ class Layout:
 def check_layout(
     layout: Layout, *, world_size: int, num_experts: int, seq_len: int, global_batch: int, micro_batch: int
 ) -> None:
-    """ValueError naming the numbers of every requirement the layout breaks, before any compute."""
     p = layout
     problems = [f"{k}={v} must be >= 1" for k, v in vars(p).items() if v < 1]
     if problems:
@@ -110,9 +93,7 @@ SINGLE = Mesh(Layout(), torch.device("cpu"))  # a single process: no groups
 
 def build_mesh(layout: Layout, device: torch.device) -> Mesh:
     """The mesh for `layout`, starting the process group from torchrun's env if needed (nccl on CUDA,
-    gloo on CPU). One process started without torchrun (no RANK in the env) needs no process group;
-    under torchrun even one process takes the distributed path (a process group of one; parallelize
-    leaves one-rank groups unsharded)."""
+    gloo on CPU). Without torchrun one process needs none; under it even one takes that path."""
     if layout.world == 1 and not dist.is_initialized() and "RANK" not in os.environ:
         return Mesh(layout, device)
     if not dist.is_initialized():
@@ -172,12 +153,9 @@ def expert_param_names(model: nn.Module) -> set[str]:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """In place: keep this pipeline rank's layers (pith_engine.schedule's V; the embedding, final norm
-    and lm_head on rank 0 only) and this EP rank's experts, then FSDP2 (param_dtype for compute, fp32
-    reduction).
-
-    The model must hold every expert (E along dim 0 of each expert weight) and is best on the meta
-    device (pith_models.build materialises and initialises after); a materialised model works too."""
+    """In place: keep this pipeline rank's layers (the embedding, final norm and lm_head on rank 0
+    only) and this EP rank's experts, then FSDP2 (param_dtype for compute, fp32 reduction). The model
+    holds every expert, best on the meta device."""
     pp = mesh.layout.pp
     if pp > 1:
         spans = schedule.split_layers(len(held_layers(model)), pp)
@@ -192,18 +170,13 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
                 raise ValueError(f"expert weight {name} {tuple(p.shape)}: {p.shape[0]} experts over ep={ep}")
             held = p.shape[0] // ep
             setattr(m, name, nn.Parameter(p.detach()[r * held : (r + 1) * held].clone()))
-    # A group of one rank shards nothing: FSDP over it only adds copies (its all-gather and
-    # reduce-scatter buffers; on an H200 the bench workload under torchrun on one GPU ran at 87.6% of
-    # the single process's tokens/s with every unit over its 1-rank group). Such weights stay plain,
-    # as on one process (bf16 by autocast): the whole model under one rank, and the experts under EP
-    # with dp = cp = 1 (each EP rank's experts are its own; nothing to reduce over dp x cp).
+    # A group of one rank shards nothing: FSDP over it only adds copies (on an H200 the bench under
+    # torchrun on one GPU ran at 87.6% of the single process's tokens/s). Such weights stay plain: the
+    # whole model under one rank, and the experts under EP with dp = cp = 1.
     if mesh.dense_mesh is None or mesh.dense_mesh.size() == 1:
         return model
-    # FSDP2 warns, at every forward of a unit (12 lines a step on the tiny default), that a unit returned
-    # a view: stage 1's routed rows (the normed hidden states, flattened) and the epilogue's norm (its
-    # kernel's rows viewed as [B, S, D]). An in-place op on such a view would drop the unit's
-    # pre-backward hook; nothing writes into a stage output in place (the step hands each to the next
-    # segment detached, executor.Tape), and every layout's gradients equal one process's (the tests).
+    # FSDP2 warns at every forward of a unit that returned a view (12 lines a step on the tiny default):
+    # an in-place op on it would drop a hook, but the Tape hands each stage output on detached.
     warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor")
     # cast_forward_inputs off: Positions carries fp32 rotary tables that must stay fp32.
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
@@ -225,12 +198,10 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     fully_shard(model, mesh=mesh.dense_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=plain)
     register_fsdp_forward_method(model, "prologue")
     register_fsdp_forward_method(model, "epilogue")
-    # Explicit forward prefetch: under EP, dispatch waits on the host for its split sizes, so without
-    # it the experts' all-gather (issued when stage 3 calls them) and the next layer's would start
-    # only after that wait, with nothing queued to overlap them. Issued at the previous unit's start
-    # instead, they run while stage 1 (resp. stages 3-5) computes.
-    # Not under PP: a rank's two chunks are not consecutive, and the schedule, not layer order, says
-    # which unit runs next.
+    # Explicit forward prefetch: under EP, dispatch waits on the host for its split sizes, so the
+    # experts' and the next layer's all-gathers would start only after that wait. Issued at the
+    # previous unit's start, they run while stage 1 (resp. stages 3-5) computes. Not under PP: the
+    # schedule, not layer order, says which unit runs next.
     for layer, after in zip(layers, [*layers[1:], None]) if mesh.layout.pp == 1 else ():
         chain = [m for m in (layer, layer.experts, after) if isinstance(m, FSDPModule)]
         for m, nxt in zip(chain, chain[1:]):
@@ -248,9 +219,8 @@ def _local(t: Tensor) -> Tensor:
 
 
 def local_rows(t: Tensor) -> tuple[Tensor, range]:
-    """-> (this rank's local tensor of `t`, the rows of dim 0 of t's global tensor it holds). FSDP2
-    shards dim 0 in torch.chunk pieces (uneven ones last; a rank may hold none); a plain tensor is
-    whole. For an EP-sliced expert weight the global tensor is this EP rank's experts."""
+    """-> (this rank's local tensor of `t`, the rows of dim 0 of t's global tensor it holds: FSDP2's
+    torch.chunk pieces; an EP-sliced expert weight's global tensor is this EP rank's experts)."""
     local = _local(t)
     if not isinstance(t, DTensor):
         return local, range(t.shape[0])
@@ -263,8 +233,7 @@ def local_rows(t: Tensor) -> tuple[Tensor, range]:
 
 
 def all_reduce_sum(t: Tensor, mesh: Mesh, pp: bool = False) -> Tensor:
-    """In place: the sum over all dp x cp x ep ranks, and over the pipeline ranks too if `pp` (each
-    holds other layers: the loss terms and gradient norms of the whole model); identity on one process."""
+    """In place: the sum over all dp x cp x ep ranks, and over the pipeline ranks too if `pp`."""
     if mesh.reduce_group is not None:
         dist.all_reduce(t, group=mesh.reduce_group)
     if pp and mesh.pp_group is not None:
@@ -274,14 +243,11 @@ def all_reduce_sum(t: Tensor, mesh: Mesh, pp: bool = False) -> Tensor:
 
 @torch.no_grad()
 def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
-    """The global gradient norm (fp32), as on one process, with no host sync. Every gradient element
-    lives on exactly one rank of dp x cp x ep (dense shards over all of it, an EP rank's experts over
-    dp x cp) of the pipeline rank holding its layer, so the squared norms of the local shards sum to
-    the global one."""
+    """The global gradient norm (fp32), with no host sync: every gradient element lives on exactly one
+    rank, so the squared norms of the local shards sum to the global one."""
     local = _local_grads(params)
-    # One fused multi-tensor read of the gradients per dtype (a per-tensor pow/sum loop also writes a
-    # temporary the size of each gradient: ~10 ms more per step on the pith-train bench's 3B fp32
-    # gradients); bf16 ones (pith_ops.grad's kept gradients) summed in fp32 as their widened values.
+    # One fused read of the gradients per dtype (a per-tensor pow/sum loop also writes a temporary the
+    # size of each: ~10 ms more per step on the pith-train bench's 3B fp32 gradients).
     sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
     if local:
         by_dtype = [[g for g in local if g.dtype == d] for d in dict.fromkeys(g.dtype for g in local)]
@@ -311,7 +277,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> 
 
 
 def full_state(model: nn.Module, mesh: Mesh, grads: bool = False) -> dict[str, Tensor]:
-    """Every parameter (or its gradient) whole, every expert included, on every rank (tests, export)."""
+    """Every parameter (or its gradient) whole, every expert included, on every rank."""
     experts = expert_param_names(model)
     out = {}
     for name, p in model.named_parameters():

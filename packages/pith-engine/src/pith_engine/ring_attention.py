@@ -1,29 +1,20 @@
 """Context parallelism: ring attention over a zigzag split of the sequence.
 
-Layout. A sequence of length L is cut into 2*cp chunks and rank r keeps chunks r and 2cp-1-r, one
-early and one late, so the causal work is the same on every rank (cp=2, L=8: rank 0 holds
-positions 0 1 6 7, rank 1 holds 2 3 4 5). The local sequence is [chunk r, chunk 2cp-1-r].
+Layout. A sequence is cut into 2*cp chunks and rank r keeps chunks r and 2cp-1-r, one early and one
+late, so the causal work is the same on every rank (cp=2, L=8: rank 0 holds positions 0 1 6 7).
 
 Forward. K/V and their positions travel around the ring: at step s rank r holds the block of rank
-(r - s) mod cp, sending it on while it computes with it. Which (query chunk, key chunk) pairs can
-see each other follows from the chunk indices alone (causal: key chunk <= query chunk; with a
-sliding window W, also some key less than W positions back), so fully masked pairs are skipped
-without a host sync; inside a computed pair the mask comes from the positions. The skipping
-assumes what the data loader produces: each sample's positions are 0..L-1, zigzag-split.
-Partial results (out, lse) are merged by log-sum-exp in fp32 (fp64 for fp64 inputs). Sinks
-(GPT-OSS) join only the final denominator, once, after the merge:
-out * exp(lse - logaddexp(lse, sink)) = out * sigmoid(lse - sink).
+(r - s) mod cp, sending it on while it computes with it. Which (query chunk, key chunk) pairs can see
+each other follows from the chunk indices alone, so fully masked pairs are skipped without a host
+sync (assuming each sample's positions are 0..L-1, zigzag-split: what the data loader produces);
+inside a pair the mask comes from the positions. Partial results merge by log-sum-exp in fp32; sinks
+join only the final denominator, after the merge: out * sigmoid(lse - sink).
 
-Backward. The ring runs again: K/V travel as in the forward and dK/dV accumulators follow one step
-behind (so their transfer overlaps the next block's compute), arriving back at their owner after cp
-shifts. With out = sum_b w_b out_b, w_b = exp(lse_b - lse) (lse merged, sinks included), a block's
-outputs receive d out_b = dout * w_b and d lse_b = w_b * (dout.out_b - dout.out); each block is
-recomputed and backpropagated with those, which is exact (the recompute costs about one more block
-forward per block backward; flex_attention has no public backward that takes a given out and lse).
-Sinks: d sink = -sum exp(sink - lse) dout.out.
-
-Block kernel: on CUDA flex_attention (compiled; mask_mod from positions, GQA, Dqk != Dv, returns lse),
-elsewhere `attention_reference`, the specification.
+Backward. The ring runs again, dK/dV accumulators one step behind K/V (their transfer overlaps the
+next block's compute). With out = sum_b w_b out_b, w_b = exp(lse_b - lse), a block's outputs receive
+d out_b = dout * w_b and d lse_b = w_b * (dout.out_b - dout.out); each block is recomputed and
+backpropagated with those, exactly (about one more block forward per block backward; flex_attention
+has no public backward taking a given out and lse). Sinks: d sink = -sum exp(sink - lse) dout.out.
 
 Shape legend: B batch, S local sequence (two chunks of C), L full sequence, H heads (Hq query,
 Hk key/value), D head dims (Dqk, Dv).
@@ -76,8 +67,8 @@ def zigzag_merge(parts: list[Tensor], dim: int = 1) -> Tensor:
 def ring_schedule(
     cp_size: int, cp_rank: int, chunk_len: int, window: int | None
 ) -> list[list[tuple[int, slice]]]:
-    """For each ring step, the work with the visiting block: (local query chunk 0 or 1, key rows
-    slice of the block) for every query chunk that can see any of the block's keys."""
+    """For each ring step: (local query chunk 0 or 1, key rows of the visiting block) for every query
+    chunk that sees any of its keys."""
     q_chunks = (cp_rank, 2 * cp_size - 1 - cp_rank)
     steps = []
     for s in range(cp_size):
@@ -135,8 +126,8 @@ def _block_backward(
     scale: float,
     window: int | None,
 ) -> tuple[Tensor, ...]:
-    """Grads (dq, dk, dv) of one block's share of the merged output (see the module docstring);
-    lse_BHS is the merged lse, dot_BHS = rowsum(dout * out) of the merged output."""
+    """(dq, dk, dv) of one block's share of the merged output (module docstring); lse_BHS: the merged
+    lse, dot_BHS = rowsum(dout * out)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     with torch.enable_grad():
         out_b, lse_b = _block_attention(q, k, v, pos_q_BS, pos_k_BS, scale, window)
@@ -148,8 +139,7 @@ def _block_backward(
 
 
 def _ring_shift(tensors: tuple[Tensor, ...], group: ProcessGroup) -> Callable[[], tuple[Tensor, ...]]:
-    """Start sending `tensors` to the next rank of the ring and receiving the previous rank's;
-    returns a function that waits and hands back what arrived."""
+    """Start sending `tensors` to the next rank and receiving the previous rank's -> wait()."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if size == 1:
         return lambda: tensors
@@ -255,9 +245,8 @@ def ring_attention(
     window: int | None = None,
     sinks_H: Tensor | None = None,
 ) -> Tensor:
-    """Causal attention of this rank's zigzag share of the sequence over the whole sequence, ring
-    over `pos.cp_group`. q [B, S, Hq, Dqk], k [B, S, Hk, Dqk], v [B, S, Hk, Dv] hold the local tokens
-    in zigzag order and pos.position_ids_BS their global positions (zigzag_positions); -> [B, S, Hq, Dv]."""
+    """Causal attention of this rank's zigzag share over the whole sequence, ring over `pos.cp_group`;
+    pos.position_ids_BS: the local tokens' global positions (zigzag_positions). -> [B, S, Hq, Dv]."""
     B, S, Hq, Dqk = q.shape
     if k.shape[:2] != (B, S) or k.shape[3] != Dqk or v.shape[:3] != k.shape[:3] or Hq % k.shape[2]:
         raise ValueError(

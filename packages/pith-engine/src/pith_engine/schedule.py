@@ -1,8 +1,7 @@
 """The pipeline schedule as data: for (pp, rank, micro-batches), the ordered list of what the rank runs.
 
-Placement (the V). pp ranks, 2*pp chunks of consecutive layers; rank r holds chunks r and 2pp-1-r, so
-chunk 0 (after the embedding) and chunk 2pp-1 (before the loss) are both on rank 0, and the two middle
-chunks pp-1 and pp on rank pp-1. Under pp=1 there is one chunk: the whole model.
+Placement (the V). 2*pp chunks of consecutive layers; rank r holds chunks r and 2pp-1-r, so the
+embedding's and the loss's chunks are both on rank 0. Under pp=1 one chunk: the whole model.
 
 DualPipeV (DeepSeek-V3's DualPipe "cut in half"; torch.distributed.pipelining.ScheduleDualPipeV runs
 the same order), for rank r of n with chunks a = r (down the V) and b = 2n-1-r (back up) and M >= 2n
@@ -17,15 +16,8 @@ micro-batches, in eight phases:
                                           after it) the backward splits into I, its W left queued
   7. (n-r-1)  x W B(a)                    the queued weight work fills the bubbles
   8. (r+1)    x W
-F: forward; B: full backward (input, then weight gradients); I: input-gradient backward whose weight
-work is queued; W: the oldest queued weight work; [F+B]: one overlapped action. Under pp=1 there is
-one chunk and no pipeline (`schedule`: F(m) B(m) per micro-batch, or overlapped pairs).
-
-Point-to-point transfers are explicit entries: before a compute action, a receive for each input it
-needs from a neighbour (the activations a forward consumes, the output gradient a backward consumes);
-after it, a send for each result a neighbour needs. An executor batches each run of consecutive
-transfers into one batch_isend_irecv; the tests check, by simulating every rank, that sends and
-receives pair up in the same order on both ends and that no rank waits forever.
+([F+B]: one overlapped action; Op says the rest.) Transfers are explicit entries (P2P); the tests
+simulate every rank to check that sends and receives pair up in order and no rank waits forever.
 """
 
 import enum
@@ -78,10 +70,8 @@ def rank_chunks(pp: int, rank: int) -> tuple[int, ...]:
 
 
 def split_layers(num_layers: int, pp: int) -> list[range]:
-    """The layers of each chunk: consecutive, as even as the count allows. With L = q * C + rem layers
-    over C chunks, every chunk gets q and the rem chunks nearest the middle of the V (pp-1, pp, pp-2,
-    pp+1, ...) one more: the ranks without the embedding and the loss take the extra layers first.
-    Dense layers (DeepSeek-V2's first ones) count like the others."""
+    """The layers of each chunk: consecutive, as even as the count allows, the chunks nearest the
+    middle of the V (the ranks without the embedding and the loss) taking the extra layers first."""
     check(pp, 2 * pp, num_layers)
     C = num_chunks(pp)
     q, rem = divmod(num_layers, C)
@@ -161,8 +151,8 @@ COSTS = {Op.F: 1.0, Op.B: 2.0, Op.I: 1.0, Op.W: 1.0}  # relative times: a backwa
 
 
 def _transfers(pp: int, rank: int, op: Op, c: int) -> tuple[int | None, int | None]:
-    """For `op` of chunk c on `rank`: (the chunk on another rank whose result it consumes, the other rank
-    its own result goes to), None where that stays on this rank (or, for W, there is none)."""
+    """For `op` of chunk c on `rank`: (the chunk on another rank whose result it consumes, the other
+    rank its result goes to), None where that stays here (or, for W, there is none)."""
     last = num_chunks(pp) - 1
     src = c - 1 if op is Op.F else c + 1  # F consumes the previous chunk's output, B the next one's grad
     dst = c + 1 if op is Op.F else c - 1
@@ -175,8 +165,8 @@ def _parts(item: Action | Overlap) -> tuple[Action, ...]:
 
 
 def _simulate(pp: int, lists: list[list[Action | Overlap]], costs) -> list[list[tuple[float, float]]]:
-    """(start, end) of every compute action when each takes its cost (an overlapped pair the sum of its
-    two) and waits for what it receives from a neighbour (transfers take no time)."""
+    """(start, end) of every compute action when each takes its cost and waits for what it receives
+    (transfers take no time)."""
     ready = {}  # (F or B, chunk, micro) -> when its result exists
     pos, clock = [0] * pp, [0.0] * pp
     times = [[] for _ in range(pp)]
@@ -203,8 +193,7 @@ def _simulate(pp: int, lists: list[list[Action | Overlap]], costs) -> list[list[
 
 def _with_p2p(pp: int, lists: list[list[Action | Overlap]], rank: int) -> list[Action | Overlap | P2P]:
     """`rank`'s list with its transfers: each send right after the action whose result it carries, each
-    receive posted when (in the simulated timeline) the neighbour sends it, so the receives from a
-    neighbour come in the order of its sends."""
+    receive where (in the simulated timeline) the neighbour sends it, so receives keep the send order."""
     times = _simulate(pp, lists, COSTS)
     recvs = []  # (sent at, sender's sequence number, transfer) for this rank
     for r, lst in enumerate(lists):
@@ -233,9 +222,8 @@ def schedule(
     pp: int, rank: int, micro_batches: int, overlap: bool = False, wgrad: bool = False
 ) -> list[Action | Overlap | P2P]:
     """What pipeline rank `rank` runs in one training step, transfers included. Under pp=1: F(m) B(m)
-    for each micro-batch; overlap: F(0), [F(m+1)+B(m)] for each m, B(last) (Megatron-LM's EP
-    all-to-all overlap); wgrad: each B an I with its W right after (the same gradients, the same
-    path as the pipeline's split backward; pp=1 has no bubble to move W into)."""
+    per micro-batch; overlap: F(0), [F(m+1)+B(m)] for each m, B(last) (Megatron-LM's EP all-to-all
+    overlap); wgrad: each B an I with its W right after (pp=1 has no bubble to move W into)."""
     if pp == 1:
         M = micro_batches
         back = lambda m: [Action(Op.I, 0, m), Action(Op.W, 0, m)] if wgrad else [Action(Op.B, 0, m)]
@@ -251,9 +239,8 @@ def schedule(
 
 
 def forward_schedule(pp: int, rank: int, micro_batches: int) -> list[Action | P2P]:
-    """Forwards only (evaluation), transfers included: rank r runs 2(pp-1-r) micro-batches down its first
-    chunk, then alternates its two, in 2M + 2pp - 2 forward times for M micro-batches (the least the V
-    allows; one micro-batch at a time took 2pp*M)."""
+    """Forwards only (evaluation): rank r runs 2(pp-1-r) micro-batches down its first chunk, then
+    alternates its two: 2M + 2pp - 2 forward times for M micro-batches (one at a time took 2pp*M)."""
     M = micro_batches
     if pp == 1:
         return [Action(Op.F, 0, m) for m in range(M)]

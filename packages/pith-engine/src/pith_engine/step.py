@@ -1,38 +1,9 @@
 """The training step of one rank: its micro-batches' forward and backward work in the order of the
-pipeline schedule (pith_engine.schedule), stage by stage; then the gradient norm, the optimizer and the
-expert-bias update. pith-train calls `train_step` once per optimizer step and `evaluate` to validate.
-
-Loss. The loss of a step is sum(cross-entropy over every label token of the global batch) / (label
-tokens in the global batch), plus the MoE auxiliary losses averaged over its micro-batches. Each data
-rank back-propagates its share of that number (its tokens' cross-entropy over the global count, its
-share of the aux terms), so the shares add up to the single-process loss: gradients are SUMMED over
-data ranks (never averaged) for every layout to reproduce single-process training.
-
-Stage-level execution. The forward of each (chunk, micro-batch) records its autograd segments on an
-executor.Tape: the prologue (chunk 0), each layer's stages 1-5 and, for a MoE layer, its auxiliary
-loss, then epilogue + loss (the last chunk); its backward runs them newest first, the loss terms
-seeded with gradient 1. So the aux loss is injected per layer: a chunk's backward sees only its own
-layers' routing, and the terms add up over layers, micro-batches and ranks. Under pp=1 the schedule
-is F(m) B(m) for each micro-batch and the result is bit for bit that of one backward per micro-batch.
-
-Pipeline. Rank r holds chunks (r, 2pp-1-r) of schedule.split_layers; between neighbours only a chunk's
-output activations and their gradients travel, [B, S_local, D] in the residual stream's dtype (shapes
-known before the step), each run of consecutive transfers of the schedule one batch_isend_irecv.
-
-Overlap and weight-gradient delay (Stages' overlap and wgrad). A forward and a backward are
-generators of steps that yield at each expert all-to-all (executor.run_layer, Tape.backward); an
-Overlap action of the schedule runs its two interleaved (executor.interleave), so each exchange of
-one is in flight while the other computes. I actions leave their weight gradients to a
-WeightGradQueue that W actions run. Neither changes a result (tests: test_overlap.py).
-
-FSDP. Gradients are reduced once per step: every FSDP unit accumulates unreduced gradients until the
-backward segment of its last micro-batch (Tape(final=True)), which reduce-scatters them. Cost: each
-rank holds its units' unsharded fp32 gradients through the step (4 bytes per parameter of its chunks).
-Under pp > 1 the units also stay gathered between the schedule's interleaved forwards and backwards
-(2 bytes per parameter of its chunks in bf16) and are resharded when the step's backward work is done;
-under pp = 1 only the root unit (embedding, final norm, lm_head) does.
-With the weight-gradient delay, a unit's gradients must be complete by its last backward segment:
-under FSDP the I of a chunk's last micro-batch runs every queued weight work first and defers none.
+pipeline schedule, each (chunk, micro-batch) forward recorded as autograd segments on an
+executor.Tape (a layer's stages, its aux loss, the loss); then the gradient norm, the optimizer and
+the expert-bias update. Each data rank back-propagates its share of the global loss, so gradients are
+SUMMED over data ranks and every layout reproduces single-process training. The design and its
+costs: the pith-engine README, "The training step".
 
 Shape legend: B sequences, S sequence length, T = B*S tokens, D hidden, E experts, K top-k, L layers.
 """
@@ -73,27 +44,14 @@ IGNORE_INDEX = -100
 
 
 class Stages:
-    """This rank's part of the model as the step runs it: the stage functions of its pipeline chunks'
-    layers (optionally compiled and checkpointed), the prologue and epilogue, the residual stream's
-    dtype, the mesh and the expert exchange of stages 2 and 4.
+    """This rank's part of the model as the step runs it: its chunks' stage functions, the prologue and
+    epilogue, the mesh and the expert exchange of stages 2 and 4.
 
-    compile: torch.compile of the non-expert stage functions (fullgraph on one process). Expert GEMMs
-    (stage 3) stay eager: they run the grouped-GEMM kernel on data-dependent group sizes.
-    ac, activation checkpointing (recompute in the backward what is not kept from the forward):
-    "none"; "selective": the expert MLPs (stage 3), whose hidden rows (T*K of 3F) are the largest
-    activations and whose weights' bf16 casts would otherwise be kept; "full": stages 1, 3 and 5 of
-    every layer, keeping only each stage's inputs.
-    dtype: the residual stream's dtype after the embedding (bf16 under autocast on CUDA, so that the
-    routed rows, the expert GEMMs and the fused loss run in bf16 too); None keeps the embedding's.
-    align: the row padding of each expert's group in stage 2 (what the expert GEMM needs: FP8's 16).
-    overlap: run each overlapped pair of the schedule (DualPipeV's [F+B]; with pp=1 and several
-    micro-batches, F(m+1) with B(m)) interleaved at its exchanges (executor.interleave); off, its two
-    halves one after the other. Results are the same bit for bit.
-    wgrad: weight-gradient delay: the projections and expert GEMMs leave their weight gradients to a
-    WeightGradQueue in the schedule's input-gradient backwards (I) and its W actions run them
-    (under compile, the compiled stages' projections cannot defer: only the eager expert GEMMs do).
-    Off, I is a full backward and W nothing.
-    cuda_graph: the step's forward and backward work as one CUDA graph (StepGraph): one CUDA process.
+    compile: the non-expert stages (stage 3 has data-dependent group sizes). ac: "selective"
+    recomputes stage 3, whose hidden rows (T*K of 3F) are the largest activations; "full" stages 1, 3
+    and 5. dtype: the residual stream's (bf16 under autocast on CUDA, so the routed rows, expert GEMMs
+    and loss run in bf16 too). align: each expert's row padding (FP8's GEMM needs 16). overlap,
+    wgrad: module docstring (under compile only the eager expert GEMMs defer). cuda_graph: StepGraph.
     """
 
     class Layer:
@@ -123,9 +81,8 @@ class Stages:
                 f"a CUDA graph step runs on one CUDA process, got {mesh.layout.world} process(es) on"
                 f" {mesh.device.type}: turn train.cuda_graph off"
             )
-        # Under FSDP a stage method is FSDP's wrapper, whose unshard/reshard hooks dynamo runs eagerly:
-        # the graph breaks exactly there and the body between is one graph (TorchTitan's per-block
-        # compile keeps the hooks outside the same way); fullgraph is off for that reason only.
+        # Under FSDP dynamo runs the stage wrapper's unshard/reshard hooks eagerly, breaking the graph
+        # there only (as TorchTitan's per-block compile): fullgraph is off for that reason alone.
         fullgraph = not isinstance(model, FSDPModule)
         compiled = functools.partial(torch.compile, fullgraph=fullgraph) if compile else lambda fn: fn
         pp = mesh.layout.pp
@@ -148,7 +105,7 @@ class Stages:
             self.num_experts = int(E)
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.overlap, self.queue = overlap, WeightGradQueue() if wgrad else None
-        self.trace: list | None = None  # a list: (tag, stage piece) in the order run (tests, debugging)
+        self.trace: list | None = None  # a list: (tag, stage piece) as they run (tests)
         self.graph = StepGraph(_schedule_work) if cuda_graph else None
         set_wgrad_queue(model, self.queue)
 
@@ -157,7 +114,7 @@ class Stages:
 
         self.prologue = compiled(prologue)
         self.epilogue = compiled(model.epilogue)
-        if pp > 1:  # gathered through the step (module docstring)
+        if pp > 1:  # gathered through the step: 2 bytes per parameter of its chunks in bf16
             for unit in self.units:
                 unit.set_reshard_after_forward(False, recurse=False)
                 unit.set_reshard_after_backward(False, recurse=False)
@@ -169,8 +126,7 @@ class Stages:
 
 
 def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh):
-    """-> (inputs, labels, position ids or None): under context parallelism this rank's zigzag share of
-    its sequences (chunks r and 2cp-1-r) and their global positions; otherwise all of them."""
+    """-> (inputs, labels, position ids or None): under CP this rank's zigzag share and its positions."""
     cp, r = mesh.layout.cp, mesh.cp_rank
     if cp == 1:
         return inputs_BS, labels_BS, None
@@ -179,9 +135,8 @@ def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh):
 
 
 def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
-    """Cross-entropy summed over the label tokens, lm_head fused, in h's dtype (the weight cast to it),
-    its GEMMs in FP8 while a layers.Linear lm_head has fp8 set (use_fp8's lm_head; the contract's
-    lm_head may be any nn.Linear), which read the weight's FP8 copies only (a stand-in for the cast)."""
+    """Cross-entropy summed over the label tokens, lm_head fused, in h's dtype; in FP8 while an
+    FP8Switch lm_head has fp8 set (the contract's lm_head may be any nn.Linear)."""
     w = lm_head.weight
     fp8 = isinstance(lm_head, FP8Switch) and lm_head.fp8
     w8 = FP8Switch.fp8_weight(w, fp8_linear_weight) if fp8 else None
@@ -190,8 +145,6 @@ def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
 
 
 class Aux(NamedTuple):
-    """The MoE auxiliary losses: coefficients and what they are averaged over."""
-
     lbl_coef: float = 0.0  # global-batch load balancing
     z_loss_coef: float = 0.0  # router z-loss
     moe_layers: int = 1  # MoE layers of the whole model: the terms are averaged over them
@@ -199,14 +152,10 @@ class Aux(NamedTuple):
 
 
 def layer_aux(r: Routing, aux: Aux, tokens: int, mesh: parallel.Mesh) -> tuple[Tensor, Tensor]:
-    """This rank's share of one MoE layer's (load-balancing loss + z-loss) on one micro-batch, divided
-    by the MoE layers and micro-batches, and the layer's expert counts [E] over every data rank.
-
-    Global-batch load balancing: E * sum_e f_e * P_e with f_e the fraction of the micro-batch's routed
-    (token, k) entries that chose expert e, counted over every data rank, and P_e the router
-    probability of e averaged over the micro-batch's `tokens` (all ranks). Each rank sums only its own
-    tokens' probabilities, so the ranks' shares add up to the whole. The z-loss is the mean over
-    tokens of logsumexp(router logits)^2.
+    """This rank's share of one MoE layer's aux losses on one micro-batch, and the layer's expert counts
+    [E] over every data rank. Global-batch load balancing: E * sum_e f_e * P_e, f_e the fraction of
+    (token, k) entries choosing e, P_e e's mean router probability over all `tokens` (each rank sums
+    its own); z-loss: the mean of logsumexp(router logits)^2.
     """
     E, K = r.probs_TE.shape[1], r.expert_ids_TK.shape[1]
     ids = r.expert_ids_TK.flatten()
@@ -221,8 +170,6 @@ def layer_aux(r: Routing, aux: Aux, tokens: int, mesh: parallel.Mesh) -> tuple[T
 
 
 class StepResult(NamedTuple):
-    """Device tensors (step_values reads them)."""
-
     loss: Tensor  # cross-entropy per label token of the global batch
     aux: Tensor  # the auxiliary losses' part of the step loss
     grad_norm: Tensor  # before clipping
@@ -375,15 +322,9 @@ def train_step(
     grad_clip: float,
     bias_rate: float,
 ) -> StepResult:
-    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS)]: the schedule's
-    forward and backward work (bf16 autocast on CUDA), then the gradient norm, the optimizer at `lr`
-    with the clip coefficient folded into its update (`optimizer.step(grad_scale=...)`, as
-    pith_train.optim.AdamW), the expert-bias update (aux-loss-free balancing, rate `bias_rate`).
-
-    -> StepResult of device tensors: no host sync of its own, so the CPU queues the whole step ahead
-    of the GPU (step_values reads them in one sync). A non-finite loss or gradient norm skips the
-    update on the device: weights, moments and expert biases stay as they were, and step_values
-    raises FloatingPointError."""
+    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS)], the clip coefficient
+    folded into `optimizer.step(grad_scale=...)`. -> device tensors: no host sync, so the CPU queues
+    the step ahead of the GPU. A non-finite loss or norm skips the update (step_values raises)."""
     mesh, model = stages.mesh, stages.model
     micro = _micro_on_device(micro, mesh)
     aux = aux._replace(micro_batches=len(micro))
@@ -402,12 +343,13 @@ def train_step(
 
 
 def _schedule_work(stages: Stages, micro: list, aux: Aux) -> tuple[Tensor, dict[int, Tensor], Tensor]:
-    """The step's forward and backward work (the gradients, left in the parameters) -> (the
-    cross-entropy and aux sums over the pipeline and data ranks [2], the expert counts per MoE layer,
-    the label tokens of the global batch)."""
+    """The step's forward and backward work -> (cross-entropy and aux sums [2], expert counts per MoE
+    layer, label tokens of the global batch)."""
     mesh = stages.mesh
     label_tokens = parallel.all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y, _ in micro), mesh)
-    for unit in stages.units:  # reduced in each unit's last backward segment (module docstring)
+    # Reduced once, in each unit's last backward segment (Tape(final=True)): its unsharded fp32
+    # gradients live through the step (4 bytes per parameter of its chunks).
+    for unit in stages.units:
         unit.set_requires_gradient_sync(False, recurse=False)
     run = _Run(stages, micro, label_tokens, aux, True)
     run.run(schedule(mesh.layout.pp, mesh.pp_rank, len(micro), stages.overlap, stages.queue is not None))
@@ -418,8 +360,7 @@ def _schedule_work(stages: Stages, micro: list, aux: Aux) -> tuple[Tensor, dict[
 
 
 def step_values(loss: Tensor, aux: Tensor, grad_norm: Tensor, counts_LE: Tensor | None):
-    """train_step's outputs read in one host sync -> (loss, aux, grad norm, max/mean expert load per
-    MoE layer); FloatingPointError when the step was skipped for a non-finite value."""
+    """train_step's outputs in one host sync -> (loss, aux, grad norm, max/mean load per MoE layer)."""
     parts = [loss.float().reshape(1), aux.float().reshape(1), grad_norm.float().reshape(1)]
     if counts_LE is not None:
         parts.append(counts_LE.amax(1) / counts_LE.mean(1))
@@ -431,18 +372,15 @@ def step_values(loss: Tensor, aux: Tensor, grad_norm: Tensor, counts_LE: Tensor 
 
 @torch.no_grad()
 def update_expert_bias(biases: dict[int, Tensor], counts: dict[int, Tensor], rate: Tensor | float) -> None:
-    """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer.
-
-    The counts are the step's, summed over micro-batches and data ranks, so every rank updates alike;
-    a device-scalar rate (0 for a skipped step) needs no host sync."""
+    """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer,
+    with the step's counts over every data rank (every rank updates alike)."""
     assert biases.keys() <= counts.keys() or not biases, (biases.keys(), counts.keys())
     for i, bias_E in biases.items():
         bias_E += rate * torch.sign(counts[i].mean() - counts[i])
 
 
 def _all_counts(counts: dict[int, Tensor], stages: Stages) -> Tensor | None:
-    """[L, E] expert counts of every layer of the model (gathered over the pipeline ranks; zero rows
-    for dense layers), None for a dense model."""
+    """[L, E] expert counts of every layer (zero rows: dense layers), None for a dense model."""
     if not stages.num_experts:
         return None
     out = torch.zeros(stages.model.cfg.num_hidden_layers, stages.num_experts, device=stages.mesh.device)

@@ -13,14 +13,10 @@ from pith_engine.fp8 import FP8Switch
 
 
 class WeightGradQueue:
-    """Weight-gradient work that backward passes left for later: a schedule's W slots run it.
-
-    The step executor owns one and hands it to the modules that can defer (`set_wgrad_queue`). A
-    backward run inside `with queue.deferring():` computes input gradients at once and leaves its
-    weight-gradient work here as one group; `run_next()` runs the oldest group (one W action),
-    accumulating into the parameters' .grad through the same autograd edges, bit for bit what the
-    plain backward gives (tested). Outside `deferring()` the work runs inside the backward, as
-    without a queue. Deferred work keeps the GEMM inputs and output gradients alive until it runs."""
+    """Weight-gradient work that backward passes left for a schedule's W actions. A backward inside
+    `with queue.deferring():` computes input gradients at once and leaves its weight work here as one
+    group; `run_next()` runs the oldest group into .grad, bit for bit the plain backward's (tested).
+    Deferred work keeps the GEMM inputs and output gradients alive until it runs."""
 
     def __init__(self):
         self._groups: deque[list] = deque()
@@ -69,11 +65,10 @@ class WeightGradQueue:
 
 
 class _DeferWgrad(torch.autograd.Function):
-    """y with a backward whose weight gradients a WeightGradQueue may defer. split = (forward_saving(x,
-    *weights) -> (y, saved tensors), backward(saved, dy, need_dx) -> (dx or None, closure -> weights'
-    grads)): the op's backward in two halves, the closure reading only what the forward saved, so under
-    activation checkpointing one recompute serves both (a graph built in the forward and asked twice
-    recomputed its checkpointed stage 10 to 14 times a micro-batch)."""
+    """y with a backward whose weight gradients a WeightGradQueue may defer. split = (forward(x,
+    *weights) -> (y, saved), backward(saved, dy, need_dx) -> (dx, closure -> weights' grads)): the
+    closure reads only what the forward saved, so under activation checkpointing one recompute serves
+    both halves (a graph built in the forward and asked twice recomputed its stage 10 to 14 times)."""
 
     @staticmethod
     def forward(ctx, queue: WeightGradQueue, split: tuple, x, *weights):
@@ -97,26 +92,23 @@ class _DeferWgrad(torch.autograd.Function):
 def defer_wgrad(
     queue: WeightGradQueue | None, forward: Callable, split: tuple, x: Tensor, *weights: Tensor
 ) -> Tensor:
-    """forward(x, *weights) (differentiable), its weight gradients deferrable to `queue` through the
-    two halves of `split` (_DeferWgrad) and handed to the weights by pith_ops.weight_grad (a bf16
-    gradient of a weight that keeps its gradients stays bf16, pith_ops.cast). Without a queue, or under
-    torch.compile, whose traced backward cannot run Python: the plain call."""
+    """forward(x, *weights), its weight gradients deferrable to `queue` through `split`
+    (_DeferWgrad). Without a queue, or under torch.compile (its backward cannot run Python): the
+    plain call."""
     if torch.compiler.is_compiling() or queue is None:
         return forward(x, *weights)
     return _DeferWgrad.apply(queue, split, x, *weights)
 
 
 def set_wgrad_queue(model: nn.Module, queue: WeightGradQueue | None) -> None:
-    """Let every projection (Linear) and expert GEMM of `model` defer its weight gradients to `queue`
-    (None: never)."""
+    """Let every projection and expert GEMM of `model` defer its weight gradients to `queue`."""
     for m in model.modules():
         if isinstance(m, FP8Switch):
             m.wgrad_queue = queue
 
 
 def split_linear_forward(x: Tensor, w_OI: Tensor, *bias_O: Tensor) -> tuple[Tensor, tuple]:
-    """nn.functional.linear on operands cast as autocast would (a Function's forward runs under the
-    caller's autocast), kept for split_linear_backward."""
+    """nn.functional.linear on operands cast as the caller's autocast would, kept for the backward."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     x_TI, w_OI = x.flatten(0, -2).to(dtype), w_OI.to(dtype)

@@ -1,13 +1,5 @@
-"""pith-models: one self-contained file per MoE model family, plus Hugging Face interop.
-
-import pith_models
-model = pith_models.build("tiny-moe", device="cpu")          # random init, seed 0
-mine = pith_models.build("qwen3-30b-a3b", "cuda", mesh=mesh)  # this rank's experts and shards only
-big = pith_models.build("qwen3-30b-a3b")                     # meta device: no memory
-print(pith_models.param_count(big))
-hf_model = pith_models.from_pretrained("path/to/hf_dir")      # strict load
-pith_models.save_pretrained(hf_model, "out_dir")              # bf16, transformers-loadable
-"""
+"""pith-models: one self-contained file per MoE model family, plus Hugging Face interop (usage: the
+pith-models README)."""
 
 from collections.abc import Iterable
 
@@ -38,12 +30,9 @@ def build(
     param_dtype: torch.dtype | None = None,
     layer_ids: Iterable[int] | None = None,
 ) -> nn.Module:
-    """The model for a name in MODELS or a model Config; initialised (init_weights) unless on meta.
-
-    mesh: build this rank's part only (pith_engine.parallel.parallelize: its experts, its FSDP shards
-    with param_dtype for compute), on the meta device first, materialising and initialising only
-    those; the same seed gives the same global weights under every layout. layer_ids: the global
-    indices of the layers to build (default all; names stay global)."""
+    """The model for a name in MODELS or a Config, initialised unless on meta. mesh: this rank's part
+    only (its experts and FSDP shards), built on meta first; the same seed gives the same global
+    weights under every layout. layer_ids: the global indices of the layers to build."""
     if isinstance(name_or_config, str):
         if name_or_config not in MODELS:
             raise ValueError(f"unknown model name {name_or_config!r}; known: {sorted(MODELS)}")

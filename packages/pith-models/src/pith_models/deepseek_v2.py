@@ -3,26 +3,20 @@
 Architectural choices (those of transformers' DeepseekV2 and of DeepSeek's original code):
 - pre-norm decoder: h += attn(rms_norm(h)); h += mlp(rms_norm(h)); final rms_norm, then lm_head;
   no biases anywhere;
-- multi-head latent attention (MLA): queries from q_proj, or with a query LoRA (q_lora_rank set)
-  from q_b_proj(rms_norm(q_a_proj(x))); keys and values from a compressed latent: kv_a_proj_with_mqa
-  maps x to kv_lora_rank latent dims plus qk_rope_head_dim rotary dims shared by every head, and
-  kv_b_proj expands rms_norm(latent) to each head's key "nope" part and value. The q/k head dim is
-  nope + rope and differs from v_head_dim. The two LoRA norms use eps 1e-6 whatever rms_norm_eps
-  says, as upstream builds them;
-- decoupled RoPE: only the rope part of q and k is rotated, on interleaved pairs (2i, 2i+1) (the
-  complex-number form of the upstream code: pith_ops.apply_rope(interleaved=True));
-- YaRN rope scaling or none: inverse frequencies blended between interpolation and extrapolation,
-  cos and sin multiplied by the YaRN attention factor, and the softmax scale qk_head_dim**-0.5
-  multiplied by mscale(factor, mscale_all_dim)**2 when mscale_all_dim is set;
+- multi-head latent attention (MLA): queries from q_proj, or q_b_proj(rms_norm(q_a_proj(x))) with a
+  query LoRA; kv_a_proj_with_mqa maps x to a kv_lora_rank latent plus qk_rope_head_dim rotary dims
+  shared by every head, and kv_b_proj expands rms_norm(latent) to each head's key "nope" part and
+  value (v_head_dim). The two LoRA norms use eps 1e-6 whatever rms_norm_eps says, as upstream's;
+- decoupled RoPE on the rope part of q and k only, interleaved pairs (2i, 2i+1), as upstream's
+  complex-number form;
+- YaRN or plain RoPE; with YaRN cos and sin carry its attention factor, and the softmax scale
+  qk_head_dim**-0.5 is multiplied by mscale(factor, mscale_all_dim)**2 when mscale_all_dim is set;
 - layer i is MoE when i >= first_k_dense_replace and i % moe_layer_freq == 0, else a dense SwiGLU
-  MLP of width intermediate_size (DeepSeek's rule; transformers 5 ignores moe_layer_freq, and every
-  released checkpoint has it 1);
-- MoE: router logits in fp32, softmax over the routed experts, top-k "greedy", or
-  "group_limited_greedy" (experts in n_group groups, a group ranked by its best expert, only the
-  topk_group best groups eligible); the aux-loss-free `expert_bias` is added to the scores for the
-  selection only. Combine weights: the chosen probabilities times routed_scaling_factor, or, with
-  norm_topk_prob and top-k > 1, the chosen probabilities renormalised to sum 1 and not scaled
-  (DeepSeek's code; transformers 5 ignores norm_topk_prob, every released checkpoint has it false);
+  MLP (DeepSeek's rule; transformers 5 ignores moe_layer_freq, every release has it 1);
+- MoE: fp32 router logits, softmax, top-k "greedy" or "group_limited_greedy" (only the topk_group
+  groups with the best experts eligible), `expert_bias` added for the selection only. Combine
+  weights: the chosen probabilities times routed_scaling_factor, or with norm_topk_prob and top-k > 1
+  renormalised and not scaled (DeepSeek's code; transformers 5 ignores it, every release has it false);
 - shared experts: one SwiGLU MLP of width n_shared_experts * moe_intermediate_size, in stage 1.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D hidden, H heads, C q/k head dim (nope + rope),
@@ -55,7 +49,12 @@ from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from pith_models.hf_config import config_kwargs_from_hf, yarn_params_from_hf
+from pith_models.hf_convert import (
+    config_kwargs_from_hf,
+    from_hf_swiglu_state_dict,
+    to_hf_swiglu_state_dict,
+    yarn_params_from_hf,
+)
 
 LORA_NORM_EPS = 1e-6  # upstream builds q_a_layernorm / kv_a_layernorm with the default eps
 
@@ -76,7 +75,7 @@ class Yarn:
 
 @dataclass(frozen=True)
 class Config:
-    model_type: ClassVar[str] = "deepseek_v2"  # the Hugging Face model_type (key of pith_models.hf.MODULES)
+    model_type: ClassVar[str] = "deepseek_v2"  # the Hugging Face model_type (pith_models.hf.MODULES)
 
     vocab_size: int  # V
     hidden_size: int  # D
@@ -172,12 +171,11 @@ _FIXED = {
     "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
     "scoring_func": "softmax",
 }  # fmt: skip
-# Fields that do not change the forward math (generation, HF bookkeeping, derived head dims, loss and
-# parallelism knobs of DeepSeek's code that the trainer and engine own here).
+# Fields beyond hf_convert.BOOKKEEPING that do not change the math: derived head dims, loss and
+# parallelism knobs of DeepSeek's code that the trainer and engine own here.
 _IGNORED = (
-    "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "bos_token_id",
-    "eos_token_id", "pad_token_id", "output_router_logits", "router_aux_loss_coef", "aux_loss_alpha",
-    "seq_aux", "ep_size", "pretraining_tp", "auto_map", "_name_or_path", "head_dim", "qk_head_dim",
+    "aux_loss_alpha", "seq_aux", "ep_size", "pretraining_tp", "auto_map", "_name_or_path", "head_dim",
+    "qk_head_dim",
 )  # fmt: skip
 
 
@@ -257,9 +255,9 @@ class Attention(nn.Module):
         return self.o_proj(o_BSHA.reshape(B, S, H * A))
 
 
-# MLP, Experts and the HF conversion are qwen3_moe's too, deliberately: each family owns its own.
+# MLP and Experts are qwen3_moe's too, deliberately: each family owns its own.
 class MLP(nn.Module):
-    """Dense SwiGLU; gate and up projections fused into one GEMM (gate | up halves)."""
+    """Dense SwiGLU, gate and up projections fused (gate | up halves)."""
 
     def __init__(self, D: int, F: int):
         super().__init__()
@@ -272,7 +270,7 @@ class MLP(nn.Module):
 
 
 class Experts(FP8Switch, nn.Module):
-    """The routed SwiGLU experts, stage 3; a module of their own so the engine can shard them apart."""
+    """The routed SwiGLU experts (stage 3), a module of their own for the engine to shard."""
 
     def __init__(self, E: int, D: int, F: int):
         super().__init__()
@@ -301,7 +299,7 @@ class MoE(nn.Module):
         self.gate = Router(D, E, bias=False)
         self.experts = Experts(E, D, F)
         self.shared_experts = MLP(D, cfg.n_shared_experts * F)
-        # Aux-loss-free balancing: added to the scores for top-k selection only; the trainer updates it.
+        # Aux-loss-free balancing: added to the scores for top-k selection only.
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
 
     def route(self, x_TD: Tensor) -> Routing:
@@ -323,7 +321,6 @@ class MoE(nn.Module):
         return Routing(x_TD, expert_ids_TK, weights_TK, probs_TE, logits_TE)
 
     def reference(self, x_BSD: Tensor) -> Tensor:
-        """Shared experts, routing, then each routed expert over its tokens in a loop (fp32 sum)."""
         r = self.route(x_BSD.flatten(0, 1))
         routed_TD = self.experts.reference(r.x_TD, r.expert_ids_TK, r.weights_TK)
         return self.shared_experts(x_BSD, True) + routed_TD.view_as(x_BSD)
@@ -375,67 +372,18 @@ class Model(DecoderModel):
 
 
 def init_weights(model: Model, seed: int, mesh: Mesh = SINGLE) -> None:
-    """Norm weights 1, expert_bias 0, every other weight N(0, initializer_range), reproducible from seed
-    and the same global weights under any layout (`mesh`: the one model was sharded over)."""
+    """Norm weights 1, expert_bias 0, every other weight N(0, initializer_range) (layers.init_normal)."""
     init_normal(model, seed, model.cfg.initializer_range, mesh=mesh)
 
 
 def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config, experts: range | None = None) -> dict[str, Tensor]:
-    """Hugging Face names and layouts -> ours: every gate_proj / up_proj pair [F, D] fuses into
-    gate_up_proj [2F, D]; the per-expert [out, in] weights of layers.{i}.mlp.experts.{e}, e in
-    `experts` (default all), stack into w_gate_up [len(experts), D, 2F] and w_down [len(experts), F, D];
-    each MoE layer gets a zero expert_bias [E]. Assumes a complete input (hf.py checks it first)."""
-    out = {}
-    for k, v in sd.items():
-        name = k.removeprefix("model.")
-        if ".experts." in name or name.endswith(".up_proj.weight"):
-            continue
-        if name.endswith(".gate_proj.weight"):
-            up = sd[k.replace(".gate_proj.", ".up_proj.")]
-            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat((v, up))
-        else:
-            out[name] = v
+    moe_layers = filter(cfg.is_moe, range(cfg.num_hidden_layers))
     held = range(cfg.n_routed_experts) if experts is None else experts
-    for i in filter(cfg.is_moe, range(cfg.num_hidden_layers)):
-        hf, ours = f"model.layers.{i}.mlp.experts.", f"layers.{i}.mlp."
-        per_expert = [f"{hf}{e}." for e in held]
-        out[ours + "experts.w_gate_up"] = torch.stack(
-            [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in per_expert]
-        )
-        out[ours + "experts.w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in per_expert])
-        out[ours + "expert_bias"] = torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
-    if cfg.tie_word_embeddings:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    return out
+    return from_hf_swiglu_state_dict(sd, moe_layers, cfg.n_routed_experts, cfg.tie_word_embeddings, held)
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
-    """The inverse of from_hf_state_dict. A nonzero expert_bias is a ValueError: HF DeepSeek-V2 has no
-    selection-only bias to export it to."""
-    out = {}
-    for k, v in sd.items():
-        prefix = k.rpartition(".")[0] + "."
-        if k.endswith("expert_bias"):
-            if not v.is_meta and bool(v.any()):
-                raise ValueError(f"{k} is nonzero: HF DeepSeek-V2 has no routing bias to export it to")
-        elif k.endswith("mlp.experts.w_gate_up"):
-            for e in range(v.shape[0]):
-                gate, up = v[e].chunk(2, dim=-1)
-                out[f"model.{prefix}{e}.gate_proj.weight"] = gate.T
-                out[f"model.{prefix}{e}.up_proj.weight"] = up.T
-        elif k.endswith("mlp.experts.w_down"):
-            for e in range(v.shape[0]):
-                out[f"model.{prefix}{e}.down_proj.weight"] = v[e].T
-        elif k.endswith("gate_up_proj.weight"):
-            gate, up = v.chunk(2)
-            out[f"model.{prefix.removesuffix('gate_up_proj.')}gate_proj.weight"] = gate
-            out[f"model.{prefix.removesuffix('gate_up_proj.')}up_proj.weight"] = up
-        elif k == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out[k] = v
-        else:
-            out["model." + k] = v
-    return out
+    return to_hf_swiglu_state_dict(sd, cfg.tie_word_embeddings, "DeepSeek-V2")
 
 
 # For tests (and the trainer: vocab 260 fits its byte tokenizer): a dense layer then two MoE layers;

@@ -47,7 +47,7 @@ from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from pith_models.hf_config import config_kwargs_from_hf, yarn_params_from_hf
+from pith_models.hf_convert import config_kwargs_from_hf, yarn_params_from_hf
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -65,7 +65,7 @@ class Yarn:
 
 @dataclass(frozen=True)
 class Config:
-    model_type: ClassVar[str] = "gpt_oss"  # the Hugging Face model_type (key of pith_models.hf.MODULES)
+    model_type: ClassVar[str] = "gpt_oss"  # the Hugging Face model_type (pith_models.hf.MODULES)
 
     vocab_size: int  # V
     hidden_size: int  # D
@@ -146,14 +146,9 @@ class Config:
 
 # Fields whose other values would change the math and are not implemented: the value we support.
 _FIXED = {"attention_bias": True, "attention_dropout": 0.0}
-# Fields that do not change the forward math: generation, HF bookkeeping, loss knobs the trainer owns,
-# hidden_act (transformers' GPT-OSS always applies the clamped SwiGLU), and the original release's
-# duplicates of other fields (experts_per_token, initial_context_length).
-_IGNORED = (
-    "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "bos_token_id",
-    "eos_token_id", "pad_token_id", "output_router_logits", "router_aux_loss_coef", "hidden_act",
-    "experts_per_token", "initial_context_length", "_name_or_path",
-)  # fmt: skip
+# Fields beyond hf_convert.BOOKKEEPING that do not change the math: hidden_act (transformers' GPT-OSS
+# always applies the clamped SwiGLU) and the original release's duplicates of other fields.
+_IGNORED = ("hidden_act", "experts_per_token", "initial_context_length", "_name_or_path")
 
 
 def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
@@ -204,8 +199,7 @@ class Attention(nn.Module):
 
 
 class Experts(FP8Switch, nn.Module):
-    """The routed experts, stage 3; a module of their own so the engine can shard them apart (the
-    biases with the weights)."""
+    """The routed experts (stage 3), biases included, a module of their own for the engine to shard."""
 
     def __init__(self, E: int, D: int, F: int, alpha: float, limit: float):
         super().__init__()
@@ -242,7 +236,7 @@ class MoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.router = Router(D, E)
         self.experts = Experts(E, D, F, cfg.swiglu_alpha, cfg.swiglu_limit)
-        # Aux-loss-free balancing: added to the logits for top-k selection only; the trainer updates it.
+        # Aux-loss-free balancing: added to the logits for top-k selection only.
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
 
     def route(self, x_TD: Tensor) -> Routing:
@@ -298,8 +292,7 @@ class Model(DecoderModel):
 
 def init_weights(model: Model, seed: int, mesh: Mesh = SINGLE) -> None:
     """Norm weights 1, biases and expert_bias 0, every other weight (sinks included) N(0,
-    initializer_range), reproducible from seed
-    and the same global weights under any layout (`mesh`: the one model was sharded over)."""
+    initializer_range) (layers.init_normal)."""
     init_normal(model, seed, model.cfg.initializer_range, zero=("bias", "b_gate_up", "b_down"), mesh=mesh)
 
 
@@ -313,8 +306,7 @@ _EXPERT_NAMES = {
 
 
 def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config, experts: range | None = None) -> dict[str, Tensor]:
-    """Hugging Face names -> ours (the layouts already agree; stacked expert tensors come sliced to
-    `experts` already)."""
+    """HF names -> ours (the layouts agree; stacked expert tensors come sliced to `experts`)."""
     hf_to_ours = {hf: ours for ours, hf in _EXPERT_NAMES.items()}
     out = {}
     for k, v in sd.items():
@@ -328,7 +320,6 @@ def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config, experts: range | None
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
-    """Ours -> Hugging Face. A nonzero expert_bias is an error: GPT-OSS has no selection-only bias."""
     out = {}
     for k, v in sd.items():
         prefix, _, leaf = k.partition(".mlp.")

@@ -1,33 +1,23 @@
 """Hugging Face interop: a directory of config.json + *.safetensors <-> a pith model.
 
-Model-module convention (qwen3_moe.py, deepseek_v2.py and gpt_oss.py all follow it; this file relies
-on it and on nothing else of theirs):
+Model-module convention (every family file follows it; this file relies on nothing else of theirs):
 - a module docstring listing the architectural choices;
-- `@dataclass(frozen=True) class Config` with a comment per field, a field `tie_word_embeddings`,
-  validation in __post_init__, `Config.from_hf(d) -> Config` (ValueError naming any unsupported
-  field or value; only fields that do not affect the math are ignored, and they are listed
-  explicitly) and `Config.to_hf() -> dict` (with "model_type", a key of MODULES below, and
-  "architectures"; transformers loads it);
-- the nn.Modules, then `class Model(nn.Module)`: `Model(cfg)` builds on the current default device
-  (so `with torch.device("meta")` allocates nothing), keeps `cfg` as `model.cfg`, and implements
-  pith_engine.contract.MoEModel (layers, lm_head, prologue / positions / epilogue /
-  reference_forward; layers implement DecoderLayer). Expert weights are Parameters [E_held, ...]:
-  w_gate_up [E, D, 2F] (gate | up halves, the [E, in, out] layout pith_ops.grouped_gemm takes) and
-  w_down [E, F, D]; stage3 uses whatever experts the module holds. Routers compute logits in fp32 and
-  hold a persistent buffer `expert_bias` [E] (zeros; fp32; checkpoints carry it) added to the
-  scores for top-k selection only (not to the combine weights); the trainer updates it;
-- `Model(cfg, layer_ids=None)` builds the layers of those global indices only (pith_engine.layers.
-  DecoderModel); `init_weights(model, seed, mesh=SINGLE)`, the one initialiser (on a materialised
-  model, sharded over `mesh` or whole; the same global weights either way);
+- `@dataclass(frozen=True) class Config` with a comment per field, `tie_word_embeddings`, validation
+  in __post_init__, `Config.from_hf(d)` (ValueError naming any unsupported field or value; ignored
+  fields listed explicitly; pith_models.hf_convert) and `Config.to_hf()` (with "model_type", a key of
+  MODULES below, and "architectures");
+- the family's own modules (attention, MLP, experts, router), then `Model(cfg, layer_ids=None)`, a
+  pith_engine.layers.DecoderModel implementing pith_engine.contract.MoEModel, built on the current
+  default device. Expert weights are Parameters [E_held, ...] in the [E, in, out] layout; routers
+  compute fp32 logits and hold a persistent fp32 buffer `expert_bias` [E] added to the scores for
+  top-k selection only; `init_weights(model, seed, mesh=SINGLE)`, the one initialiser;
 - `from_hf_state_dict(sd, cfg, experts=None)` / `to_hf_state_dict(sd, cfg)`: HF names and layouts
-  <-> ours. to_hf_state_dict works on meta tensors: loading checks the file's names and shapes
-  against `to_hf_state_dict(meta_model.state_dict())`, so from_hf_state_dict may assume every name
-  present. `experts` (a range of global expert indices, default all) are the routed experts `sd`
-  holds (a stacked HF expert tensor [E, ...] comes sliced to them, a per-expert one
-  `...experts.<e>...` only for e in the range); their stacked weights come out [len(experts), ...].
-  Every other tensor must come out made of HF rows along dim 0 (renamed, concatenated or permuted
-  along dim 0, tied), and any HF tensor may come cut to some of its rows of dim 0, or none: a
-  sharded load (from_pretrained) runs it on int64 row ids to learn which HF rows make its rows;
+  <-> ours, the family's own conversion. to_hf_state_dict works on meta tensors (loading checks the
+  file's names and shapes against it first, so from_hf_state_dict may assume every name present).
+  `experts` (a range of global expert indices) are the routed experts `sd` holds (a stacked HF tensor
+  comes sliced to them, a per-expert one `...experts.<e>...` only for e in the range). Every other
+  tensor must come out made of HF rows along dim 0 (renamed, concatenated, permuted, tied), and any
+  HF tensor may come cut to some of its rows: a sharded load runs it on int64 row ids;
 - presets: TINY (tests) and the full-size configs.
 """
 
@@ -78,9 +68,8 @@ def _files(path: Path) -> list[str]:
 
 
 def read_safetensors(path: Path, rows: dict[str, range] | None = None) -> dict[str, Tensor]:
-    """The tensors of model.safetensors, or of the shards model.safetensors.index.json names: those
-    that `rows` names, only those rows of dim 0 (the rest of the files is never read); rows None:
-    every tensor's shape, as a meta tensor, reading no data."""
+    """The tensors of model.safetensors (or of its index's shards) that `rows` names, only those rows
+    of dim 0 (nothing else is read); rows None: every tensor as a meta tensor, reading no data."""
     sd = {}
     for f in _files(path):
         with safe_open(path / f, framework="pt") as file:
@@ -108,8 +97,8 @@ def check_tensors(got: dict[str, Tensor], expected: dict[str, Tensor], where: st
 
 
 def build_empty(cfg, device="meta", mesh: Mesh | None = None, param_dtype=None, layer_ids=None) -> nn.Module:
-    """The model of `cfg` built on the meta device, cut to this rank's part under `mesh` (its experts
-    and FSDP shards, pith_engine.parallel.parallelize), then materialised on `device` uninitialised."""
+    """The model of `cfg` built on meta, cut to this rank's part under `mesh`, then materialised on
+    `device` uninitialised."""
     with torch.device("meta"):
         model = module_of(cfg).Model(cfg, layer_ids)
     if mesh is not None:
@@ -124,7 +113,6 @@ def build_empty(cfg, device="meta", mesh: Mesh | None = None, param_dtype=None, 
 
 
 def _held_experts(model: nn.Module, mesh: Mesh) -> range:
-    """The global indices of the routed experts this rank holds (the same in every MoE layer)."""
     for name, p in model.named_parameters():
         if name in expert_param_names(model):
             rows, first = local_rows(p)[1], mesh.ep_rank * p.shape[0]
@@ -133,9 +121,8 @@ def _held_experts(model: nn.Module, mesh: Mesh) -> range:
 
 
 def _seen(k: str, rows: int, held: range) -> range | None:
-    """The rows of file tensor k (of `rows` rows) that from_hf_state_dict takes on a rank holding
-    experts `held`: a stacked expert tensor [E, ...] cut to them, a per-expert one only for e in held
-    (None: not passed at all), any other whole."""
+    """The rows of file tensor k that from_hf_state_dict takes on a rank holding experts `held`
+    (None: not passed at all)."""
     e = _PER_EXPERT.search(k)
     if e is not None:
         return range(rows) if int(e[1]) in held else None
@@ -157,17 +144,12 @@ def from_pretrained(
     path: str | Path, device: str | torch.device = "cpu", mesh: Mesh | None = None, param_dtype=None
 ) -> nn.Module:
     """Load a Hugging Face directory (config.json + safetensors), strictly: every tensor must match.
+    Weights come out fp32. mesh: this rank's part only, and only that part is read from the files.
 
-    Weights come out fp32 (the master weights). mesh: this rank's part only (as pith_models.build),
-    and only that part is read from the files (safetensors slices): its pipeline rank's layers (the
-    embedding, final norm and lm_head on pp rank 0 only), its experts, and of every other tensor the
-    rows of dim 0 its FSDP shard holds; the same global weights as a single-process load.
-
-    The rows are found through the model's own from_hf_state_dict, run first on row ids (each HF
-    tensor as int64 ids [rows, 1, ...], distinct over all of them; nothing read): each row of a
-    non-expert output says which HF row it came from, e.g. the up_proj rows in the second half of a
-    fused gate_up_proj. This rank reads, of each HF tensor, the span of the rows its shard needs (of
-    the others none), runs from_hf_state_dict on those slices and on the same slices of the ids, and
+    The rows are found through the family's own from_hf_state_dict, run first on distinct int64 row
+    ids (nothing read): each row of a non-expert output says which HF row it came from (e.g. up_proj's
+    in the second half of a fused gate_up_proj). This rank reads, of each HF tensor, the span of rows
+    its shard needs, runs from_hf_state_dict on those slices and on the same slices of the ids, and
     picks its rows by id."""
     path = Path(path)
     if not (path / "config.json").is_file():

@@ -1,8 +1,7 @@
 """Qwen3-MoE (Qwen/Qwen3-30B-A3B and its small relatives) in the five-stage layer form.
 
 Architectural choices:
-- pre-norm decoder: h += attn(rms_norm(h)); h += mlp(rms_norm(h)); final rms_norm, then lm_head
-  (tied to the embedding when tie_word_embeddings);
+- pre-norm decoder: h += attn(rms_norm(h)); h += mlp(rms_norm(h)); final rms_norm, then lm_head;
 - grouped-query attention, head_dim independent of hidden_size / heads, no biases, per-head RMSNorm
   on q and k (over head_dim) before RoPE; scale head_dim**-0.5; no sliding window;
 - RoPE over the whole head dim, half-split pairs (i, i + head_dim/2), base rope_theta, no scaling;
@@ -41,12 +40,16 @@ from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from pith_models.hf_config import config_kwargs_from_hf
+from pith_models.hf_convert import (
+    config_kwargs_from_hf,
+    from_hf_swiglu_state_dict,
+    to_hf_swiglu_state_dict,
+)
 
 
 @dataclass(frozen=True)
 class Config:
-    model_type: ClassVar[str] = "qwen3_moe"  # the Hugging Face model_type (key of pith_models.hf.MODULES)
+    model_type: ClassVar[str] = "qwen3_moe"  # the Hugging Face model_type (pith_models.hf.MODULES)
 
     vocab_size: int  # V
     hidden_size: int  # D
@@ -113,7 +116,7 @@ class Config:
         d.pop("max_window_layers", None)
         if "head_dim" not in d and {"hidden_size", "num_attention_heads"} <= set(d):
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]  # transformers' default
-        return cls(**config_kwargs_from_hf(d, cls, _FIXED, _IGNORED))
+        return cls(**config_kwargs_from_hf(d, cls, _FIXED, ()))
 
     def to_hf(self) -> dict:
         d = asdict(self)
@@ -131,11 +134,6 @@ class Config:
 
 # Fields whose other values would change the math and are not implemented: value we support.
 _FIXED = {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0}
-# Fields that do not change the forward math (generation, HF bookkeeping, loss knobs set by the trainer).
-_IGNORED = (
-    "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "bos_token_id",
-    "eos_token_id", "pad_token_id", "output_router_logits", "router_aux_loss_coef",
-)  # fmt: skip
 
 
 class Attention(nn.Module):
@@ -167,9 +165,9 @@ class Attention(nn.Module):
         return self.o_proj(o_BSHD.reshape(B, S, self.H * self.Dh))
 
 
-# MLP, Experts and the HF conversion are deepseek_v2's too, deliberately: each family owns its own.
+# MLP and Experts are deepseek_v2's too, deliberately: each family owns its own.
 class MLP(nn.Module):
-    """Dense SwiGLU; gate and up projections fused into one GEMM (gate | up halves)."""
+    """Dense SwiGLU, gate and up projections fused (gate | up halves)."""
 
     def __init__(self, D: int, F: int):
         super().__init__()
@@ -182,7 +180,7 @@ class MLP(nn.Module):
 
 
 class Experts(FP8Switch, nn.Module):
-    """The routed SwiGLU experts, stage 3; a module of their own so the engine can shard them apart."""
+    """The routed SwiGLU experts (stage 3), a module of their own for the engine to shard."""
 
     def __init__(self, E: int, D: int, F: int):
         super().__init__()
@@ -210,7 +208,7 @@ class MoE(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = Router(D, E, bias=False)
         self.experts = Experts(E, D, F)
-        # Aux-loss-free balancing: added to the scores for top-k selection only; the trainer updates it.
+        # Aux-loss-free balancing: added to the scores for top-k selection only.
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
 
     def route(self, x_TD: Tensor) -> Routing:
@@ -273,67 +271,18 @@ class Model(DecoderModel):
 
 
 def init_weights(model: Model, seed: int, mesh: Mesh = SINGLE) -> None:
-    """Norm weights 1, expert_bias 0, every other weight N(0, initializer_range), reproducible from seed
-    and the same global weights under any layout (`mesh`: the one model was sharded over)."""
+    """Norm weights 1, expert_bias 0, every other weight N(0, initializer_range) (layers.init_normal)."""
     init_normal(model, seed, model.cfg.initializer_range, mesh=mesh)
 
 
 def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config, experts: range | None = None) -> dict[str, Tensor]:
-    """Hugging Face names and layouts -> ours: every gate_proj / up_proj pair [F, D] fuses into
-    gate_up_proj [2F, D]; the per-expert [out, in] weights of layers.{i}.mlp.experts.{e}, e in
-    `experts` (default all), stack into w_gate_up [len(experts), D, 2F] and w_down [len(experts), F, D];
-    each MoE layer gets a zero expert_bias [E]. Assumes a complete input (hf.py checks it first)."""
-    out = {}
-    for k, v in sd.items():
-        name = k.removeprefix("model.")
-        if ".experts." in name or name.endswith(".up_proj.weight"):
-            continue
-        if name.endswith(".gate_proj.weight"):
-            up = sd[k.replace(".gate_proj.", ".up_proj.")]
-            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat((v, up))
-        else:
-            out[name] = v
+    moe_layers = filter(cfg.is_moe, range(cfg.num_hidden_layers))
     held = range(cfg.num_experts) if experts is None else experts
-    for i in filter(cfg.is_moe, range(cfg.num_hidden_layers)):
-        hf, ours = f"model.layers.{i}.mlp.experts.", f"layers.{i}.mlp."
-        per_expert = [f"{hf}{e}." for e in held]
-        out[ours + "experts.w_gate_up"] = torch.stack(
-            [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in per_expert]
-        )
-        out[ours + "experts.w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in per_expert])
-        out[ours + "expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32)
-    if cfg.tie_word_embeddings:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    return out
+    return from_hf_swiglu_state_dict(sd, moe_layers, cfg.num_experts, cfg.tie_word_embeddings, held)
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
-    """The inverse of from_hf_state_dict. A nonzero expert_bias is a ValueError: HF Qwen3-MoE has no
-    selection-only bias to export it to."""
-    out = {}
-    for k, v in sd.items():
-        prefix = k.rpartition(".")[0] + "."
-        if k.endswith("expert_bias"):
-            if not v.is_meta and bool(v.any()):
-                raise ValueError(f"{k} is nonzero: HF Qwen3-MoE has no routing bias to export it to")
-        elif k.endswith("mlp.experts.w_gate_up"):
-            for e in range(v.shape[0]):
-                gate, up = v[e].chunk(2, dim=-1)
-                out[f"model.{prefix}{e}.gate_proj.weight"] = gate.T
-                out[f"model.{prefix}{e}.up_proj.weight"] = up.T
-        elif k.endswith("mlp.experts.w_down"):
-            for e in range(v.shape[0]):
-                out[f"model.{prefix}{e}.down_proj.weight"] = v[e].T
-        elif k.endswith("gate_up_proj.weight"):
-            gate, up = v.chunk(2)
-            out[f"model.{prefix.removesuffix('gate_up_proj.')}gate_proj.weight"] = gate
-            out[f"model.{prefix.removesuffix('gate_up_proj.')}up_proj.weight"] = up
-        elif k == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out[k] = v
-        else:
-            out["model." + k] = v
-    return out
+    return to_hf_swiglu_state_dict(sd, cfg.tie_word_embeddings, "Qwen3-MoE")
 
 
 # For tests: a dense layer (mlp_only_layers), then a MoE layer; tests also vary decoder_sparse_step.

@@ -1,0 +1,111 @@
+"""The Hugging Face conversion helpers that family files call: the config.json checks closing every
+Config.from_hf, and the state-dict layout of fused SwiGLU MLPs and experts (Qwen3-MoE, DeepSeek-V2)."""
+
+from collections.abc import Iterable
+from dataclasses import MISSING, fields
+
+import torch
+from torch import Tensor
+
+# Fields no family's math reads: HF bookkeeping, generation, and loss knobs the trainer sets.
+BOOKKEEPING = (
+    "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "bos_token_id",
+    "eos_token_id", "pad_token_id", "output_router_logits", "router_aux_loss_coef",
+)  # fmt: skip
+
+
+def config_kwargs_from_hf(d: dict, cls: type, fixed: dict, ignored: tuple[str, ...]) -> dict:
+    """The checks every Config.from_hf ends with: a `fixed` field (its other values would change the
+    math) holding another value, a field the dataclass `cls` lacks, or a required field absent is a
+    ValueError naming it; `ignored` and BOOKKEEPING fields are dropped. -> the keyword arguments of cls."""
+    d = {k: v for k, v in d.items() if k not in ignored + BOOKKEEPING}
+    for key, allowed in fixed.items():
+        if key in d and d.pop(key) != allowed:
+            raise ValueError(f"config field {key}: only {allowed!r} is supported")
+    unknown = sorted(set(d) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"unsupported {cls.model_type} config fields: {unknown}")
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
+    if missing:
+        raise ValueError(f"{cls.model_type} config lacks required fields: {missing}")
+    return d
+
+
+def yarn_params_from_hf(d: dict, default_theta: float, yarn_cls: type) -> tuple[float, dict | None]:
+    """Pop rope_parameters (transformers 5) or rope_scaling + rope_theta (4.x) -> (theta, the YaRN
+    parameters; None for the default rope). Another rope type, a parameter of the default rope or a
+    YaRN parameter that is no field of `yarn_cls` is a ValueError."""
+    rope = dict(d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {})
+    theta = float(rope.pop("rope_theta", d.pop("rope_theta", default_theta)))
+    d.pop("rope_scaling", None)
+    rope_type = rope.pop("rope_type", rope.get("type", "default"))
+    rope.pop("type", None)
+    if rope_type == "default":
+        if rope:
+            raise ValueError(f"unsupported parameters of the default rope: {sorted(rope)}")
+        return theta, None
+    if rope_type != "yarn":
+        raise ValueError(f"rope type {rope_type!r} is not supported (only default and yarn)")
+    unknown = sorted(set(rope) - {f.name for f in fields(yarn_cls)})
+    if unknown:
+        raise ValueError(f"unsupported yarn rope parameters: {unknown}")
+    return theta, rope
+
+
+def from_hf_swiglu_state_dict(
+    sd: dict[str, Tensor], moe_layers: Iterable[int], E: int, tie_word_embeddings: bool, experts: range
+) -> dict[str, Tensor]:
+    """HF names and layouts -> ours for a family whose MLPs are fused SwiGLU (gate_up_proj) and
+    experts w_gate_up / w_down: gate_proj | up_proj [F, D] fuse into gate_up_proj [2F, D]; the
+    per-expert [out, in] weights of `experts` stack into w_gate_up [E_held, D, 2F] and w_down
+    [E_held, F, D]; each MoE layer gets a zero expert_bias [E]."""
+    out = {}
+    for k, v in sd.items():
+        name = k.removeprefix("model.")
+        if ".experts." in name or name.endswith(".up_proj.weight"):
+            continue
+        if name.endswith(".gate_proj.weight"):
+            up = sd[k.replace(".gate_proj.", ".up_proj.")]
+            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat((v, up))
+        else:
+            out[name] = v
+    for i in moe_layers:
+        hf, ours = f"model.layers.{i}.mlp.experts.", f"layers.{i}.mlp."
+        held = [f"{hf}{e}." for e in experts]
+        out[ours + "experts.w_gate_up"] = torch.stack(
+            [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in held]
+        )
+        out[ours + "experts.w_down"] = torch.stack([sd[x + "down_proj.weight"].T for x in held])
+        out[ours + "expert_bias"] = torch.zeros(E, dtype=torch.float32)
+    if tie_word_embeddings:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def to_hf_swiglu_state_dict(sd: dict[str, Tensor], tie_word_embeddings: bool, hf_name: str) -> dict:
+    """The inverse of from_hf_swiglu_state_dict. A nonzero expert_bias is a ValueError: the HF
+    architecture `hf_name` has no selection-only bias to export it to."""
+    out = {}
+    for k, v in sd.items():
+        prefix = k.rpartition(".")[0] + "."
+        if k.endswith("expert_bias"):
+            if not v.is_meta and bool(v.any()):
+                raise ValueError(f"{k} is nonzero: HF {hf_name} has no routing bias to export it to")
+        elif k.endswith("mlp.experts.w_gate_up"):
+            for e in range(v.shape[0]):
+                gate, up = v[e].chunk(2, dim=-1)
+                out[f"model.{prefix}{e}.gate_proj.weight"] = gate.T
+                out[f"model.{prefix}{e}.up_proj.weight"] = up.T
+        elif k.endswith("mlp.experts.w_down"):
+            for e in range(v.shape[0]):
+                out[f"model.{prefix}{e}.down_proj.weight"] = v[e].T
+        elif k.endswith("gate_up_proj.weight"):
+            gate, up = v.chunk(2)
+            out[f"model.{prefix.removesuffix('gate_up_proj.')}gate_proj.weight"] = gate
+            out[f"model.{prefix.removesuffix('gate_up_proj.')}up_proj.weight"] = up
+        elif k == "lm_head.weight":
+            if not tie_word_embeddings:
+                out[k] = v
+        else:
+            out["model." + k] = v
+    return out
