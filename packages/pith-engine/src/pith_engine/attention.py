@@ -35,7 +35,6 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
 
 @functools.lru_cache(maxsize=32)
 def _band_block_mask(seq_len: int, window: int | None, device: torch.device):
-    """Causal (banded) block mask over indices; the same for every layer and step."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, q_idx, kv_idx):
@@ -63,13 +62,16 @@ def attention(
     scale: float,
     window: int | None = None,
     sinks_H: Tensor | None = None,
+    reference: bool = False,
 ) -> Tensor:
-    if pos.cp_group is not None:
+    """reference: the fp32 reference on any device (a model's reference_forward)."""
+    if pos.cp_group is not None and not reference:
         return ring_attention(q, k, v, pos, scale=scale, window=window, sinks_H=sinks_H)
-    if q.is_cuda and window is None and sinks_H is None:
+    fast = q.is_cuda and not reference
+    if fast and window is None and sinks_H is None:
         return sdpa_attention(q, k, v, scale=scale)
     # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
-    if q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16:
+    if fast and min(q.shape[-1], v.shape[-1]) >= 16:
         return flex_attention(q, k, v, scale=scale, window=window, sinks_H=sinks_H)
     p = pos.position_ids_BS
     return attention_reference(q, k, v, p, p, scale=scale, window=window, sinks_H=sinks_H)[0]

@@ -167,7 +167,6 @@ def _fp8_scales(model: nn.Module, mesh: Mesh, kept_only: bool) -> tuple[dict[str
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh) -> tuple[dict, dict | None]:
-    """The canonical state dict (views of this rank's live tensors) and the optimizer's own."""
     experts = expert_param_names(model)
     # The sharded parameters: a forward without backward (evaluation) leaves the FSDP root unsharded.
     for m in model.modules():
@@ -263,7 +262,6 @@ def load(
 
 
 def checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoints root/step_NNNNNN, oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []

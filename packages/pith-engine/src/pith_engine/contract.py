@@ -36,8 +36,6 @@ class Positions(NamedTuple):
 
 
 class Routing(NamedTuple):
-    """What stage 1 hands to dispatch for the routed experts of one MoE layer."""
-
     x_TD: Tensor  # expert input rows (normed hidden states), one per token
     expert_ids_TK: Tensor  # int64 global expert ids chosen for each token
     weights_TK: Tensor  # fp32 combine weights, normalisation and scaling already applied

@@ -277,7 +277,6 @@ def run_layer(
 
 
 def forward(model: MoEModel, input_ids_BS: Tensor, comm: ExpertComm) -> tuple[Tensor, list[Routing]]:
-    """Prologue, every layer's stages, epilogue -> (final normed h_BSD, the MoE layers' routings)."""
     pos = model.positions(default_position_ids(input_ids_BS))
     h = model.prologue(input_ids_BS)
     routings = []

@@ -112,7 +112,6 @@ def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> int:
 
 
 def _fp8_gather_hooks(local: Tensor, shape: tuple):
-    """FSDP2's all-gather extension hooks (looked up on the shard tensor) for one weight."""
 
     def pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy):
         held = local.shape[0]
@@ -139,5 +138,4 @@ def _fp8_gather_hooks(local: Tensor, shape: tuple):
 
 
 def fp8_weights(m: FP8Switch) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) of m's FP8 weights."""
     return [(n, p) for n, p in m.named_parameters(recurse=False) if p.ndim == m.weight_ndim]

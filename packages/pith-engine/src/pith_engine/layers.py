@@ -173,7 +173,6 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def rotary_positions(
     position_ids_BS: Tensor, inv_freq_R: Tensor, cp_group: ProcessGroup | None, scale: float = 1.0
 ) -> Positions:
-    """The rotary cos/sin tables (times `scale`, YaRN's attention factor) for these positions."""
     # Angles in fp64: fp32 position * frequency loses ~1e-3 rad at positions near 32K.
     angle_BSR = position_ids_BS.double()[..., None] * inv_freq_R
     cos_BSR, sin_BSR = (angle_BSR.cos() * scale).float(), (angle_BSR.sin() * scale).float()

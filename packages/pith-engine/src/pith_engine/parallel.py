@@ -126,12 +126,10 @@ def build_mesh(layout: Layout, device: torch.device) -> Mesh:
 
 
 def expert_comm(mesh: Mesh, align: int = 1) -> ExpertComm:
-    """Stages 2 and 4 for this layout: all-to-all over ep, or local when every expert is here."""
     return ExpertParallel(mesh.ep_group, align) if mesh.layout.ep > 1 else LocalExperts(align)
 
 
 def held_layers(model: nn.Module) -> dict[int, nn.Module]:
-    """The decoder layers this rank holds, by global index (a pipeline rank holds some)."""
     if isinstance(model.layers, nn.ModuleDict):
         return {int(i): layer for i, layer in model.layers.items()}
     return dict(enumerate(model.layers))
@@ -267,7 +265,6 @@ def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> Tensor:
-    """grad_norm, and the gradients scaled in place by clip_coef (one read-write of them)."""
     norm = grad_norm(params, mesh)
     local = _local_grads(params) if max_norm > 0 else []
     coef = clip_coef(norm, max_norm)
@@ -277,7 +274,6 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> 
 
 
 def full_state(model: nn.Module, mesh: Mesh, grads: bool = False) -> dict[str, Tensor]:
-    """Every parameter (or its gradient) whole, every expert included, on every rank."""
     experts = expert_param_names(model)
     out = {}
     for name, p in model.named_parameters():

@@ -55,7 +55,6 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> T
 
 
 def zigzag_merge(parts: list[Tensor], dim: int = 1) -> Tensor:
-    """Inverse of zigzag_split: every rank's share, in rank order -> the full tensor."""
     if not parts or any(p.shape[dim] % 2 for p in parts):
         raise ValueError(
             f"expected one share per rank, each two chunks long, got lengths {[p.shape[dim] for p in parts]}"
@@ -139,7 +138,6 @@ def _block_backward(
 
 
 def _ring_shift(tensors: tuple[Tensor, ...], group: ProcessGroup) -> Callable[[], tuple[Tensor, ...]]:
-    """Start sending `tensors` to the next rank and receiving the previous rank's -> wait()."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if size == 1:
         return lambda: tensors

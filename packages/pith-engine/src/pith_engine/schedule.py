@@ -65,7 +65,6 @@ def chunk_rank(chunk: int, pp: int) -> int:
 
 
 def rank_chunks(pp: int, rank: int) -> tuple[int, ...]:
-    """The chunks pipeline rank `rank` holds: (rank, 2pp-1-rank); (0,) under pp=1."""
     return (0,) if pp == 1 else (rank, 2 * pp - 1 - rank)
 
 
@@ -82,7 +81,6 @@ def split_layers(num_layers: int, pp: int) -> list[range]:
 
 
 def check(pp: int, micro_batches: int, num_layers: int | None = None) -> None:
-    """ValueError naming the numbers when the pipeline cannot run, before any compute."""
     problems = []
     if pp > 1 and micro_batches < 2 * pp:
         problems.append(
@@ -99,7 +97,6 @@ def check(pp: int, micro_batches: int, num_layers: int | None = None) -> None:
 
 
 def dualpipev(pp: int, rank: int, micro_batches: int) -> list[Action | Overlap]:
-    """The compute actions of `rank`, in order (see the module docstring); no transfers."""
     n, r, M = pp, rank, micro_batches
     a, b = r, 2 * n - 1 - r
     done = {}  # (op, chunk) -> micro-batches issued so far; I and B share one count, B and W another
@@ -254,6 +251,5 @@ def forward_schedule(pp: int, rank: int, micro_batches: int) -> list[Action | P2
 
 
 def timeline(pp: int, micro_batches: int, costs=COSTS) -> list[list[tuple[float, float, Action | Overlap]]]:
-    """Every rank's (start, end, compute action) of one step, simulated with `costs` (see _simulate)."""
     lists = [dualpipev(pp, r, micro_batches) if pp > 1 else schedule(1, 0, micro_batches) for r in range(pp)]
     return [[(*t, a) for t, a in zip(ts, lst)] for ts, lst in zip(_simulate(pp, lists, costs), lists)]

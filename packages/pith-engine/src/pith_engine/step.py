@@ -50,8 +50,10 @@ class Stages:
     compile: the non-expert stages (stage 3 has data-dependent group sizes). ac: "selective"
     recomputes stage 3, whose hidden rows (T*K of 3F) are the largest activations; "full" stages 1, 3
     and 5. dtype: the residual stream's (bf16 under autocast on CUDA, so the routed rows, expert GEMMs
-    and loss run in bf16 too). align: each expert's row padding (FP8's GEMM needs 16). overlap,
-    wgrad: module docstring (under compile only the eager expert GEMMs defer). cuda_graph: StepGraph.
+    and loss run in bf16 too). align: each expert's row padding (FP8's GEMM needs 16). overlap: run
+    overlapped pairs interleaved at their exchanges. wgrad: I actions leave their weight gradients to
+    W actions (under compile only the eager expert GEMMs defer). cuda_graph: StepGraph. Neither
+    overlap nor wgrad changes a result (test_overlap.py).
     """
 
     class Layer:
@@ -177,8 +179,6 @@ class StepResult(NamedTuple):
 
 
 class _Run:
-    """The state of one step's (or evaluation's) schedule on this rank."""
-
     def __init__(self, stages: Stages, micro: list, label_tokens, aux: Aux, grad: bool):
         self.stages, self.micro, self.label_tokens, self.aux = stages, micro, label_tokens, aux
         self.grad = grad
@@ -283,7 +283,6 @@ class _Run:
             self.data[(Op.B, a.chunk, a.micro)] = tape.grad(h_in)
 
     def transfer(self, batch: list[P2P]) -> None:
-        """One batch_isend_irecv for consecutive transfers; the receives land in self.data."""
         mesh, ops, received = self.stages.mesh, [], []
         for t in batch:
             key = (t.op, t.chunk, t.micro)
@@ -393,7 +392,6 @@ def _all_counts(counts: dict[int, Tensor], stages: Stages) -> Tensor | None:
 
 @torch.no_grad()
 def evaluate(stages: Stages, batches) -> float:
-    """Cross-entropy per label token over `batches` [(inputs_BS, labels_BS)] on every data rank."""
     mesh = stages.mesh
     micro = _micro_on_device(list(batches), mesh)
     run = _Run(stages, micro, 1, Aux(), grad=False)

@@ -35,14 +35,12 @@ class WeightGradQueue:
             self._open = None
 
     def defer(self, weights: tuple[Tensor, ...], wgrad: Callable[[], tuple[Tensor, ...]]) -> bool:
-        """-> whether the work was queued (inside deferring()); False: the caller runs it now."""
         if self._open is None:
             return False
         self._open.append((weights, wgrad))
         return True
 
     def run_next(self) -> None:
-        """Run the oldest group of deferred work (a W action); the queue must not be empty."""
         tensors, grads = [], []
         for weights, wgrad in self._groups.popleft():
             for w, g in zip(weights, wgrad()):
@@ -101,7 +99,6 @@ def defer_wgrad(
 
 
 def set_wgrad_queue(model: nn.Module, queue: WeightGradQueue | None) -> None:
-    """Let every projection and expert GEMM of `model` defer its weight gradients to `queue`."""
     for m in model.modules():
         if isinstance(m, FP8Switch):
             m.wgrad_queue = queue

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import pith_ops
 import torch
-from pith_engine.attention import attention, attention_reference
+from pith_engine.attention import attention
 from pith_engine.contract import Positions, Routing, Stage1Out
 from pith_engine.fp8 import FP8Switch
 from pith_engine.layers import (
@@ -211,8 +211,6 @@ def softmax_scale(cfg: Config) -> float:
 
 
 class Attention(nn.Module):
-    """Multi-head latent attention."""
-
     def __init__(self, cfg: Config):
         super().__init__()
         D, H, C, L = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim, cfg.kv_lora_rank
@@ -247,18 +245,12 @@ class Attention(nn.Module):
         k_rope_BS1P = rope(k_rope_BSP[:, :, None], pos.cos_BSR, pos.sin_BSR, interleaved=True)
         q_BSHC = torch.cat((q_nope_BSHN, q_rope_BSHP), dim=-1)
         k_BSHC = torch.cat((k_nope_BSHN, k_rope_BS1P.expand(B, S, H, P)), dim=-1)
-        if reference:
-            p = pos.position_ids_BS
-            o_BSHA = attention_reference(q_BSHC, k_BSHC, v_BSHA, p, p, scale=self.scale)[0]
-        else:
-            o_BSHA = attention(q_BSHC, k_BSHC, v_BSHA, pos, scale=self.scale)
+        o_BSHA = attention(q_BSHC, k_BSHC, v_BSHA, pos, scale=self.scale, reference=reference)
         return self.o_proj(o_BSHA.reshape(B, S, H * A))
 
 
 # MLP and Experts are qwen3_moe's too, deliberately: each family owns its own.
 class MLP(nn.Module):
-    """Dense SwiGLU, gate and up projections fused (gate | up halves)."""
-
     def __init__(self, D: int, F: int):
         super().__init__()
         self.gate_up_proj = Linear(D, 2 * F, bias=False)
@@ -270,8 +262,6 @@ class MLP(nn.Module):
 
 
 class Experts(FP8Switch, nn.Module):
-    """The routed SwiGLU experts (stage 3), a module of their own for the engine to shard."""
-
     def __init__(self, E: int, D: int, F: int):
         super().__init__()
         self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate | up halves
@@ -372,7 +362,6 @@ class Model(DecoderModel):
 
 
 def init_weights(model: Model, seed: int, mesh: Mesh = SINGLE) -> None:
-    """Norm weights 1, expert_bias 0, every other weight N(0, initializer_range) (layers.init_normal)."""
     init_normal(model, seed, model.cfg.initializer_range, mesh=mesh)
 
 

@@ -28,7 +28,7 @@ from typing import ClassVar
 
 import pith_ops
 import torch
-from pith_engine.attention import attention, attention_reference
+from pith_engine.attention import attention
 from pith_engine.contract import Positions, Routing, Stage1Out
 from pith_engine.fp8 import FP8Switch
 from pith_engine.layers import (
@@ -189,12 +189,8 @@ class Attention(nn.Module):
         q_BSHD = rope(self.q_proj(x_BSD).view(B, S, self.H, self.Dh), pos.cos_BSR, pos.sin_BSR)
         k_BSGD = rope(self.k_proj(x_BSD).view(B, S, self.G, self.Dh), pos.cos_BSR, pos.sin_BSR)
         v_BSGD = self.v_proj(x_BSD).view(B, S, self.G, self.Dh)
-        kw = dict(scale=self.Dh**-0.5, window=self.window, sinks_H=self.sinks)
-        if reference:
-            p = pos.position_ids_BS
-            o_BSHD = attention_reference(q_BSHD, k_BSGD, v_BSGD, p, p, **kw)[0]
-        else:
-            o_BSHD = attention(q_BSHD, k_BSGD, v_BSGD, pos, **kw)
+        kw = dict(scale=self.Dh**-0.5, window=self.window, sinks_H=self.sinks, reference=reference)
+        o_BSHD = attention(q_BSHD, k_BSGD, v_BSGD, pos, **kw)
         return self.o_proj(o_BSHD.reshape(B, S, self.H * self.Dh))
 
 
@@ -291,8 +287,6 @@ class Model(DecoderModel):
 
 
 def init_weights(model: Model, seed: int, mesh: Mesh = SINGLE) -> None:
-    """Norm weights 1, biases and expert_bias 0, every other weight (sinks included) N(0,
-    initializer_range) (layers.init_normal)."""
     init_normal(model, seed, model.cfg.initializer_range, zero=("bias", "b_gate_up", "b_down"), mesh=mesh)
 
 

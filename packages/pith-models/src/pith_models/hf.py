@@ -45,7 +45,7 @@ MODULES: dict[str, ModuleType] = {
 
 
 def module_of(cfg) -> ModuleType:
-    return MODULES[cfg.to_hf()["model_type"]]
+    return MODULES[cfg.model_type]
 
 
 def config_from_hf(d: dict):
@@ -82,7 +82,6 @@ def read_safetensors(path: Path, rows: dict[str, range] | None = None) -> dict[s
 
 
 def check_tensors(got: dict[str, Tensor], expected: dict[str, Tensor], where: str) -> None:
-    """ValueError naming every missing, unexpected and wrongly shaped tensor."""
     missing = sorted(set(expected) - set(got))
     unexpected = sorted(set(got) - set(expected))
     shapes = [
@@ -104,10 +103,8 @@ def build_empty(cfg, device="meta", mesh: Mesh | None = None, param_dtype=None, 
     if mesh is not None:
         parallelize(model, mesh, param_dtype)
     if torch.device(device).type != "meta":
-        model.to_empty(device=device)
-        if cfg.tie_word_embeddings and hasattr(
-            model, "lm_head"
-        ):  # to_empty off meta gives each module a Parameter of its own
+        model.to_empty(device=device)  # which gives each module a Parameter of its own: tie again
+        if cfg.tie_word_embeddings and hasattr(model, "lm_head"):
             model.lm_head.weight = model.embed_tokens.weight
     return model
 

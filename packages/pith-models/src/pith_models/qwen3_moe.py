@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import pith_ops
 import torch
-from pith_engine.attention import attention, attention_reference
+from pith_engine.attention import attention
 from pith_engine.contract import Positions, Routing, Stage1Out
 from pith_engine.fp8 import FP8Switch
 from pith_engine.layers import (
@@ -156,19 +156,12 @@ class Attention(nn.Module):
         v_BSGD = self.v_proj(x_BSD).view(B, S, self.G, self.Dh)
         q_BSHD = rope(q_BSHD, pos.cos_BSR, pos.sin_BSR)
         k_BSGD = rope(k_BSGD, pos.cos_BSR, pos.sin_BSR)
-        scale = self.Dh**-0.5
-        if reference:
-            p = pos.position_ids_BS
-            o_BSHD = attention_reference(q_BSHD, k_BSGD, v_BSGD, p, p, scale=scale)[0]
-        else:
-            o_BSHD = attention(q_BSHD, k_BSGD, v_BSGD, pos, scale=scale)
+        o_BSHD = attention(q_BSHD, k_BSGD, v_BSGD, pos, scale=self.Dh**-0.5, reference=reference)
         return self.o_proj(o_BSHD.reshape(B, S, self.H * self.Dh))
 
 
 # MLP and Experts are deepseek_v2's too, deliberately: each family owns its own.
 class MLP(nn.Module):
-    """Dense SwiGLU, gate and up projections fused (gate | up halves)."""
-
     def __init__(self, D: int, F: int):
         super().__init__()
         self.gate_up_proj = Linear(D, 2 * F, bias=False)
@@ -180,8 +173,6 @@ class MLP(nn.Module):
 
 
 class Experts(FP8Switch, nn.Module):
-    """The routed SwiGLU experts (stage 3), a module of their own for the engine to shard."""
-
     def __init__(self, E: int, D: int, F: int):
         super().__init__()
         self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate | up halves
@@ -271,7 +262,6 @@ class Model(DecoderModel):
 
 
 def init_weights(model: Model, seed: int, mesh: Mesh = SINGLE) -> None:
-    """Norm weights 1, expert_bias 0, every other weight N(0, initializer_range) (layers.init_normal)."""
     init_normal(model, seed, model.cfg.initializer_range, mesh=mesh)
 
 
