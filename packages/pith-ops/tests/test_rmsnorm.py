@@ -16,14 +16,14 @@ from pith_ops.rmsnorm import (
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def assert_matches_float64(x, w, eps=1e-6, unit_offset=False):
+def assert_matches_float64(x, w, eps=1e-6):
     """Output, dx and dweight vs the reference run in float64 on the same (rounded) inputs."""
     x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
-    y = rms_norm(x, w, eps, unit_offset)
+    y = rms_norm(x, w, eps)
     dy = torch.randn_like(y)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    y64 = rms_norm_reference(x64, w64, eps, unit_offset)
+    y64 = rms_norm_reference(x64, w64, eps)
     dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
     assert (y.dtype, dx.dtype, dw.dtype) == (x.dtype, x.dtype, w.dtype)
     tol, wtol = TOL[x.dtype], TOL[w.dtype]
@@ -39,24 +39,21 @@ def assert_matches_float64(x, w, eps=1e-6, unit_offset=False):
     D=st.integers(1, 300),
     dtype=st.sampled_from([torch.float32, torch.float16]),
     w_fp32=st.booleans(),
-    unit_offset=st.booleans(),
     scale=st.sampled_from([1e-2, 1.0, 30.0]),
     seed=st.integers(0, 2**16),
 )
-def test_output_and_gradients_match_float64_reference(lead, D, dtype, w_fp32, unit_offset, scale, seed):
+def test_output_and_gradients_match_float64_reference(lead, D, dtype, w_fp32, scale, seed):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(*lead, D, generator=g) * scale).to(dtype)
-    w = (torch.randn(D, generator=g) * 0.5 + (0.0 if unit_offset else 1.0)).to(
-        torch.float32 if w_fp32 else dtype
-    )
-    assert_matches_float64(x, w, 1e-5, unit_offset)
+    w = (torch.randn(D, generator=g) * 0.5 + 1.0).to(torch.float32 if w_fp32 else dtype)
+    assert_matches_float64(x, w, 1e-5)
 
 
 def test_one_token_many_rows_and_empty_batch():
     assert_matches_float64(torch.randn(1, 33), torch.randn(33))
     # 9 tiles of 8 rows (the last partial) over 2 backward programs on CPU: each program
     # accumulates dweight over several tiles.
-    assert_matches_float64(torch.randn(70, 300), torch.randn(300), unit_offset=True)
+    assert_matches_float64(torch.randn(70, 300), torch.randn(300))
     assert rms_norm(torch.randn(0, 4, 8), torch.ones(8), 1e-6).shape == (0, 4, 8)
 
 
@@ -76,13 +73,13 @@ def test_non_contiguous_input_is_handled():
 
 def test_cpu_fallback_without_interpreter_matches_reference(monkeypatch):
     monkeypatch.setattr(pith_ops._common, "INTERPRET", False)
-    assert_matches_float64(torch.randn(3, 10), torch.randn(10), unit_offset=True)
+    assert_matches_float64(torch.randn(3, 10), torch.randn(10))
 
 
 def test_opcheck():
     x, w = torch.randn(5, 24).requires_grad_(), torch.randn(24).requires_grad_()
-    torch.library.opcheck(_rms_norm_op, (x, w, 1e-6, True))
-    torch.library.opcheck(_rms_norm_backward_op, (torch.randn(5, 24), x.detach(), w.detach(), 1e-6, False))
+    torch.library.opcheck(_rms_norm_op, (x, w, 1e-6))
+    torch.library.opcheck(_rms_norm_backward_op, (torch.randn(5, 24), x.detach(), w.detach(), 1e-6))
 
 
 def test_compiles_to_one_graph():
@@ -113,11 +110,10 @@ def test_bad_input_raises_value_error(x, w, eps, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("unit_offset", [False, True])
 @pytest.mark.parametrize("shape", [(1, 7), (3, 5, 1000), (4096, 2048), (2, 300, 4, 128)])
-def test_bf16_on_gpu_matches_float64_reference(shape, unit_offset):
+def test_bf16_on_gpu_matches_float64_reference(shape):
     x = torch.randn(shape, device="cuda").bfloat16() * 3
-    w = (torch.randn(shape[-1], device="cuda") * 0.2 + (0.0 if unit_offset else 1.0)).bfloat16()
-    assert_matches_float64(x, w, 1e-6, unit_offset)
+    w = (torch.randn(shape[-1], device="cuda") * 0.2 + 1.0).bfloat16()
+    assert_matches_float64(x, w, 1e-6)
     f = torch.compile(rms_norm, fullgraph=True)
-    torch.testing.assert_close(f(x, w, 1e-6, unit_offset), rms_norm(x, w, 1e-6, unit_offset), rtol=0, atol=0)
+    torch.testing.assert_close(f(x, w, 1e-6), rms_norm(x, w, 1e-6), rtol=0, atol=0)

@@ -54,15 +54,6 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> T
     return zigzag_split(torch.arange(seq_len, device=device), cp_size, cp_rank, 0)
 
 
-def zigzag_merge(parts: list[Tensor], dim: int = 1) -> Tensor:
-    if not parts or any(p.shape[dim] % 2 for p in parts):
-        raise ValueError(
-            f"expected one share per rank, each two chunks long, got lengths {[p.shape[dim] for p in parts]}"
-        )
-    halves = [p.chunk(2, dim) for p in parts]
-    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
-
-
 def ring_schedule(
     cp_size: int, cp_rank: int, chunk_len: int, window: int | None
 ) -> list[list[tuple[int, slice]]]:

@@ -26,11 +26,9 @@ _CONFIGS, _BACKWARD_CONFIGS = (
 )
 
 
-@triton.autotune(_CONFIGS, key=["D", "UNIT_OFFSET"])
+@triton.autotune(_CONFIGS, key=["D"])
 @triton.jit
-def _rms_norm_forward_kernel(
-    x_ptr, w_ptr, y_ptr, N, D, eps, BLOCK_D: tl.constexpr, UNIT_OFFSET: tl.constexpr, ELEMS: tl.constexpr
-):
+def _rms_norm_forward_kernel(x_ptr, w_ptr, y_ptr, N, D, eps, BLOCK_D: tl.constexpr, ELEMS: tl.constexpr):
     ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -38,17 +36,15 @@ def _rms_norm_forward_kernel(
     offs = rows[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        w += 1.0
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
     tl.store(y_ptr + offs, x * rstd[:, None] * w[None, :], mask=mask)
 
 
-@triton.autotune(_BACKWARD_CONFIGS, key=["D", "UNIT_OFFSET"])
+@triton.autotune(_BACKWARD_CONFIGS, key=["D"])
 @triton.jit
 def _rms_norm_backward_kernel(
     x_ptr, w_ptr, dy_ptr, dx_ptr, dw_partial_ptr, N, D, eps,
-    BLOCK_D: tl.constexpr, UNIT_OFFSET: tl.constexpr, ELEMS: tl.constexpr,
+    BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
     PER_SM: tl.constexpr,  # programs per SM: sizes the grid, read by the launcher
 ):  # fmt: skip
     """dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * w; dw partial = sum over rows of dy * xhat.
@@ -59,8 +55,6 @@ def _rms_norm_backward_kernel(
     first, end = pid * n_tiles // tl.num_programs(0), (pid + 1) * n_tiles // tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        w += 1.0
     row_end = tl.minimum(end * ROWS, N)  # this program's rows end here
     # Only the scalar first row is carried and advanced: 2D int64 offsets cost registers per element.
     r = tl.arange(0, ROWS)
@@ -105,9 +99,9 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def _forward(x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool) -> Tensor:
+def _forward(x_ND: Tensor, weight_D: Tensor, eps: float) -> Tensor:
     if not use_triton(x_ND):
-        return rms_norm_reference(x_ND, weight_D, eps, unit_offset).contiguous()
+        return rms_norm_reference(x_ND, weight_D, eps).contiguous()
     x_ND = x_ND.contiguous()
     y_ND = x_ND.new_empty(x_ND.shape)
     N, D = x_ND.shape
@@ -115,16 +109,14 @@ def _forward(x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool) -> T
         return y_ND
     BLOCK_D = triton.next_power_of_2(D)
     _rms_norm_forward_kernel[lambda meta: (triton.cdiv(N, triton.cdiv(meta["ELEMS"], BLOCK_D)),)](
-        x_ND, weight_D.contiguous(), y_ND, N, D, eps, BLOCK_D, unit_offset
+        x_ND, weight_D.contiguous(), y_ND, N, D, eps, BLOCK_D
     )
     return y_ND
 
 
-def _backward(
-    dy_ND: Tensor, x_ND: Tensor, weight_D: Tensor, eps: float, unit_offset: bool
-) -> tuple[Tensor, Tensor]:
+def _backward(dy_ND: Tensor, x_ND: Tensor, weight_D: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     if not use_triton(x_ND):
-        _, vjp = torch.func.vjp(lambda x, w: rms_norm_reference(x, w, eps, unit_offset), x_ND, weight_D)
+        _, vjp = torch.func.vjp(lambda x, w: rms_norm_reference(x, w, eps), x_ND, weight_D)
         return tuple(g.contiguous() for g in vjp(dy_ND))
     x_ND, dy_ND, weight_D = x_ND.contiguous(), dy_ND.contiguous(), weight_D.contiguous()
     N, D = x_ND.shape
@@ -135,7 +127,7 @@ def _backward(
     dw_partial_PD = x_ND.new_empty(max(1, min(N, 4 * sms)), D, dtype=torch.float32)
     kernel = _rms_norm_backward_kernel
     kernel[lambda meta: (max(1, min(N, meta["PER_SM"] * sms)),)](
-        x_ND, weight_D, dy_ND, dx_ND, dw_partial_PD, N, D, eps, triton.next_power_of_2(D), unit_offset
+        x_ND, weight_D, dy_ND, dx_ND, dw_partial_PD, N, D, eps, triton.next_power_of_2(D)
     )
     P = max(1, min(N, kernel.best_config.kwargs["PER_SM"] * sms))  # the grid the tuned config ran
     _sum_partials_kernel[(triton.cdiv(D, 32),)](dw_partial_PD, dw_D, P, D, BLOCK_P=128, BLOCK_C=32)
@@ -147,24 +139,24 @@ _rms_norm_backward_op = torch.library.custom_op("pith::rms_norm_backward", _back
 
 
 @_rms_norm_op.register_fake
-def _(x_ND, weight_D, eps, unit_offset):
+def _(x_ND, weight_D, eps):
     return x_ND.new_empty(x_ND.shape)
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy_ND, x_ND, weight_D, eps, unit_offset):
+def _(dy_ND, x_ND, weight_D, eps):
     return x_ND.new_empty(x_ND.shape), weight_D.new_empty(weight_D.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    x_ND, weight_D, ctx.eps, ctx.unit_offset = inputs
+    x_ND, weight_D, ctx.eps = inputs
     ctx.save_for_backward(x_ND, weight_D)
 
 
 def _grads(ctx, dy_ND, backward):
     x_ND, weight_D = ctx.saved_tensors
-    dx_ND, dw_D = backward(dy_ND, x_ND, weight_D, ctx.eps, ctx.unit_offset)
-    return dx_ND, dw_D, None, None
+    dx_ND, dw_D = backward(dy_ND, x_ND, weight_D, ctx.eps)
+    return dx_ND, dw_D, None
 
 
 _rms_norm_op.register_autograd(
@@ -175,7 +167,7 @@ _rms_norm = eager_or_custom(
 )
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """rms_norm_reference over the last dim."""
     check("x", x, dtypes=FLOAT_DTYPES)
     check("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
@@ -187,14 +179,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -
     if not eps > 0:  # eps > 0 also keeps the kernels' masked padding rows finite
         raise ValueError(f"eps: expected a positive float, got {eps}")
     D = x.shape[-1]
-    return _rms_norm(x.reshape(-1, D), weight, float(eps), unit_offset).view(x.shape)
+    return _rms_norm(x.reshape(-1, D), weight, float(eps)).view(x.shape)
 
 
-def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
-    """x / sqrt(mean(x^2) + eps) * w (or * (1 + w) with unit_offset), in fp32 (float64 for float64
-    input), out in x.dtype."""
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * w, in fp32 (float64 for float64 input), out in x.dtype."""
     acc = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(acc)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    w = weight.to(acc) + 1.0 if unit_offset else weight.to(acc)
-    return (y * w).to(x.dtype)
+    return (y * weight.to(acc)).to(x.dtype)
