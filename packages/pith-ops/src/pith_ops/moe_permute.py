@@ -1,5 +1,6 @@
 """Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute). How the
-launches overlap and what they measured: the pith-ops README.
+launches overlap and what they measured: the pith-ops README. One concern over ~450 lines: the two
+are each other's backward and share the index pass, its kernels and the FP8 rows' variant.
 
 Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows (T*K, plus per-expert
 padding when align > 1, or the caller's `rows`), C chunks of CT tokens (CT * K <= CHUNK routed entries),
