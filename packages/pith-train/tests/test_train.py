@@ -594,3 +594,40 @@ def test_the_resume_hint_under_torchrun_is_its_launch_line(monkeypatch):
     assert stopping.resume_command(["--run-dir", "r"]).startswith(
         "torchrun --nnodes 2 '<your rendezvous flags>' --nproc-per-node 4 -m pith_train"
     )
+
+
+@pytest.mark.parametrize("n", ["0", "-1", "4"])
+def test_a_local_launch_must_start_the_layouts_processes(micro_args, tmp_path, capsys, n):
+    with pytest.raises(SystemExit) as e:
+        main(["pretrain", "--nproc-per-node", n, *micro_args, "--run-dir", str(tmp_path)])
+    assert (
+        e.value.code == 1 and f"--nproc-per-node {n}: the layout pp*dp*cp*ep = 1" in capsys.readouterr().err
+    )
+
+
+@pytest.mark.distributed
+def test_a_local_launch_whose_workers_fail_exits_with_their_status(micro_args, tmp_path, subprocess_env):
+    args = [*micro_args, "--parallel.dp=2", "--train.micro_batch=1", f"--data.path={tmp_path / 'nope'}"]
+    command = [sys.executable, "-m", "pith_train", "pretrain", "--nproc-per-node", "2", *args]
+    done = subprocess.run([*command, "--run-dir", str(tmp_path / "run")], env=subprocess_env, timeout=300)
+    assert done.returncode == 1
+
+
+def test_init_from_needs_a_runs_checkpoint_with_the_same_optimizer(micro_config, micro_hf, tmp_path):
+    pretrain(micro_config("--train.steps=2"), tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    with pytest.raises(ValueError, match="optimizer state is adamw's: set optim.name=adamw"):
+        pretrain(micro_config(f"--checkpoint.init_from={ckpt}", "--optim.name=muon"), tmp_path / "a")
+    main(["convert", str(micro_hf), str(tmp_path / "converted")])
+    with pytest.raises(ValueError, match=f"without a run's optimizer state: use --model.name={tmp_path}"):
+        pretrain(micro_config(f"--checkpoint.init_from={tmp_path / 'converted'}"), tmp_path / "b")
+
+
+def test_a_launch_that_stopped_before_its_first_step_may_start_again(micro_config, tmp_path, monkeypatch):
+    """TensorBoard's event file is written at the launch: alone, it is no run's history."""
+    monkeypatch.setattr(train, "train_step", lambda *a: (_ for _ in ()).throw(MemoryError("no memory")))
+    with pytest.raises(MemoryError):
+        pretrain(micro_config("--log.tensorboard=true"), tmp_path)
+    assert list((tmp_path / "tensorboard").glob("events.*")) and not (tmp_path / "metrics.jsonl").exists()
+    monkeypatch.undo()
+    assert pretrain(micro_config(), tmp_path)["step"] == 6

@@ -51,8 +51,11 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     if "RANK" in os.environ and (args.run_dir is None or args.nproc_per_node):
         raise ValueError("under torchrun give every rank the same --run-dir, and no --nproc-per-node")
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-    if args.nproc_per_node:  # the workers check the config again, each under torchrun's environment
-        sys.exit(stopping.launch_local(args.nproc_per_node, [*args.rest, "--run-dir", run_dir]))
+    if args.nproc_per_node is not None:  # the workers check the config again under torchrun's environment
+        p, n = cfg.parallel, args.nproc_per_node
+        if n != p.pp * p.dp * p.cp * p.ep:
+            raise ValueError(f"--nproc-per-node {n}: the layout pp*dp*cp*ep = {p.pp * p.dp * p.cp * p.ep}")
+        sys.exit(stopping.launch_local(n, [*args.rest, "--run-dir", run_dir]))
     try:
         out = pretrain(cfg, run_dir)
     except stopping.Interrupted as e:

@@ -56,8 +56,10 @@ def check_writable(directory: Path) -> None:
 
 def history(run_dir: Path, config: bool = True) -> list[str]:
     """What earlier launches left in run_dir (relative paths), with `config` its config.toml."""
-    found = [*Path(run_dir, "checkpoints").glob("step_*"), *Path(run_dir, "tensorboard").glob("events.*")]
+    found = [*Path(run_dir, "checkpoints").glob("step_*")]
     found += [run_dir / n for n in ("metrics.jsonl", "metrics.png", *["config.toml"] * config)]
+    if (run_dir / "metrics.jsonl").exists():  # event files alone: a launch that trained no step
+        found += Path(run_dir, "tensorboard").glob("events.*")
     return sorted(str(p.relative_to(run_dir)) for p in found if p.exists())
 
 
@@ -135,8 +137,13 @@ def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
     if wrong := checkpoint.problem(ckpt, mesh):
         raise ValueError(f"checkpoint.init_from={str(ckpt)!r} is damaged: {wrong}")
     _model_check(ckpt, cfg, model_hf, "start from")
-    trained = read_json(ckpt / "trainer.json")
-    saved = config_mod.load_config(str(ckpt / "config.toml"))
+    if not (ckpt / "config.toml").is_file():  # convert's: weights alone
+        raise ValueError(f"{ckpt} holds weights without a run's optimizer state: use --model.name={ckpt}")
+    trained, saved = read_json(ckpt / "trainer.json"), config_mod.load_config(str(ckpt / "config.toml"))
+    if saved.optim.name != cfg.optim.name:
+        raise ValueError(
+            f"{ckpt}'s optimizer state is {saved.optim.name}'s: set optim.name={saved.optim.name}"
+        )
     cursor = 0 if _data_changes(saved, cfg) else trained["cursor"]
     warn(
         f"starting from {ckpt} (step {trained['step']} of its run): its weights and optimizer state, this"

@@ -73,27 +73,27 @@ def resume_command(argv: list[str]) -> str:
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:
-    """`pith-train pretrain ARGV` in nproc processes: -> the exit status. Signals are forwarded (a
-    scheduler's SIGTERM reaches this process alone); a failed worker ends the others."""
+    """`pith-train pretrain ARGV` in nproc processes -> the exit status (killed by signal N: 128 + N).
+    Signals are forwarded; a failed worker ends the others."""
     with socket.socket() as s:  # a free port for the env:// rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {"WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     env = {**os.environ, **{k: str(v) for k, v in env.items()}}
     env["PITH_LAUNCH"] = shlex.join(["pith-train", "pretrain", "--nproc-per-node", str(nproc), *argv])
-    command = [sys.executable, "-m", "pith_train", "pretrain", *argv]
-    workers = [
-        subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)
-    ]
+    command, workers = [sys.executable, "-m", "pith_train", "pretrain", *argv], []
     forward = lambda signum, frame: [w.send_signal(signum) for w in workers if w.poll() is None]
-    previous = {s: signal.signal(s, forward) for s in StopOnSignal.SIGNALS}
+    previous = {s: signal.signal(s, forward) for s in StopOnSignal.SIGNALS}  # before a worker starts
+    status = lambda: [None if c is None else 128 - c if c < 0 else c for c in (w.poll() for w in workers)]
     try:
-        while (codes := [w.poll() for w in workers]).count(None):
-            failed = [c for c in codes if c not in (None, 0, 128 + signal.SIGINT, 128 + signal.SIGTERM)]
-            if failed:
+        workers += [
+            subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)
+        ]
+        while True:
+            codes = status()
+            if failed := [c for c in codes if c not in (None, 0, 128 + signal.SIGINT, 128 + signal.SIGTERM)]:
                 for w in workers:
-                    if w.poll() is None:
-                        w.terminate()
+                    w.terminate()
                 deadline = time.monotonic() + 30
                 for w in workers:
                     try:
@@ -101,8 +101,9 @@ def launch_local(nproc: int, argv: list[str]) -> int:
                     except subprocess.TimeoutExpired:
                         w.kill()
                 return failed[0]
+            if None not in codes:
+                return max(codes)  # a stop's status, or 0
             time.sleep(0.2)
-        return max(codes, key=lambda c: c != 0)  # a stop's status, or 0
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -32,8 +32,7 @@ from pith_train.stopping import Interrupted, StopOnSignal
 
 
 def parallel_layout(cfg: Config, device: torch.device) -> parallel.Mesh:
-    """This process's place in cfg.parallel (the world from torchrun's env), checked before any compute."""
-    plan.valid(cfg, plan.model_shape(model_config(cfg.model)), int(os.environ.get("WORLD_SIZE", 1)))
+    """This process's place in cfg.parallel (plan.check has checked the layout)."""
     p = cfg.parallel
     return parallel.build_mesh(parallel.Layout(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep), device)
 
@@ -187,14 +186,12 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     model = build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
     apply_fp8(cfg, model, cuda, warn)
     optimizer = build_optimizer(model, cfg)
-    step, cursor = 0, 0
-    if resume_from is not None:
-        checkpoint.load(resume_from, model, optimizer, mesh, verify=False)  # latest_intact verified it
+    step, cursor = 0, init[1] if init else 0
+    if resume_from or init:  # verified by latest_intact or check_init
+        checkpoint.load(resume_from or init[0], model, optimizer, mesh, verify=False)
+    if resume_from:
         state = rundir.read_json(resume_from / "trainer.json")
         step, cursor = state["step"], state["cursor"]
-    elif init is not None:
-        checkpoint.load(init[0], model, optimizer, mesh, verify=False)  # check_init verified it
-        cursor = init[1]
     stages = trainer_stages(cfg, model, mesh)
     settings = step_settings(cfg, model)
     flops = flops_per_token(pith_models.build(model.cfg), cfg.data.seq_len)  # the whole model, on meta
