@@ -153,7 +153,7 @@ def test_the_forward_schedule_meets_every_dependency_and_pipelines_the_micro_bat
         assert sorted(row) == sorted(Action(Op.F, c, m) for c in rank_chunks(pp, r) for m in range(M))
     serial = [[Action(Op.F, c, m) for m in range(M) for c in rank_chunks(pp, r)] for r in range(pp)]
     span = lambda lists: max(times[-1][1] for times in _simulate(pp, lists, COSTS))
-    assert span(serial) == 2 * pp * M if pp > 1 else M
+    assert span(serial) == (2 * pp * M if pp > 1 else M)
     assert span(compute) == (2 * M + 2 * pp - 2 if pp > 1 else M)
     assert span(compute) < span(serial) or M == 1 or pp == 1
 

@@ -212,7 +212,7 @@ def test_eval_reports_the_reference_loss_of_every_window(trained, byte_data, cap
     out, err = capsys.readouterr()
     assert err.splitlines() == [  # not a terminal: progress lines, each a tenth of the windows or more
         f"{n}/7 windows, loss so far {float(line.split()[-1]):.4f}"
-        for n, line in zip((3, 6, 7), err.splitlines())
+        for n, line in zip((3, 6, 7), err.splitlines(), strict=True)
     ]
     loss, perplexity = float(out.split()[1]), float(out.split()[3])
     assert (
