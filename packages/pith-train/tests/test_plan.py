@@ -54,7 +54,7 @@ def kept_bytes(name: str, B: int, S: int, ac: str) -> float:
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "qwen3-moe-tiny", "deepseek-v2-tiny", "gpt-oss-tiny"])
-def test_planned_activations_are_within_15_percent_of_what_the_trainer_keeps(name):
+def test_planned_activations_are_within_10_percent_of_what_the_trainer_keeps(name):
     # S = 40: no dimension of these models, so the S x S filter takes only attention scores.
     B, S = 2, 40
     for ac in ("none", "selective", "full"):
@@ -62,7 +62,7 @@ def test_planned_activations_are_within_15_percent_of_what_the_trainer_keeps(nam
                                  f"train.global_batch={B}", f"train.ac={ac}"])  # fmt: skip
         start = plan.rank_plan(cfg, plan.model_shape(pith_models.MODELS[name]), 0, cuda=False)[0]
         measured = kept_bytes(name, B, S, ac)
-        assert 0.85 <= start.terms["activations"] / measured <= 1.15, (
+        assert 0.9 <= start.terms["activations"] / measured <= 1.1, (  # measured: 0.93-1.07
             ac,
             start.terms["activations"],
             measured,
@@ -186,8 +186,8 @@ def test_a_run_that_cannot_fit_the_cpu_stops_within_seconds_before_it_allocates(
 
 
 @pytest.mark.gpu
-def test_the_plan_of_two_bench_layers_is_within_15_percent_of_the_allocators_peak_on_a_card():
+def test_the_plan_of_two_bench_layers_is_within_10_percent_of_the_allocators_peak_on_a_card():
     from pith_train import bench
 
     r = bench.run(layers=2, batch=2, compile=False, steps=2, warmup=2, back_to_back=False)
-    assert 0.9 <= r["plan_gib"]["total"] / r["peak_allocated_gib"] <= 1.15, r["plan_gib"]
+    assert 0.9 <= r["plan_gib"]["total"] / r["peak_allocated_gib"] <= 1.1, r["plan_gib"]  # H100: 0.993
