@@ -248,7 +248,7 @@ def test_ring_attention_flex_path_matches_reference_on_cuda(dtype, tol, tmp_path
             # the block kernel's lse itself, for late queries over every key (what the merge weighs by)
             late = slice(L // 2, L)
             block = (q[:, late], k, v, pos_BS[:, late], pos_BS)
-            _, lse = _block_attention(*block, Dqk**-0.5, window)
+            _, lse = _block_attention(*block, *(torch.zeros_like(p) for p in block[3:]), Dqk**-0.5, window)
             _, ref_lse = attention_reference(
                 *(t.detach().float() for t in block[:3]), *block[3:], scale=Dqk**-0.5, window=window
             )

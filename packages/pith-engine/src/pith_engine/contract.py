@@ -27,12 +27,14 @@ from torch.distributed import ProcessGroup
 
 class Positions(NamedTuple):
     """Where the local tokens sit in their sequences: without CP in order, one step at a time
-    (attention's CUDA fast paths use the index-based triangle); under CP zigzag halves of such a run."""
+    (attention's CUDA fast paths use the index-based triangle); under CP zigzag halves of such a run.
+    With document ids, runs restarting at 0 at each document, which attends only to itself."""
 
     position_ids_BS: Tensor  # global positions of the local tokens (zigzag order under CP)
     cos_BSR: Tensor  # rotary cos table for those positions, fp32 (model-specific scaling applied)
     sin_BSR: Tensor  # rotary sin table, fp32
     cp_group: ProcessGroup | None  # ring-attention group under context parallelism, else None
+    doc_BS: Tensor | None = None  # each token's document in its window (data.document_mask), else None
 
 
 class Routing(NamedTuple):
@@ -89,3 +91,12 @@ class MoEModel(Protocol):
 def default_position_ids(input_ids_BS: Tensor) -> Tensor:
     B, S = input_ids_BS.shape
     return torch.arange(S, device=input_ids_BS.device).expand(B, S)
+
+
+def model_positions(
+    model: MoEModel, input_ids_BS: Tensor, position_ids_BS: Tensor | None = None
+) -> Positions:
+    """The model's Positions of 0..S-1, or of positions restarting at 0 at each document (its ids too)."""
+    if position_ids_BS is None:
+        return model.positions(default_position_ids(input_ids_BS))
+    return model.positions(position_ids_BS)._replace(doc_BS=(position_ids_BS == 0).cumsum(1))

@@ -127,13 +127,18 @@ class Stages:
             model.set_reshard_after_backward(False, recurse=False)
 
 
-def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh):
-    """-> (inputs, labels, position ids or None): under CP this rank's zigzag share and its positions."""
+def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh, pos_BS: Tensor | None = None):
+    """-> (inputs, labels, position ids or None, document ids or None): under CP this rank's zigzag
+    share. pos_BS: positions restarting at 0 at each document (data.document_mask), else None."""
     cp, r = mesh.layout.cp, mesh.cp_rank
+    doc_BS = None if pos_BS is None else (pos_BS == 0).cumsum(1)
     if cp == 1:
-        return inputs_BS, labels_BS, None
-    pos_BS = zigzag_positions(inputs_BS.shape[1], cp, r).expand(inputs_BS.shape[0], -1)
-    return zigzag_split(inputs_BS, cp, r), zigzag_split(labels_BS, cp, r), pos_BS
+        return inputs_BS, labels_BS, pos_BS, doc_BS
+    if pos_BS is None:
+        pos_BS = zigzag_positions(inputs_BS.shape[1], cp, r).expand(inputs_BS.shape[0], -1)
+    else:
+        pos_BS, doc_BS = zigzag_split(pos_BS, cp, r), zigzag_split(doc_BS, cp, r)
+    return zigzag_split(inputs_BS, cp, r), zigzag_split(labels_BS, cp, r), pos_BS, doc_BS
 
 
 def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
@@ -239,11 +244,12 @@ class _Run:
                 yield from self.backward(a)
 
     def forward(self, a: Action) -> Steps:
-        s, (ids_BS, labels_BS, pos_BS) = self.stages, self.micro[a.micro]
+        s, (ids_BS, labels_BS, pos_BS, doc_BS) = self.stages, self.micro[a.micro]
         mesh = s.mesh
         tape = Tape(a.micro == len(self.micro) - 1, s.trace, f"F{a.chunk}.{a.micro}") if self.grad else None
         seg = tape or DIRECT
         pos = s.model.positions(default_position_ids(ids_BS) if pos_BS is None else pos_BS, mesh.cp_group)
+        pos = pos._replace(doc_BS=doc_BS)
         h_in = None
         if a.chunk == 0:
             h = seg(s.prologue, ids_BS, owner=s.model)
@@ -309,7 +315,7 @@ def _to_device(t: Tensor | None, device: torch.device) -> Tensor | None:
 
 
 def _micro_on_device(micro: list, mesh: parallel.Mesh) -> list:
-    return [tuple(_to_device(t, mesh.device) for t in local_tokens(x, y, mesh)) for x, y in micro]
+    return [tuple(_to_device(t, mesh.device) for t in local_tokens(*m[:2], mesh, *m[2:])) for m in micro]
 
 
 def train_step(
@@ -321,9 +327,10 @@ def train_step(
     grad_clip: float,
     bias_rate: float,
 ) -> StepResult:
-    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS)], the clip coefficient
-    folded into `optimizer.step(grad_scale=...)`. -> device tensors: no host sync, so the CPU queues
-    the step ahead of the GPU. A non-finite loss or norm skips the update (step_values raises)."""
+    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS[, positions_BS])]
+    (positions: local_tokens), the clip coefficient folded into `optimizer.step(grad_scale=...)`.
+    -> device tensors: no host sync, so the CPU queues the step ahead of the GPU. A non-finite loss
+    or norm skips the update (step_values raises)."""
     mesh, model = stages.mesh, stages.model
     micro = _micro_on_device(micro, mesh)
     aux = aux._replace(micro_batches=len(micro))
@@ -345,7 +352,7 @@ def _schedule_work(stages: Stages, micro: list, aux: Aux) -> tuple[Tensor, dict[
     """The step's forward and backward work -> (cross-entropy and aux sums [2], expert counts per MoE
     layer, label tokens of the global batch)."""
     mesh = stages.mesh
-    label_tokens = parallel.all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y, _ in micro), mesh)
+    label_tokens = parallel.all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y, *_ in micro), mesh)
     # Reduced once, in each unit's last backward segment (Tape(final=True)): its unsharded fp32
     # gradients live through the step (4 bytes per parameter of its chunks).
     for unit in stages.units:

@@ -163,7 +163,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         raise ValueError(f"{path} has no run config (config.toml) giving the window length: pass --seq-len")
     model = build_model(str(path), _device(args), seed=0).eval()
     ds.check_vocab(model.cfg.vocab_size)
-    loss, tokens = dataset_loss(model, ds, seq_len, args.batch, args.max_windows)
+    docs = bool(cfg and cfg.data.document_mask) if args.document_mask is None else args.document_mask
+    loss, tokens = dataset_loss(model, ds, seq_len, args.batch, args.max_windows, docs)
     print(
         f"loss {loss:.4f} perplexity {math.exp(loss):.3f}"
         f" ({tokens:,} tokens of {args.data}, windows of {seq_len})"
@@ -331,6 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     eval_p.add_argument("--seq-len", type=int, help="window length (default: the run config's data.seq_len)")
     eval_p.add_argument("--batch", type=int, default=8, help="windows per forward")
     eval_p.add_argument("--max-windows", type=int, default=0, help="score only the first N windows (0: all)")
+    eval_p.add_argument(
+        "--document-mask",
+        action=argparse.BooleanOptionalAction,
+        help="score each document alone (default: the run's data.document_mask)",
+    )
     eval_p.set_defaults(run=cmd_eval)
     gen_p.add_argument("--prompt", required=True)
     gen_p.add_argument("--max-new-tokens", type=int, default=64)

@@ -27,6 +27,8 @@ class DataConfig:
     val_path: str = ""
     # Windows of the validation loss, spread over the set (a fixed sample, as Megatron's eval-iters)
     val_windows: int = 16
+    # A token attends only to its own document, positions restart at each, labels crossing are skipped
+    document_mask: bool = False
 
 
 @dataclass
@@ -283,6 +285,10 @@ def validate(cfg: Config) -> None:
     if t.fp8_all_gather and not (t.fp8 or t.fp8_lm_head):
         raise ValueError(
             "train.fp8_all_gather gathers the FP8 GEMMs' weights: set train.fp8 (or turn it off)"
+        )
+    if t.cuda_graph and cfg.data.document_mask:
+        raise ValueError(
+            "train.cuda_graph keeps the attention masks it captured: turn data.document_mask off"
         )
     if t.cuda_graph and world > 1:
         raise ValueError(f"train.cuda_graph runs on one process, got pp*dp*cp*ep = {world}: turn it off")
