@@ -207,7 +207,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         fp8=args.fp8, fp8_lm_head=args.fp8_lm_head, cuda_graph=args.cuda_graph,
         profile_steps=args.profile, data=args.data, device=args.device, dp=args.dp, cp=args.cp,
         ep=args.ep, micro_batch=args.micro_batch, overlap=args.overlap == "on",
-        wgrad_delay=args.wgrad_delay == "on", memory_peak=args.memory_peak,
+        wgrad_delay=args.wgrad_delay == "on", memory_peak=args.memory_peak, document_mask=args.document_mask,
     )  # fmt: skip
     import torch.distributed as dist
 
@@ -370,6 +370,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 4096)")
     p.add_argument("--batch", type=int, help="sequences per optimizer step (default 4)")
     p.add_argument("--data", help="a prepare-data dataset (default: random tokens)")
+    p.add_argument(
+        "--document-mask", action="store_true", help="data.document_mask (random tokens: web-text documents)"
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     for axis in ("dp", "cp", "ep"):  # under torchrun: world = dp*cp*ep
         p.add_argument(f"--{axis}", type=int, default=1, help=f"parallel.{axis} (torchrun)")
