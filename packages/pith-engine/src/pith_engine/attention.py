@@ -6,9 +6,8 @@ where local positions run in order, the causal (or banded) triangle over indices
 - no window, no sinks: SDPA, whose flash / cuDNN kernels lead on H100;
 - a window or sinks: compiled flex_attention with a cached block mask (it skips the blocks outside
   the band), sinks applied after the fact, exactly: out * sigmoid(lse - sink).
-With document ids (pos.doc_BS: data.document_mask) flex runs for every layer, its block mask built
-once per micro-batch and window from the ids. On CPU the fp32 reference runs, the specification the
-fast paths are tested against.
+Document ids (pos.doc_BS): flex, its mask cached per micro-batch. On CPU the fp32 reference runs,
+the specification the fast paths are tested against.
 """
 
 import functools
@@ -52,7 +51,7 @@ def _band_block_mask(seq_len: int, window: int | None, device: torch.device):
 
 @functools.lru_cache(maxsize=32)
 def _document_block_mask(doc_BS: Tensor, window: int | None):
-    # keyed by the micro-batch's ids tensor, which the cache keeps alive: its layers share one mask
+    # keyed by the ids tensor (the cache keeps it alive): a micro-batch's layers share one mask
     def visible(b, h, q_idx, kv_idx):
         return band_visible(q_idx - kv_idx, window) & (doc_BS[b, q_idx] == doc_BS[b, kv_idx])
 
@@ -60,16 +59,7 @@ def _document_block_mask(doc_BS: Tensor, window: int | None):
     return compiled_create_block_mask()(visible, B, None, S, S, device=doc_BS.device)
 
 
-def flex_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: float,
-    window: int | None,
-    sinks_H: Tensor | None,
-    doc_BS: Tensor | None = None,
-) -> Tensor:
+def flex_attention(q: Tensor, k: Tensor, v: Tensor, doc_BS, *, scale: float, window, sinks_H) -> Tensor:
     S = q.shape[1]
     mask = _band_block_mask(S, window, q.device) if doc_BS is None else _document_block_mask(doc_BS, window)
     out, lse_BHS = flex_attention_lse(q, k, v, mask, scale)
@@ -98,6 +88,6 @@ def attention(
         return sdpa_attention(q, k, v, scale=scale)
     # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
     if fast and min(q.shape[-1], v.shape[-1]) >= 16:
-        return flex_attention(q, k, v, scale=scale, window=window, sinks_H=sinks_H, doc_BS=doc)
+        return flex_attention(q, k, v, doc, scale=scale, window=window, sinks_H=sinks_H)
     p, docs = pos.position_ids_BS, None if doc is None else (doc, doc)
     return attention_reference(q, k, v, p, p, scale=scale, window=window, sinks_H=sinks_H, docs=docs)[0]

@@ -1,7 +1,7 @@
 """What both attention paths (pith_engine.attention, and ring_attention per block) compute with, over
 explicit positions (key j visible to query i when pos_j <= pos_i, and pos_i - pos_j < W with a sliding
-window W; with document ids, only within a document, positions counted from its start): the fp32
-reference, the specification, and compiled flex_attention returning the lse.
+window W; with document ids, within a document only): the fp32 reference, the specification, and
+compiled flex_attention returning the lse.
 """
 
 import functools
@@ -25,7 +25,7 @@ def attention_reference(
     """Plain-PyTorch attention in fp32 (fp64 for fp64 inputs) -> (out [B, Sq, Hq, Dv] in q's dtype,
     lse [B, Hq, Sq]: the log-sum-exp of the masked scores, sinks excluded, by which ring attention
     merges partial results). A query that sees no key gets out 0, lse -inf. docs: (query, key)
-    document ids [B, S], or None: one document."""
+    document ids, or None."""
     B, Sq, Hq, _ = q.shape
     Hk = k.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)
@@ -50,9 +50,8 @@ def band_visible(dist: Tensor, window: int | None) -> Tensor:
 
 @functools.cache
 def compiled_create_block_mask():
-    # compiled, the per-element test fuses into the per-tile reduction; eager building would
-    # materialise [B, Sq, Sk] index tensors. New tensors in the mask_mod's closure do not recompile
-    # (checked on CPU, torch 2.15).
+    # compiled, the test fuses into the per-tile reduction (eager: [B, Sq, Sk] index tensors); new
+    # tensors in the mask_mod's closure do not recompile
     from torch.nn.attention.flex_attention import create_block_mask
 
     return torch.compile(create_block_mask)

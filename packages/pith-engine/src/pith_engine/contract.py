@@ -27,14 +27,13 @@ from torch.distributed import ProcessGroup
 
 class Positions(NamedTuple):
     """Where the local tokens sit in their sequences: without CP in order, one step at a time
-    (attention's CUDA fast paths use the index-based triangle); under CP zigzag halves of such a run.
-    With document ids, runs restarting at 0 at each document, which attends only to itself."""
+    (attention's CUDA fast paths use the index-based triangle); under CP zigzag halves of such a run."""
 
     position_ids_BS: Tensor  # global positions of the local tokens (zigzag order under CP)
     cos_BSR: Tensor  # rotary cos table for those positions, fp32 (model-specific scaling applied)
     sin_BSR: Tensor  # rotary sin table, fp32
     cp_group: ProcessGroup | None  # ring-attention group under context parallelism, else None
-    doc_BS: Tensor | None = None  # each token's document in its window (data.document_mask), else None
+    doc_BS: Tensor | None = None  # document ids: attention stays within each
 
 
 class Routing(NamedTuple):
@@ -93,10 +92,8 @@ def default_position_ids(input_ids_BS: Tensor) -> Tensor:
     return torch.arange(S, device=input_ids_BS.device).expand(B, S)
 
 
-def model_positions(
-    model: MoEModel, input_ids_BS: Tensor, position_ids_BS: Tensor | None = None
-) -> Positions:
-    """The model's Positions of 0..S-1, or of positions restarting at 0 at each document (its ids too)."""
+def model_positions(model: MoEModel, input_ids_BS: Tensor, position_ids_BS: Tensor | None = None):
+    """Positions of 0..S-1, or of position ids restarting at 0 at each document (their doc_BS too)."""
     if position_ids_BS is None:
         return model.positions(default_position_ids(input_ids_BS))
     return model.positions(position_ids_BS)._replace(doc_BS=(position_ids_BS == 0).cumsum(1))

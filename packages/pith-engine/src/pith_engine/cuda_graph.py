@@ -27,11 +27,6 @@ class StepGraph:
         self.read: list[tuple[nn.Parameter, torch.dtype, tuple[Tensor, ...]]] = []  # kept copies it reads
 
     def __call__(self, stages, micro: list, aux):
-        if any(m[3] is not None for m in micro):
-            raise ValueError(
-                "a CUDA graph step keeps the attention block masks it captured, but document masking"
-                " builds them per batch: turn train.cuda_graph or data.document_mask off"
-            )
         flat = [t for m in micro for t in m if t is not None]
         first = self.stream is None  # the eager step, on the inputs (their strides) the graph will read
         if first:

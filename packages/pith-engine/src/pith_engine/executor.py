@@ -277,7 +277,6 @@ def run_layer(
 
 
 def forward(model: MoEModel, input_ids_BS: Tensor, comm: ExpertComm, position_ids_BS: Tensor | None = None):
-    """-> (final hidden states, routings); position_ids_BS: contract.model_positions."""
     pos = model_positions(model, input_ids_BS, position_ids_BS)
     h = model.prologue(input_ids_BS)
     routings = []

@@ -205,8 +205,7 @@ class DecoderModel(nn.Module):
         return self.norm(h_BSD)
 
     def forward(self, input_ids_BS: Tensor, position_ids_BS: Tensor | None = None) -> Tensor:
-        """-> logits [B, S, V] through the staged path (every expert local): what the trainer runs.
-        position_ids_BS: restarting at 0 at each document (document masking), or None: 0..S-1."""
+        """-> logits [B, S, V] through the staged path (every expert local): what the trainer runs."""
         h_BSD, _ = executor.forward(self, input_ids_BS, executor.LocalExperts(), position_ids_BS)
         return self.lm_head(h_BSD)
 

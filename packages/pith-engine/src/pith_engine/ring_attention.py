@@ -6,9 +6,9 @@ late, so the causal work is the same on every rank (cp=2, L=8: rank 0 holds posi
 Forward. K/V and their positions travel around the ring: at step s rank r holds the block of rank
 (r - s) mod cp, sending it on while it computes with it. Which (query chunk, key chunk) pairs can see
 each other follows from the chunk indices alone, so fully masked pairs are skipped without a host
-sync (a document's tokens run in order, so documents only hide more); inside a pair the mask comes
-from the positions and document ids, which travel with K/V. Partial results merge by log-sum-exp in
-fp32; sinks join only the final denominator, after the merge: out * sigmoid(lse - sink).
+sync (documents, in order, only hide more); inside a pair the mask comes from the positions and
+document ids. Partial results merge by log-sum-exp in fp32; sinks join only the final denominator,
+after the merge: out * sigmoid(lse - sink).
 
 Backward. The ring runs again, dK/dV accumulators one step behind K/V (their transfer overlaps the
 next block's compute). With out = sum_b w_b out_b, w_b = exp(lse_b - lse), a block's outputs receive
@@ -100,7 +100,7 @@ def _block_attention(q, k, v, pos_q_BS, pos_k_BS, doc_q_BS, doc_k_BS, scale, win
 
 def _block_backward(q, k, v, pos_doc: tuple[Tensor, ...], dout, lse_BHS, dot_BHS, scale, window):
     """(dq, dk, dv) of one block's share of the merged output (module docstring); lse_BHS: the merged
-    lse, dot_BHS = rowsum(dout * out); pos_doc: _block_attention's (pos_q, pos_k, doc_q, doc_k)."""
+    lse, dot_BHS = rowsum(dout * out); pos_doc: (pos_q, pos_k, doc_q, doc_k)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     with torch.enable_grad():
         out_b, lse_b = _block_attention(q, k, v, *pos_doc, scale, window)
@@ -151,8 +151,7 @@ class _RingAttention(torch.autograd.Function):
         for s, pairs in enumerate(schedule):
             arriving = _ring_shift(blk, group) if s + 1 < cp_size else None
             k_blk, v_blk, pos_blk, doc_blk = blk
-            # step 0 (own block) covers both chunks (each query sees itself): the merges see finite lse
-            for i, ks in pairs:
+            for i, ks in pairs:  # step 0 (own block) covers both chunks, so the merges see finite lse
                 qs = slice(i * C, (i + 1) * C)
                 pos_doc = (pos_BS[:, qs], pos_blk[:, ks], doc_BS[:, qs], doc_blk[:, ks])
                 o, l = _block_attention(q[:, qs], k_blk[:, ks], v_blk[:, ks], *pos_doc, scale, window)
@@ -219,8 +218,7 @@ def ring_attention(
     sinks_H: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of this rank's zigzag share over the whole sequence, ring over `pos.cp_group`;
-    pos.position_ids_BS: the local tokens' global positions (zigzag_positions; with pos.doc_BS, from
-    their documents' starts). -> [B, S, Hq, Dv]."""
+    pos.position_ids_BS: the local tokens' global positions (zigzag_positions). -> [B, S, Hq, Dv]."""
     B, S, Hq, Dqk = q.shape
     if k.shape[:2] != (B, S) or k.shape[3] != Dqk or v.shape[:3] != k.shape[:3] or Hq % k.shape[2]:
         raise ValueError(
@@ -236,5 +234,5 @@ def ring_attention(
     if sinks_H is not None and tuple(sinks_H.shape) != (Hq,):
         raise ValueError(f"expected sinks of shape [{Hq}] (one per query head), got {list(sinks_H.shape)}")
     p = pos.position_ids_BS
-    doc_BS = torch.zeros_like(p) if pos.doc_BS is None else pos.doc_BS  # one document
+    doc_BS = torch.zeros_like(p) if pos.doc_BS is None else pos.doc_BS
     return _RingAttention.apply(q, k, v, sinks_H, p, doc_BS, scale, window, pos.cp_group)

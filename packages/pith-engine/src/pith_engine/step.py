@@ -27,7 +27,7 @@ from pith_engine.cuda_graph import StepGraph
 from pith_engine.executor import DIRECT, Steps, Tape, drain, interleave, run_layer
 from pith_engine.fp8 import FP8Switch
 from pith_engine.parallel import held_layers
-from pith_engine.ring_attention import zigzag_positions, zigzag_split
+from pith_engine.ring_attention import zigzag_split
 from pith_engine.schedule import (
     P2P,
     Action,
@@ -128,17 +128,14 @@ class Stages:
 
 
 def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh, pos_BS: Tensor | None = None):
-    """-> (inputs, labels, position ids or None, document ids or None): under CP this rank's zigzag
-    share. pos_BS: positions restarting at 0 at each document (data.document_mask), else None."""
+    """-> (inputs, labels, position ids, document ids) (None: in order, one document), under CP this
+    rank's zigzag share. pos_BS: positions restarting at 0 at each document (data.document_mask)."""
     cp, r = mesh.layout.cp, mesh.cp_rank
     doc_BS = None if pos_BS is None else (pos_BS == 0).cumsum(1)
     if cp == 1:
         return inputs_BS, labels_BS, pos_BS, doc_BS
-    if pos_BS is None:
-        pos_BS = zigzag_positions(inputs_BS.shape[1], cp, r).expand(inputs_BS.shape[0], -1)
-    else:
-        pos_BS, doc_BS = zigzag_split(pos_BS, cp, r), zigzag_split(doc_BS, cp, r)
-    return zigzag_split(inputs_BS, cp, r), zigzag_split(labels_BS, cp, r), pos_BS, doc_BS
+    pos_BS = default_position_ids(inputs_BS) if pos_BS is None else pos_BS
+    return tuple(t if t is None else zigzag_split(t, cp, r) for t in (inputs_BS, labels_BS, pos_BS, doc_BS))
 
 
 def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
@@ -327,10 +324,9 @@ def train_step(
     grad_clip: float,
     bias_rate: float,
 ) -> StepResult:
-    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS[, positions_BS])]
-    (positions: local_tokens), the clip coefficient folded into `optimizer.step(grad_scale=...)`.
-    -> device tensors: no host sync, so the CPU queues the step ahead of the GPU. A non-finite loss
-    or norm skips the update (step_values raises)."""
+    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS[, pos_BS])], the clip
+    coefficient folded into `optimizer.step(grad_scale=...)`. -> device tensors: no host sync, so the
+    CPU queues the step ahead of the GPU. A non-finite loss or norm skips the update (step_values raises)."""
     mesh, model = stages.mesh, stages.model
     micro = _micro_on_device(micro, mesh)
     aux = aux._replace(micro_batches=len(micro))

@@ -21,7 +21,7 @@ from pith_models import qwen3_moe
 from torch.profiler import ProfilerActivity, profile
 
 from pith_train.config import load_config
-from pith_train.data import PackedDataset, WindowLoader
+from pith_train.data import PackedDataset, WindowLoader, windows
 from pith_train.metrics import peak_flops
 from pith_train.optim import build_optimizer
 from pith_train.plan import check
@@ -45,13 +45,9 @@ DOC_MEDIAN, DOC_SIGMA = 330, 1.2
 
 
 def document_positions(B: int, S: int, rng) -> torch.Tensor:
-    """[B, S] positions restarting at each document, lengths drawn as DOC_MEDIAN/DOC_SIGMA say."""
-    rows = []
-    for _ in range(B):
-        n = np.ceil(rng.lognormal(math.log(DOC_MEDIAN), DOC_SIGMA, S)).astype(np.int64)
-        n = n[: np.searchsorted(np.cumsum(n), S) + 1]
-        rows.append(np.concatenate([np.arange(k) for k in n])[:S])
-    return torch.from_numpy(np.stack(rows))
+    """[B, S] positions of B windows packed with documents of DOC_MEDIAN/DOC_SIGMA's lengths."""
+    n = np.ceil(rng.lognormal(math.log(DOC_MEDIAN), DOC_SIGMA, B * S)).astype(np.int64)
+    return windows(np.zeros(B * S + 1), S, np.arange(B), np.cumsum(n))[2]
 
 
 AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policies
@@ -251,8 +247,7 @@ def run(
 ) -> dict:
     """-> the measurements. `batch` is global. perturb_seed: each initial weight times 1 + u, u uniform
     in +-2^-9 (half a bf16 ulp), for loss_equivalence.py. memory_peak: the allocator's history over the
-    warm-up steps (recording costs host time). document_mask: data.document_mask, on random tokens
-    documents of web-text lengths (DOC_MEDIAN)."""
+    warm-up steps (recording costs host time)."""
     if steps < 1 or warmup < 0 or profile_steps < 0:
         raise ValueError(
             f"expected steps >= 1, warmup >= 0, profile_steps >= 0; got {steps}, {warmup}, {profile_steps}"
@@ -320,7 +315,7 @@ def run(
         if loader is None:
             ids_BS = torch.randint(model_cfg.vocab_size, (Bl, S + 1), device=dev, generator=generator)
             micro = [(ids[:, :-1], ids[:, 1:]) for ids in ids_BS.split(mb)]
-            if document_mask:  # labels crossing documents kept: the same loss work either way
+            if document_mask:  # labels crossing documents kept: the same work
                 micro = [(*m, document_positions(mb, S, doc_rng)) for m in micro]
         else:
             micro = loader.step_batch(cursor, B, mb, mesh.data_rank, mesh.layout.data_ranks)

@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     eval_p.add_argument(
         "--document-mask",
         action=argparse.BooleanOptionalAction,
-        help="score each document alone (default: the run's data.document_mask)",
+        help="each document alone (default: as the run)",
     )
     eval_p.set_defaults(run=cmd_eval)
     gen_p.add_argument("--prompt", required=True)
@@ -370,9 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 4096)")
     p.add_argument("--batch", type=int, help="sequences per optimizer step (default 4)")
     p.add_argument("--data", help="a prepare-data dataset (default: random tokens)")
-    p.add_argument(
-        "--document-mask", action="store_true", help="data.document_mask (random tokens: web-text documents)"
-    )
+    p.add_argument("--document-mask", action="store_true", help="data.document_mask (bench.DOC_MEDIAN)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     for axis in ("dp", "cp", "ep"):  # under torchrun: world = dp*cp*ep
         p.add_argument(f"--{axis}", type=int, default=1, help=f"parallel.{axis} (torchrun)")

@@ -59,8 +59,8 @@ class PackedDataset:
 
 
 def windows(tokens: np.ndarray, seq_len: int, ids: np.ndarray, doc_ends: np.ndarray | None = None):
-    """-> (inputs, labels) of windows `ids`; with doc_ends (data.document_mask) also positions that
-    restart at 0 at each document start and the window's, and -100 at labels that start a document."""
+    """-> (inputs, labels); with doc_ends (data.document_mask) labels -100 where a document starts, and
+    positions from each document's (or the window's) start."""
     rows = np.stack([tokens[i * seq_len : (i + 1) * seq_len + 1] for i in ids]).astype(np.int64)
     # Two tensors, not two views of one: a caller writing labels (val_batches' padding) leaves inputs.
     out = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())

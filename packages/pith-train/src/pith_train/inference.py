@@ -41,8 +41,7 @@ def _autocast(device: torch.device):
 def dataset_loss(
     model: nn.Module, ds: PackedDataset, seq_len: int, batch: int, max_windows: int = 0, docs=False
 ):
-    """(mean cross-entropy, label tokens) over the dataset's windows, documents masked with `docs`
-    (data.document_mask); progress on stderr."""
+    """(mean cross-entropy, label tokens) over the dataset's windows (docs: data.document_mask)."""
     n = min(ds.num_windows(seq_len), max_windows or ds.num_windows(seq_len))
     if n < 1:
         raise ValueError(f"{ds.path} has {len(ds.tokens)} tokens, not one window of --seq-len {seq_len} + 1")
