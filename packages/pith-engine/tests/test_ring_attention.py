@@ -25,14 +25,18 @@ from pith_engine.ring_attention import (
     zigzag_split,
 )
 
-# (name, Hq, Hk, Dqk, Dv, window, sinks): chunks are CHUNK tokens long, so window 6 sees chunk pairs
-# two apart only partly (some rows see none of a computed block) and skips pairs further apart
+# (name, Hq, Hk, Dqk, Dv, window, sinks, documents): chunks are CHUNK tokens long, so window 6 sees
+# chunk pairs two apart only partly (some rows see none of a computed block) and skips pairs further
+# apart; documents (positions restarting at each, as data.document_mask): of 1 to 9 tokens in one row,
+# spanning chunks and ranks, and two in the other, so some queries see nothing in a visiting block
 CASES = [
-    ("gqa", 4, 2, 8, 8, None, False),
-    ("mla", 2, 2, 12, 8, None, False),
-    ("window", 4, 2, 8, 8, 6, False),
-    ("sinks", 4, 2, 8, 8, None, True),
-    ("window_sinks_mqa", 4, 1, 8, 8, 6, True),
+    ("gqa", 4, 2, 8, 8, None, False, False),
+    ("mla", 2, 2, 12, 8, None, False, False),
+    ("window", 4, 2, 8, 8, 6, False, False),
+    ("sinks", 4, 2, 8, 8, None, True, False),
+    ("window_sinks_mqa", 4, 1, 8, 8, 6, True, False),
+    ("documents", 4, 2, 8, 8, None, False, True),
+    ("documents_window_sinks", 4, 1, 8, 8, 6, True, True),
 ]
 CHUNK = 4
 # on CUDA the cases grow (head dims x8, chunks and windows x16) so flex_attention runs, not the fallback
@@ -43,7 +47,16 @@ TOL = {"cpu torch.float64": 1e-12, "cpu torch.float32": 2e-6, "cuda torch.float3
 DTYPES = {"cpu": (torch.float64, torch.float32), "cuda": (torch.float32,)}
 
 
-def _case_errors(world, rank, group, device, dtype, Hq, Hk, Dqk, Dv, window, sinks) -> dict[str, float]:
+def _document_positions(lengths: list[int], L: int) -> torch.Tensor:
+    """Positions restarting at each document of `lengths` (cycled) over L tokens."""
+    out, i = [], 0
+    while sum(map(len, out)) < L:
+        out.append(torch.arange(lengths[i % len(lengths)]))
+        i += 1
+    return torch.cat(out)[:L]
+
+
+def _case_errors(world, rank, group, device, dtype, Hq, Hk, Dqk, Dv, window, sinks, docs) -> dict[str, float]:
     import torch.distributed as dist
 
     dims, length = GROW[device]
@@ -59,13 +72,26 @@ def _case_errors(world, rank, group, device, dtype, Hq, Hk, Dqk, Dv, window, sin
     scale = Dqk**-0.5
 
     pos_full = torch.arange(L, device=device).expand(B, L)
-    ref, _ = attention_reference(q, k, v, pos_full, pos_full, scale=scale, window=window, sinks_H=sinks_H)
+    doc_full = doc_BS = None
+    if docs:
+        rows = [_document_positions([1, 3, 9, 2, 5], L), _document_positions([L // 2 + 3, L], L)]
+        pos_full = torch.stack(rows).to(device)
+        doc_full = (pos_full == 0).cumsum(1)
+        doc_BS = zigzag_split(doc_full, world, rank)
+    ref, _ = attention_reference(
+        q, k, v, pos_full, pos_full, scale=scale, window=window, sinks_H=sinks_H,
+        docs=(doc_full, doc_full) if docs else None,
+    )  # fmt: skip
     ref_grads = torch.autograd.grad(ref, leaves, dout)
 
     local = [zigzag_split(t.detach(), world, rank).requires_grad_() for t in (q, k, v)]
     local_leaves = local + ([sinks_H.detach().clone().requires_grad_()] if sinks else [])
-    pos_BS = zigzag_positions(L, world, rank, device).expand(B, -1)
-    pos = Positions(pos_BS, torch.empty(0), torch.empty(0), group)
+    pos_BS = (
+        zigzag_split(pos_full, world, rank)
+        if docs
+        else zigzag_positions(L, world, rank, device).expand(B, -1)
+    )
+    pos = Positions(pos_BS, torch.empty(0), torch.empty(0), group, doc_BS)
     out = attention(*local, pos, scale=scale, window=window, sinks_H=local_leaves[3] if sinks else None)
     grads = list(torch.autograd.grad(out, local_leaves, zigzag_split(dout, world, rank)))
     if sinks:  # each rank holds its tokens' share of the sinks' gradient
@@ -248,7 +274,7 @@ def test_ring_attention_flex_path_matches_reference_on_cuda(dtype, tol, tmp_path
             # the block kernel's lse itself, for late queries over every key (what the merge weighs by)
             late = slice(L // 2, L)
             block = (q[:, late], k, v, pos_BS[:, late], pos_BS)
-            _, lse = _block_attention(*block, Dqk**-0.5, window)
+            _, lse = _block_attention(*block, *(torch.zeros_like(p) for p in block[3:]), Dqk**-0.5, window)
             _, ref_lse = attention_reference(
                 *(t.detach().float() for t in block[:3]), *block[3:], scale=Dqk**-0.5, window=window
             )

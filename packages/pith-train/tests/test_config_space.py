@@ -1,8 +1,9 @@
 """The trainer's config space, drawn: hypothesis draws `pith-train pretrain` configurations from the
 valid space (model family; aux losses on or off: load balancing, z-loss, the routing bias; 1-4
 micro-batches; activation checkpointing none/selective/full; overlap and the weight-gradient delay on
-or off; FP8 on the CPU path; validation windows that need not fill a batch; AdamW or Muon; layouts of
-1, 2 and 4 processes over pp, dp, cp, ep and their products) and checks, for each:
+or off; FP8 on the CPU path; validation windows that need not fill a batch; AdamW or Muon; document
+masking, on a dataset of short documents; layouts of 1, 2 and 4 processes over pp, dp, cp, ep and
+their products) and checks, for each:
 - it trains, validation included, without an error;
 - its per-step losses equal the plain run of the same config: one process, each micro-batch whole
   (the same sequences, data layout contract), no recompute, overlap or delay, Adam eps 1e-3 as
@@ -17,6 +18,7 @@ configurations and 2 of each world size (deterministically); HYPOTHESIS_PROFILE=
 import dataclasses
 import json
 import math
+import random
 import tempfile
 from pathlib import Path
 
@@ -60,6 +62,7 @@ class Drawn:
     stop_at: int
     val_path: bool  # validation on a dataset of its own (data.val_path), not windows held out
     init: bool  # from a checkpoint of a 2-step run (checkpoint.init_from), not from the HF weights
+    document_mask: bool  # data.document_mask, on Setup.short_docs
 
     @property
     def data_ranks(self) -> int:
@@ -72,11 +75,14 @@ class Drawn:
         sequences = self.micro_batches * self.micro_batch * self.data_ranks
         plainly = ["--train.ac=none", "--parallel.overlap=false", "--parallel.wgrad_delay=false"] * plain
         options += [f"--data.val_path={setup.val_data}"] * self.val_path
+        # documents of 1 to 12 tokens: several in every window of SEQ, some spanning the CP chunks
+        options += [f"--data.path={setup.short_docs}"] * self.document_mask
         options += [
             f"--checkpoint.init_from={setup.source(self.family, _option(self, 'optim.name'))}"
         ] * self.init
         return [
             f"--model.name={setup.hf[self.family]}", f"--data.path={setup.data}", f"--data.seq_len={SEQ}",
+            f"--data.document_mask={self.document_mask}".lower(),
             f"--train.steps={STEPS}", f"--train.global_batch={sequences}", f"--train.micro_batch={micro}",
             "--train.device=cpu", "--train.lr=1e-2", "--optim.eps=1e-3", "--optim.warmup_steps=1",
             "--log.progress=false", "--log.tensorboard=false",
@@ -122,9 +128,8 @@ def configs(draw, world: int) -> Drawn:
         options += [f"--train.fp8_all_gather={draw(st.booleans())}".lower()]
     family = draw(st.sampled_from(sorted(FAMILIES)))
     micro_batch, stop_at = draw(st.sampled_from([1, 2])), draw(st.integers(1, 2))
-    return Drawn(
-        family, layout, micro_batches, micro_batch, options, stop_at, draw(st.booleans()), draw(st.booleans())
-    )
+    flags = [draw(st.booleans()) for _ in range(3)]
+    return Drawn(family, layout, micro_batches, micro_batch, options, stop_at, *flags)
 
 
 def distinct(drawn: st.SearchStrategy) -> st.SearchStrategy:
@@ -143,6 +148,14 @@ class Setup:
     def __init__(self, root: Path, micro_hf: Path, data: Path):
         self.root, self.data, self.val_data = root, data, root / "val"
         prepare(stdlib_corpus()[3:5], str(self.val_data), "byte", progress=False, workers=1)
+        rng, text = random.Random(0), Path(stdlib_corpus()[0]).read_text()
+        docs = root / "short_docs.jsonl"
+        starts = (rng.randrange(len(text) - 12) for _ in range(800))
+        docs.write_text(
+            "".join(json.dumps({"text": text[i : i + rng.randint(0, 11)]}) + "\n" for i in starts)
+        )
+        self.short_docs = root / "short_docs"
+        prepare([str(docs)], str(self.short_docs), "byte", progress=False, workers=1)
         micro = dataclasses.replace(pith_models.from_pretrained(micro_hf).cfg, num_hidden_layers=4)
         self.hf = {name: root / name for name in FAMILIES}
         for name, cfg in FAMILIES.items():

@@ -6,7 +6,8 @@ where local positions run in order, the causal (or banded) triangle over indices
 - no window, no sinks: SDPA, whose flash / cuDNN kernels lead on H100;
 - a window or sinks: compiled flex_attention with a cached block mask (it skips the blocks outside
   the band), sinks applied after the fact, exactly: out * sigmoid(lse - sink).
-On CPU the fp32 reference runs, the specification the fast paths are tested against.
+Document ids (pos.doc_BS): flex, its mask cached per micro-batch. On CPU the fp32 reference runs,
+the specification the fast paths are tested against.
 """
 
 import functools
@@ -15,7 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pith_engine.attention_kernels import attention_reference, band_visible, flex_attention_lse
+from pith_engine.attention_kernels import (
+    attention_reference,
+    band_visible,
+    compiled_create_block_mask,
+    flex_attention_lse,
+)
 from pith_engine.contract import Positions
 from pith_engine.ring_attention import ring_attention
 
@@ -43,10 +49,20 @@ def _band_block_mask(seq_len: int, window: int | None, device: torch.device):
     return create_block_mask(visible, None, None, seq_len, seq_len, device=device)
 
 
-def flex_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: int | None, sinks_H: Tensor | None
-) -> Tensor:
-    out, lse_BHS = flex_attention_lse(q, k, v, _band_block_mask(q.shape[1], window, q.device), scale)
+@functools.lru_cache(maxsize=32)
+def _document_block_mask(doc_BS: Tensor, window: int | None):
+    # keyed by the ids tensor (the cache keeps it alive): a micro-batch's layers share one mask
+    def visible(b, h, q_idx, kv_idx):
+        return band_visible(q_idx - kv_idx, window) & (doc_BS[b, q_idx] == doc_BS[b, kv_idx])
+
+    B, S = doc_BS.shape
+    return compiled_create_block_mask()(visible, B, None, S, S, device=doc_BS.device)
+
+
+def flex_attention(q: Tensor, k: Tensor, v: Tensor, doc_BS, *, scale: float, window, sinks_H) -> Tensor:
+    S = q.shape[1]
+    mask = _band_block_mask(S, window, q.device) if doc_BS is None else _document_block_mask(doc_BS, window)
+    out, lse_BHS = flex_attention_lse(q, k, v, mask, scale)
     if sinks_H is None:
         return out
     keep_BHS = torch.sigmoid(lse_BHS - sinks_H.float()[None, :, None])
@@ -67,11 +83,11 @@ def attention(
     """reference: the fp32 reference on any device (a model's reference_forward)."""
     if pos.cp_group is not None and not reference:
         return ring_attention(q, k, v, pos, scale=scale, window=window, sinks_H=sinks_H)
-    fast = q.is_cuda and not reference
-    if fast and window is None and sinks_H is None:
+    fast, doc = q.is_cuda and not reference, pos.doc_BS
+    if fast and window is None and sinks_H is None and doc is None:
         return sdpa_attention(q, k, v, scale=scale)
     # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
     if fast and min(q.shape[-1], v.shape[-1]) >= 16:
-        return flex_attention(q, k, v, scale=scale, window=window, sinks_H=sinks_H)
-    p = pos.position_ids_BS
-    return attention_reference(q, k, v, p, p, scale=scale, window=window, sinks_H=sinks_H)[0]
+        return flex_attention(q, k, v, doc, scale=scale, window=window, sinks_H=sinks_H)
+    p, docs = pos.position_ids_BS, None if doc is None else (doc, doc)
+    return attention_reference(q, k, v, p, p, scale=scale, window=window, sinks_H=sinks_H, docs=docs)[0]

@@ -1,6 +1,7 @@
 """What both attention paths (pith_engine.attention, and ring_attention per block) compute with, over
 explicit positions (key j visible to query i when pos_j <= pos_i, and pos_i - pos_j < W with a sliding
-window W): the fp32 reference, the specification, and compiled flex_attention returning the lse.
+window W; with document ids, within a document only): the fp32 reference, the specification, and
+compiled flex_attention returning the lse.
 """
 
 import functools
@@ -19,10 +20,12 @@ def attention_reference(
     scale: float,
     window: int | None = None,
     sinks_H: Tensor | None = None,
+    docs: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Plain-PyTorch attention in fp32 (fp64 for fp64 inputs) -> (out [B, Sq, Hq, Dv] in q's dtype,
     lse [B, Hq, Sq]: the log-sum-exp of the masked scores, sinks excluded, by which ring attention
-    merges partial results). A query that sees no key gets out 0, lse -inf."""
+    merges partial results). A query that sees no key gets out 0, lse -inf. docs: (query, key)
+    document ids, or None."""
     B, Sq, Hq, _ = q.shape
     Hk = k.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)
@@ -31,6 +34,8 @@ def attention_reference(
     vf = vf.repeat_interleave(Hq // Hk, dim=1)
     scores = (qf @ kf.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
     visible = band_visible(pos_q_BS[:, None, :, None] - pos_k_BS[:, None, None, :], window)
+    if docs is not None:
+        visible = visible & (docs[0][:, None, :, None] == docs[1][:, None, None, :])
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     denom = lse if sinks_H is None else torch.logaddexp(lse, sinks_H.to(compute)[None, :, None])
@@ -41,6 +46,15 @@ def attention_reference(
 
 def band_visible(dist: Tensor, window: int | None) -> Tensor:
     return (dist >= 0) & (dist < window) if window is not None else dist >= 0
+
+
+@functools.cache
+def compiled_create_block_mask():
+    # compiled, the test fuses into the per-tile reduction (eager: [B, Sq, Sk] index tensors); new
+    # tensors in the mask_mod's closure do not recompile
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 _FP32_BLOCKS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")

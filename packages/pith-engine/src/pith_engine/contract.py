@@ -33,6 +33,7 @@ class Positions(NamedTuple):
     cos_BSR: Tensor  # rotary cos table for those positions, fp32 (model-specific scaling applied)
     sin_BSR: Tensor  # rotary sin table, fp32
     cp_group: ProcessGroup | None  # ring-attention group under context parallelism, else None
+    doc_BS: Tensor | None = None  # document ids: attention stays within each
 
 
 class Routing(NamedTuple):
@@ -89,3 +90,10 @@ class MoEModel(Protocol):
 def default_position_ids(input_ids_BS: Tensor) -> Tensor:
     B, S = input_ids_BS.shape
     return torch.arange(S, device=input_ids_BS.device).expand(B, S)
+
+
+def model_positions(model: MoEModel, input_ids_BS: Tensor, position_ids_BS: Tensor | None = None):
+    """Positions of 0..S-1, or of position ids restarting at 0 at each document (their doc_BS too)."""
+    if position_ids_BS is None:
+        return model.positions(default_position_ids(input_ids_BS))
+    return model.positions(position_ids_BS)._replace(doc_BS=(position_ids_BS == 0).cumsum(1))

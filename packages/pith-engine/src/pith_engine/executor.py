@@ -18,7 +18,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from pith_engine.contract import DecoderLayer, MoEModel, Positions, Routing, default_position_ids
+from pith_engine.contract import DecoderLayer, MoEModel, Positions, Routing, model_positions
 
 Steps = Generator[None, None, Any]  # stage pieces; each yield: an exchange was issued and is in flight
 
@@ -276,8 +276,8 @@ def run_layer(
     return seg(layer.stage5, s1.h_BSD, y_ND, slots_TK, weights_TK), r
 
 
-def forward(model: MoEModel, input_ids_BS: Tensor, comm: ExpertComm) -> tuple[Tensor, list[Routing]]:
-    pos = model.positions(default_position_ids(input_ids_BS))
+def forward(model: MoEModel, input_ids_BS: Tensor, comm: ExpertComm, position_ids_BS: Tensor | None = None):
+    pos = model_positions(model, input_ids_BS, position_ids_BS)
     h = model.prologue(input_ids_BS)
     routings = []
     for layer in model.layers.values():

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from pith_engine import executor
-from pith_engine.contract import Positions, default_position_ids
+from pith_engine.contract import Positions, model_positions
 from pith_engine.fp8 import FP8Switch
 from pith_engine.parallel import SINGLE, Mesh, expert_param_names, local_rows
 from pith_engine.wgrad import WeightGradQueue, defer_wgrad, split_linear_backward, split_linear_forward
@@ -209,13 +209,13 @@ class DecoderModel(nn.Module):
     def epilogue(self, h_BSD: Tensor) -> Tensor:
         return self.norm(h_BSD)
 
-    def forward(self, input_ids_BS: Tensor) -> Tensor:
+    def forward(self, input_ids_BS: Tensor, position_ids_BS: Tensor | None = None) -> Tensor:
         """-> logits [B, S, V] through the staged path (every expert local): what the trainer runs."""
-        h_BSD, _ = executor.forward(self, input_ids_BS, executor.LocalExperts())
+        h_BSD, _ = executor.forward(self, input_ids_BS, executor.LocalExperts(), position_ids_BS)
         return self.lm_head(h_BSD)
 
-    def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
-        pos = self.positions(default_position_ids(input_ids_BS))
+    def reference_forward(self, input_ids_BS: Tensor, position_ids_BS: Tensor | None = None) -> Tensor:
+        pos = model_positions(self, input_ids_BS, position_ids_BS)
         h_BSD = self.embed_tokens(input_ids_BS)
         for layer in self.layers.values():
             h_BSD = layer.reference_forward(h_BSD, pos)

@@ -6,9 +6,9 @@ late, so the causal work is the same on every rank (cp=2, L=8: rank 0 holds posi
 Forward. K/V and their positions travel around the ring: at step s rank r holds the block of rank
 (r - s) mod cp, sending it on while it computes with it. Which (query chunk, key chunk) pairs can see
 each other follows from the chunk indices alone, so fully masked pairs are skipped without a host
-sync (assuming each sample's positions are 0..L-1, zigzag-split: what the data loader produces);
-inside a pair the mask comes from the positions. Partial results merge by log-sum-exp in fp32; sinks
-join only the final denominator, after the merge: out * sigmoid(lse - sink).
+sync (documents, in order, only hide more); inside a pair the mask comes from the positions and
+document ids. Partial results merge by log-sum-exp in fp32; sinks join only the final denominator,
+after the merge: out * sigmoid(lse - sink).
 
 Backward. The ring runs again, dK/dV accumulators one step behind K/V (their transfer overlaps the
 next block's compute). With out = sum_b w_b out_b, w_b = exp(lse_b - lse), a block's outputs receive
@@ -20,7 +20,6 @@ Shape legend: B batch, S local sequence (two chunks of C), L full sequence, H he
 Hk key/value), D head dims (Dqk, Dv).
 """
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -28,7 +27,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from pith_engine.attention_kernels import attention_reference, band_visible, flex_attention_lse
+from pith_engine.attention_kernels import (
+    attention_reference,
+    band_visible,
+    compiled_create_block_mask,
+    flex_attention_lse,
+)
 from pith_engine.contract import Positions
 
 
@@ -78,49 +82,28 @@ def ring_schedule(
     return steps
 
 
-@functools.cache
-def _compiled_create_block_mask():
-    # compiled, the per-element test fuses into the per-tile reduction; eager building would
-    # materialise [B, Sq, Sk] index tensors for every block of every layer. New positions tensors
-    # in the mask_mod's closure do not recompile (checked on CPU, torch 2.15).
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    return torch.compile(create_block_mask)
-
-
-def _block_attention(
-    q: Tensor, k: Tensor, v: Tensor, pos_q_BS: Tensor, pos_k_BS: Tensor, scale: float, window: int | None
-) -> tuple[Tensor, Tensor]:
+def _block_attention(q, k, v, pos_q_BS, pos_k_BS, doc_q_BS, doc_k_BS, scale, window):
     """q over one range of keys -> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32 or fp64)."""
     # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
     if not (q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16):
-        return attention_reference(q, k, v, pos_q_BS, pos_k_BS, scale=scale, window=window)
+        docs = (doc_q_BS, doc_k_BS)
+        return attention_reference(q, k, v, pos_q_BS, pos_k_BS, scale=scale, window=window, docs=docs)
 
     def visible(b, h, qi, ki):
-        return band_visible(pos_q_BS[b, qi] - pos_k_BS[b, ki], window)
+        same = doc_q_BS[b, qi] == doc_k_BS[b, ki]
+        return band_visible(pos_q_BS[b, qi] - pos_k_BS[b, ki], window) & same
 
     B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
-    block_mask = _compiled_create_block_mask()(visible, B, None, Sq, Sk, device=q.device)
+    block_mask = compiled_create_block_mask()(visible, B, None, Sq, Sk, device=q.device)
     return flex_attention_lse(q, k, v, block_mask, scale)
 
 
-def _block_backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    pos_q_BS: Tensor,
-    pos_k_BS: Tensor,
-    dout: Tensor,
-    lse_BHS: Tensor,
-    dot_BHS: Tensor,
-    scale: float,
-    window: int | None,
-) -> tuple[Tensor, ...]:
+def _block_backward(q, k, v, pos_doc: tuple[Tensor, ...], dout, lse_BHS, dot_BHS, scale, window):
     """(dq, dk, dv) of one block's share of the merged output (module docstring); lse_BHS: the merged
-    lse, dot_BHS = rowsum(dout * out)."""
+    lse, dot_BHS = rowsum(dout * out); pos_doc: (pos_q, pos_k, doc_q, doc_k)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     with torch.enable_grad():
-        out_b, lse_b = _block_attention(q, k, v, pos_q_BS, pos_k_BS, scale, window)
+        out_b, lse_b = _block_attention(q, k, v, *pos_doc, scale, window)
     w_BHS = torch.exp(lse_b.detach() - lse_BHS)  # 0 where the block hid every key from a query
     dout = dout.to(lse_BHS.dtype)
     d_out_b = (dout * w_BHS.transpose(1, 2)[..., None]).to(out_b.dtype)
@@ -159,20 +142,19 @@ def _merge(out_a, lse_a, out_b, lse_b):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks_H, pos_BS, scale, window, group):
+    def forward(ctx, q, k, v, sinks_H, pos_BS, doc_BS, scale, window, group):
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         C = q.shape[1] // 2
         schedule = ring_schedule(cp_size, cp_rank, C, window)
         out_parts, lse_parts = [None, None], [None, None]  # per local query chunk
-        blk = (k, v, pos_BS)
+        blk = (k, v, pos_BS, doc_BS)
         for s, pairs in enumerate(schedule):
             arriving = _ring_shift(blk, group) if s + 1 < cp_size else None
-            k_blk, v_blk, pos_blk = blk
+            k_blk, v_blk, pos_blk, doc_blk = blk
             for i, ks in pairs:  # step 0 (own block) covers both chunks, so the merges see finite lse
                 qs = slice(i * C, (i + 1) * C)
-                o, l = _block_attention(
-                    q[:, qs], k_blk[:, ks], v_blk[:, ks], pos_BS[:, qs], pos_blk[:, ks], scale, window
-                )
+                pos_doc = (pos_BS[:, qs], pos_blk[:, ks], doc_BS[:, qs], doc_blk[:, ks])
+                o, l = _block_attention(q[:, qs], k_blk[:, ks], v_blk[:, ks], *pos_doc, scale, window)
                 out_parts[i], lse_parts[i] = _merge(out_parts[i], lse_parts[i], o, l)
             if arriving is not None:
                 blk = arriving()
@@ -182,28 +164,29 @@ class _RingAttention(torch.autograd.Function):
             out = out * torch.exp(lse_BHS - with_sink).transpose(1, 2)[..., None]
             lse_BHS = with_sink
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, sinks_H, pos_BS, out, lse_BHS)
+        ctx.save_for_backward(q, k, v, sinks_H, pos_BS, doc_BS, out, lse_BHS)
         ctx.scale, ctx.window, ctx.group, ctx.schedule = scale, window, group, schedule
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, sinks_H, pos_BS, out, lse_BHS = ctx.saved_tensors
+        q, k, v, sinks_H, pos_BS, doc_BS, out, lse_BHS = ctx.saved_tensors
         scale, window, group, schedule = ctx.scale, ctx.window, ctx.group, ctx.schedule
         C = q.shape[1] // 2
         acc = lse_BHS.dtype  # fp32 (fp64 for fp64 inputs), as the block kernel's lse
         dot_BHS = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
         dq = torch.zeros_like(q, dtype=acc)
-        blk, dkv_arriving = (k, v, pos_BS), None
+        blk, dkv_arriving = (k, v, pos_BS, doc_BS), None
         for s, pairs in enumerate(schedule):
             arriving = _ring_shift(blk, group) if s + 1 < len(schedule) else None
-            k_blk, v_blk, pos_blk = blk
+            k_blk, v_blk, pos_blk, doc_blk = blk
             dk_blk = torch.zeros_like(k_blk, dtype=acc)
             dv_blk = torch.zeros_like(v_blk, dtype=acc)
             for i, ks in pairs:
                 qs = slice(i * C, (i + 1) * C)
+                pos_doc = (pos_BS[:, qs], pos_blk[:, ks], doc_BS[:, qs], doc_blk[:, ks])
                 gq, gk, gv = _block_backward(
-                    q[:, qs], k_blk[:, ks], v_blk[:, ks], pos_BS[:, qs], pos_blk[:, ks],
+                    q[:, qs], k_blk[:, ks], v_blk[:, ks], pos_doc,
                     dout[:, qs], lse_BHS[..., qs], dot_BHS[..., qs], scale, window,
                 )  # fmt: skip
                 dq[:, qs] += gq
@@ -221,7 +204,7 @@ class _RingAttention(torch.autograd.Function):
         if sinks_H is not None:
             dsinks = -(torch.exp(sinks_H.to(acc)[None, :, None] - lse_BHS) * dot_BHS).sum((0, 2))
             dsinks = dsinks.to(sinks_H.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None
 
 
 def ring_attention(
@@ -250,4 +233,6 @@ def ring_attention(
         raise ValueError(f"expected a sliding window of at least 1, got {window}")
     if sinks_H is not None and tuple(sinks_H.shape) != (Hq,):
         raise ValueError(f"expected sinks of shape [{Hq}] (one per query head), got {list(sinks_H.shape)}")
-    return _RingAttention.apply(q, k, v, sinks_H, pos.position_ids_BS, scale, window, pos.cp_group)
+    p = pos.position_ids_BS
+    doc_BS = torch.zeros_like(p) if pos.doc_BS is None else pos.doc_BS
+    return _RingAttention.apply(q, k, v, sinks_H, p, doc_BS, scale, window, pos.cp_group)

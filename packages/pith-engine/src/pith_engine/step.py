@@ -27,7 +27,7 @@ from pith_engine.cuda_graph import StepGraph
 from pith_engine.executor import DIRECT, Steps, Tape, drain, interleave, run_layer
 from pith_engine.fp8 import FP8Switch
 from pith_engine.parallel import held_layers
-from pith_engine.ring_attention import zigzag_positions, zigzag_split
+from pith_engine.ring_attention import zigzag_split
 from pith_engine.schedule import (
     P2P,
     Action,
@@ -127,13 +127,15 @@ class Stages:
             model.set_reshard_after_backward(False, recurse=False)
 
 
-def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh):
-    """-> (inputs, labels, position ids or None): under CP this rank's zigzag share and its positions."""
+def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh, pos_BS: Tensor | None = None):
+    """-> (inputs, labels, position ids, document ids) (None: in order, one document), under CP this
+    rank's zigzag share. pos_BS: positions restarting at 0 at each document (data.document_mask)."""
     cp, r = mesh.layout.cp, mesh.cp_rank
+    doc_BS = None if pos_BS is None else (pos_BS == 0).cumsum(1)
     if cp == 1:
-        return inputs_BS, labels_BS, None
-    pos_BS = zigzag_positions(inputs_BS.shape[1], cp, r).expand(inputs_BS.shape[0], -1)
-    return zigzag_split(inputs_BS, cp, r), zigzag_split(labels_BS, cp, r), pos_BS
+        return inputs_BS, labels_BS, pos_BS, doc_BS
+    pos_BS = default_position_ids(inputs_BS) if pos_BS is None else pos_BS
+    return tuple(t if t is None else zigzag_split(t, cp, r) for t in (inputs_BS, labels_BS, pos_BS, doc_BS))
 
 
 def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
@@ -239,11 +241,12 @@ class _Run:
                 yield from self.backward(a)
 
     def forward(self, a: Action) -> Steps:
-        s, (ids_BS, labels_BS, pos_BS) = self.stages, self.micro[a.micro]
+        s, (ids_BS, labels_BS, pos_BS, doc_BS) = self.stages, self.micro[a.micro]
         mesh = s.mesh
         tape = Tape(a.micro == len(self.micro) - 1, s.trace, f"F{a.chunk}.{a.micro}") if self.grad else None
         seg = tape or DIRECT
         pos = s.model.positions(default_position_ids(ids_BS) if pos_BS is None else pos_BS, mesh.cp_group)
+        pos = pos._replace(doc_BS=doc_BS)
         h_in = None
         if a.chunk == 0:
             h = seg(s.prologue, ids_BS, owner=s.model)
@@ -309,7 +312,7 @@ def _to_device(t: Tensor | None, device: torch.device) -> Tensor | None:
 
 
 def _micro_on_device(micro: list, mesh: parallel.Mesh) -> list:
-    return [tuple(_to_device(t, mesh.device) for t in local_tokens(x, y, mesh)) for x, y in micro]
+    return [tuple(_to_device(t, mesh.device) for t in local_tokens(*m[:2], mesh, *m[2:])) for m in micro]
 
 
 def train_step(
@@ -321,9 +324,9 @@ def train_step(
     grad_clip: float,
     bias_rate: float,
 ) -> StepResult:
-    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS)], the clip coefficient
-    folded into `optimizer.step(grad_scale=...)`. -> device tensors: no host sync, so the CPU queues
-    the step ahead of the GPU. A non-finite loss or norm skips the update (step_values raises)."""
+    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS[, pos_BS])], the clip
+    coefficient folded into `optimizer.step(grad_scale=...)`. -> device tensors: no host sync, so the
+    CPU queues the step ahead of the GPU. A non-finite loss or norm skips the update (step_values raises)."""
     mesh, model = stages.mesh, stages.model
     micro = _micro_on_device(micro, mesh)
     aux = aux._replace(micro_batches=len(micro))
@@ -345,7 +348,7 @@ def _schedule_work(stages: Stages, micro: list, aux: Aux) -> tuple[Tensor, dict[
     """The step's forward and backward work -> (cross-entropy and aux sums [2], expert counts per MoE
     layer, label tokens of the global batch)."""
     mesh = stages.mesh
-    label_tokens = parallel.all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y, _ in micro), mesh)
+    label_tokens = parallel.all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y, *_ in micro), mesh)
     # Reduced once, in each unit's last backward segment (Tape(final=True)): its unsharded fp32
     # gradients live through the step (4 bytes per parameter of its chunks).
     for unit in stages.units:

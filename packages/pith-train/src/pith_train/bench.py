@@ -12,6 +12,7 @@ import os
 import statistics
 import time
 
+import numpy as np
 import pith_models
 import pith_ops._common
 import torch
@@ -20,7 +21,7 @@ from pith_models import qwen3_moe
 from torch.profiler import ProfilerActivity, profile
 
 from pith_train.config import load_config
-from pith_train.data import PackedDataset, WindowLoader
+from pith_train.data import PackedDataset, WindowLoader, windows
 from pith_train.metrics import peak_flops
 from pith_train.optim import build_optimizer
 from pith_train.plan import check
@@ -38,6 +39,17 @@ WORKLOAD_SEQ_LEN, WORKLOAD_BATCH = 4096, 4
 # --tiny: the 2-layer test model, a vocabulary the byte tokenizer fits (--data)
 TINY, TINY_SEQ_LEN, TINY_BATCH = dataclasses.replace(qwen3_moe.TINY, vocab_size=260), 32, 2
 LR = 3e-4  # constant: no schedule in a benchmark
+# --document-mask on random tokens: document lengths lognormal, median 330 tokens, sigma 1.2 (mean 680:
+# FineWeb's sample-10BT, 10B GPT-2 tokens in 14.9M documents; sigma assumed: 1% of documents past 5.4K)
+DOC_MEDIAN, DOC_SIGMA = 330, 1.2
+
+
+def document_positions(B: int, S: int, rng) -> torch.Tensor:
+    """[B, S] positions of B windows packed with documents of DOC_MEDIAN/DOC_SIGMA's lengths."""
+    n = np.ceil(rng.lognormal(math.log(DOC_MEDIAN), DOC_SIGMA, B * S)).astype(np.int64)
+    return windows(np.zeros(B * S + 1), S, np.arange(B), np.cumsum(n))[2]
+
+
 AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policies
 
 # Profile components: a kernel goes by QUANT_FRAGMENTS, the trainer's record_function range, its
@@ -231,6 +243,7 @@ def run(
     perturb_seed: int | None = None,
     back_to_back: bool = True,
     memory_peak: bool = False,
+    document_mask: bool = False,
 ) -> dict:
     """-> the measurements. `batch` is global. perturb_seed: each initial weight times 1 + u, u uniform
     in +-2^-9 (half a bf16 ulp), for loss_equivalence.py. memory_peak: the allocator's history over the
@@ -262,7 +275,8 @@ def run(
          f"train.compile={compile}", f"train.ac={ac}", f"train.seed={seed}", f"train.fp8={fp8}",
          f"train.fp8_lm_head={fp8_lm_head}", f"train.cuda_graph={cuda_graph}",
          f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
-         f"parallel.overlap={overlap}", f"parallel.wgrad_delay={wgrad_delay}"],
+         f"parallel.overlap={overlap}", f"parallel.wgrad_delay={wgrad_delay}",
+         f"data.document_mask={document_mask}"],
     )  # fmt: skip
     # As TorchTitan runs: freed blocks coalesce, so the reserved peak stays near the allocated one.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -292,7 +306,8 @@ def run(
     if data is not None:
         ds = PackedDataset(data)
         ds.check_vocab(model_cfg.vocab_size)
-        loader = WindowLoader(ds, S, cfg.data.val_windows, seed)
+        loader = WindowLoader(ds, S, cfg.data.val_windows, seed, docs=document_mask)
+    doc_rng = np.random.default_rng(seed + mesh.data_rank)
     cursor = 0
 
     def step() -> torch.Tensor:
@@ -300,6 +315,8 @@ def run(
         if loader is None:
             ids_BS = torch.randint(model_cfg.vocab_size, (Bl, S + 1), device=dev, generator=generator)
             micro = [(ids[:, :-1], ids[:, 1:]) for ids in ids_BS.split(mb)]
+            if document_mask:  # labels crossing documents kept: the same work
+                micro = [(*m, document_positions(mb, S, doc_rng)) for m in micro]
         else:
             micro = loader.step_batch(cursor, B, mb, mesh.data_rank, mesh.layout.data_ranks)
             cursor += B
@@ -354,6 +371,7 @@ def run(
             "batch": B,
             "tokens_per_step": B * S,
             "data": data or "random tokens, uniform over the vocabulary",
+            "document_mask": document_mask,
         },
         "settings": {
             "compile": compile and cuda,
@@ -410,7 +428,7 @@ def summary(r: dict) -> str:
     lines = [
         f"{r['card']}: {r['workload']['tokens_per_step']:,} tokens/step, compile={s['compile']} ac={s['ac']}"
         f" grouped_gemm={s['grouped_gemm']} fp8={s['fp8']} fp8_lm_head={s['fp8_lm_head']}"
-        f" cuda_graph={s['cuda_graph']}"
+        f" cuda_graph={s['cuda_graph']} document_mask={r['workload']['document_mask']}"
         f" micro-batches={s['micro_batches']}"
         f" overlap={s['overlap']} wgrad_delay={s['wgrad_delay']}, layout {r['layout']}",
         f"  {r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms (median of {s['steps']})",

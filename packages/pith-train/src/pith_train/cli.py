@@ -163,7 +163,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         raise ValueError(f"{path} has no run config (config.toml) giving the window length: pass --seq-len")
     model = build_model(str(path), _device(args), seed=0).eval()
     ds.check_vocab(model.cfg.vocab_size)
-    loss, tokens = dataset_loss(model, ds, seq_len, args.batch, args.max_windows)
+    docs = bool(cfg and cfg.data.document_mask) if args.document_mask is None else args.document_mask
+    loss, tokens = dataset_loss(model, ds, seq_len, args.batch, args.max_windows, docs)
     print(
         f"loss {loss:.4f} perplexity {math.exp(loss):.3f}"
         f" ({tokens:,} tokens of {args.data}, windows of {seq_len})"
@@ -206,7 +207,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         fp8=args.fp8, fp8_lm_head=args.fp8_lm_head, cuda_graph=args.cuda_graph,
         profile_steps=args.profile, data=args.data, device=args.device, dp=args.dp, cp=args.cp,
         ep=args.ep, micro_batch=args.micro_batch, overlap=args.overlap == "on",
-        wgrad_delay=args.wgrad_delay == "on", memory_peak=args.memory_peak,
+        wgrad_delay=args.wgrad_delay == "on", memory_peak=args.memory_peak, document_mask=args.document_mask,
     )  # fmt: skip
     import torch.distributed as dist
 
@@ -331,6 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     eval_p.add_argument("--seq-len", type=int, help="window length (default: the run config's data.seq_len)")
     eval_p.add_argument("--batch", type=int, default=8, help="windows per forward")
     eval_p.add_argument("--max-windows", type=int, default=0, help="score only the first N windows (0: all)")
+    eval_p.add_argument(
+        "--document-mask",
+        action=argparse.BooleanOptionalAction,
+        help="each document alone (default: as the run)",
+    )
     eval_p.set_defaults(run=cmd_eval)
     gen_p.add_argument("--prompt", required=True)
     gen_p.add_argument("--max-new-tokens", type=int, default=64)
@@ -364,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 4096)")
     p.add_argument("--batch", type=int, help="sequences per optimizer step (default 4)")
     p.add_argument("--data", help="a prepare-data dataset (default: random tokens)")
+    p.add_argument("--document-mask", action="store_true", help="data.document_mask (bench.DOC_MEDIAN)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     for axis in ("dp", "cp", "ep"):  # under torchrun: world = dp*cp*ep
         p.add_argument(f"--{axis}", type=int, default=1, help=f"parallel.{axis} (torchrun)")

@@ -27,6 +27,8 @@ class DataConfig:
     val_path: str = ""
     # Windows of the validation loss, spread over the set (a fixed sample, as Megatron's eval-iters)
     val_windows: int = 16
+    # Each packed document trains alone: its own attention, positions from 0, no label into the next
+    document_mask: bool = False
 
 
 @dataclass
@@ -284,6 +286,8 @@ def validate(cfg: Config) -> None:
         raise ValueError(
             "train.fp8_all_gather gathers the FP8 GEMMs' weights: set train.fp8 (or turn it off)"
         )
+    if t.cuda_graph and cfg.data.document_mask:  # a graph would replay its first block masks
+        raise ValueError("train.cuda_graph and data.document_mask: turn one off")
     if t.cuda_graph and world > 1:
         raise ValueError(f"train.cuda_graph runs on one process, got pp*dp*cp*ep = {world}: turn it off")
     if o.schedule not in ("cosine", "wsd"):

@@ -58,19 +58,30 @@ class PackedDataset:
         return (len(self.tokens) - 1) // seq_len
 
 
-def windows(tokens: np.ndarray, seq_len: int, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def windows(tokens: np.ndarray, seq_len: int, ids: np.ndarray, doc_ends: np.ndarray | None = None):
+    """-> (inputs, labels); with doc_ends (data.document_mask) labels -100 where a document starts, and
+    positions from each document's (or the window's) start."""
     rows = np.stack([tokens[i * seq_len : (i + 1) * seq_len + 1] for i in ids]).astype(np.int64)
     # Two tensors, not two views of one: a caller writing labels (val_batches' padding) leaves inputs.
-    return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+    out = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+    if doc_ends is None:
+        return out
+    first_BS = ids[:, None] * seq_len
+    g_BS = first_BS + np.arange(seq_len + 1)  # token indices in the corpus
+    k_BS = np.searchsorted(doc_ends, g_BS, side="right")
+    start_BS = np.where(k_BS > 0, doc_ends[k_BS - 1], 0)  # each token's document's first token
+    out[1][torch.from_numpy(start_BS[:, 1:] == g_BS[:, 1:])] = -100
+    return *out, torch.from_numpy(g_BS[:, :-1] - np.maximum(start_BS[:, :-1], first_BS))
 
 
 class WindowLoader:
     """Windows of a PackedDataset (validation ones of `val_ds` when given); a step's depend only on
     (seed, cursor)."""
 
-    def __init__(self, ds: PackedDataset, seq_len: int, val_windows: int, seed: int, val_ds=None):
+    def __init__(self, ds: PackedDataset, seq_len: int, val_windows: int, seed: int, val_ds=None, docs=False):
         self.tokens, self.S, self.seed = ds.tokens, seq_len, seed
         val_from = val_ds or ds
+        self.doc_ends, self.val_doc_ends = (ds.doc_ends, val_from.doc_ends) if docs else (None, None)
         total, val_total = ds.num_windows(seq_len), val_from.num_windows(seq_len)
         held = 0 if val_ds else val_windows
         train_needs = f"{held} held out (data.val_windows) and one to train"
@@ -101,7 +112,7 @@ class WindowLoader:
         for j in range(global_batch // (micro_batch * ranks)):
             first = cursor + (j * ranks + rank) * micro_batch
             ids = np.array([self._train_id(k) for k in range(first, first + micro_batch)])
-            out.append(windows(self.tokens, self.S, ids))
+            out.append(windows(self.tokens, self.S, ids, self.doc_ends))
         return out
 
     def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1, ignore_index: int = -100):
@@ -110,6 +121,6 @@ class WindowLoader:
         n, per_round = len(self.val_ids), micro_batch * ranks
         for first in range(0, n, per_round):
             ids = np.arange(first + rank * micro_batch, first + (rank + 1) * micro_batch)
-            inputs_BS, labels_BS = windows(self.val_tokens, self.S, self.val_ids[np.minimum(ids, n - 1)])
-            labels_BS[torch.from_numpy(ids >= n)] = ignore_index
-            yield inputs_BS, labels_BS
+            batch = windows(self.val_tokens, self.S, self.val_ids[np.minimum(ids, n - 1)], self.val_doc_ends)
+            batch[1][torch.from_numpy(ids >= n)] = ignore_index
+            yield batch

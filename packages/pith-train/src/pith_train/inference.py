@@ -38,8 +38,10 @@ def _autocast(device: torch.device):
 
 
 @torch.no_grad()
-def dataset_loss(model: nn.Module, ds: PackedDataset, seq_len: int, batch: int, max_windows: int = 0):
-    """(mean cross-entropy, tokens) over the dataset's windows; progress on stderr."""
+def dataset_loss(
+    model: nn.Module, ds: PackedDataset, seq_len: int, batch: int, max_windows: int = 0, docs=False
+):
+    """(mean cross-entropy, label tokens) over the dataset's windows (docs: data.document_mask)."""
     n = min(ds.num_windows(seq_len), max_windows or ds.num_windows(seq_len))
     if n < 1:
         raise ValueError(f"{ds.path} has {len(ds.tokens)} tokens, not one window of --seq-len {seq_len} + 1")
@@ -50,13 +52,15 @@ def dataset_loss(model: nn.Module, ds: PackedDataset, seq_len: int, batch: int, 
     bar = tqdm(total=n, unit="window", disable=not sys.stderr.isatty())
     for first in range(0, n, batch):
         ids = np.arange(first, min(n, first + batch))
-        inputs_BS, labels_BS = (t.to(device) for t in windows(ds.tokens, seq_len, ids))
+        inputs_BS, labels_BS, *pos = (
+            t.to(device) for t in windows(ds.tokens, seq_len, ids, ds.doc_ends if docs else None)
+        )
         with _autocast(device):
-            logits_BSV = model(inputs_BS)
+            logits_BSV = model(inputs_BS, *pos)
         total += F.cross_entropy(
             logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="sum"
         ).item()
-        count += labels_BS.numel()
+        count += (labels_BS != -100).sum().item()
         bar.update(len(ids))
         if bar.disable and (ids[-1] + 1) * 10 >= (lines + 1) * n:
             lines += 1

@@ -178,7 +178,9 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
             f"train.fp8 / train.fp8_lm_head on CUDA need multiples of 16, got {', '.join(bad)}: pad the"
             " model (e.g. --model.vocab_size), change data.seq_len or train.micro_batch, or turn FP8 off"
         )
-    loader = WindowLoader(ds, cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed, val_ds)
+    loader = WindowLoader(
+        ds, cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed, val_ds, cfg.data.document_mask
+    )
     if main:
         rundir.write_config(run_dir, cfg)
     torch.manual_seed(cfg.train.seed)
