@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Single-GPU throughput of the reference workload (issue 7), from the repository root:
+# Single-GPU throughput of the bench workload, from the repository root:
 #   bash packages/pith-train/benchmarks/bench_matrix.sh              # settings matrix + profile of the best (~5 min)
 #   bash packages/pith-train/benchmarks/bench_matrix.sh equivalence  # optimised vs plain family, 200 steps (~3.5 min)
 # Results (JSON per run, table.txt / summary.json) go to $OUT when set, else ./bench_out.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FP8 against BF16 on one GPU (issue 18), and issue 19's BF16 check, from the repository root, in one
+# FP8 against BF16 on one GPU, and the BF16 path's loss equivalence, from the repository root, in one
 # device call (~9 min on an H200; each phase time-boxed):
 #   bash packages/pith-train/benchmarks/fp8_vs_bf16.sh
 # 1. Alone on the GPU, for clean timing: `pith-train bench` on the reference workload, BF16, FP8 with
@@ -7,7 +7,7 @@
 #    which the FP8 step needs to outrun its host; BENCH_ARGS overrides), each with a profile breakdown
 #    and what is live at its memory peak (--memory-peak, recorded over the warm-up steps).
 # 2. Then at the same time (TESTS=0 skips the first two): the gpu-marked tests of the FP8 operators,
-#    AdamW, the fused loss and the CUDA-graph step; loss_equivalence.py --ac none (issue 19: the
+#    AdamW, the fused loss and the CUDA-graph step; loss_equivalence.py --ac none (the
 #    optimised BF16 path against the plain noise family); and 300-step runs of the default tiny MoE on
 #    the built-in corpus, one per seed in SEEDS (train.seed: weight init and data order) of BF16 and
 #    FP8, and with the vocabulary padded to 272 (FP8 GEMMs take multiples of 16) of BF16 and FP8 + FP8
@@ -73,7 +73,7 @@ done
 wait
 if [ "${TESTS:-1}" != 0 ]; then
     echo "== gpu-marked tests"; grep -E "passed|failed|^FAILED" "$out/tests.txt"
-    echo "== loss equivalence (issue 19)"; tail -n 12 "$out/equivalence.txt"
+    echo "== loss equivalence"; tail -n 12 "$out/equivalence.txt"
 fi
 python3 packages/pith-train/benchmarks/fp8_loss_table.py "$runs" "$steps" $seeds 2>&1 | tee "$out/loss.txt" \
     || echo "the loss table has a FAIL or missing runs (above)"

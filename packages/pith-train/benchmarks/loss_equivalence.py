@@ -1,5 +1,5 @@
 """Does the optimised path compute the same function as the plain one? Loss over the first 200 steps
-on fixed data (issue 7), at the workload's width with fewer layers and shorter sequences.
+on fixed data, at the bench workload's width with fewer layers and shorter sequences.
 
     python3 packages/pith-train/benchmarks/loss_equivalence.py [OUT_DIR] [--ac none] [--steps 200]
 

@@ -1,3 +1,4 @@
+import inspect
 import json
 import math
 from types import SimpleNamespace
@@ -79,6 +80,69 @@ def test_bench_tiny_on_cpu_reports_consistent_numbers_and_a_breakdown(tmp_path):
     parts = r["breakdown_ms_per_step"]
     assert list(parts) == list(bench.COMPONENTS)
     assert parts["optimizer"] > 0 and parts["lm_head + loss"] > 0  # the trainer's marked ranges
+
+
+@pytest.fixture(scope="module")
+def tiny_result():
+    return bench.run(tiny=True, steps=1, warmup=0, device="cpu")
+
+
+def _bench_cli(monkeypatch, result, *flags):
+    """`pith-train bench --tiny FLAGS` measuring `result` (the record and the comparison, not the step)."""
+    real = inspect.signature(bench.run)
+    monkeypatch.setattr(bench, "run", lambda **kw: real.bind(**kw) and result)  # run's own arguments
+    main(["bench", "--tiny", "--device=cpu", "--json=bench.json", *flags])
+
+
+def test_a_record_compares_equal_to_itself_and_is_replaced_for_the_same_settings(
+    tiny_result, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks").mkdir()
+    monkeypatch.setenv("PITH_COMMIT", "abc1234")
+    _bench_cli(monkeypatch, tiny_result, "--record")
+    _bench_cli(monkeypatch, tiny_result, "--compare", "--record")  # the comparison first: passes
+    out = capsys.readouterr().out
+    assert f"tokens_per_s {tiny_result['tokens_per_s']:,.0f} against" in out and ": 1.000" in out
+    (record,) = json.loads((tmp_path / "benchmarks" / "cpu.json").read_text())
+    assert (record["card"], record["commit"], record["tokens_per_s"]) == (
+        "cpu",
+        "abc1234",
+        tiny_result["tokens_per_s"],
+    )
+    assert record["settings"]["fp8"] is False and record["settings"]["layers"] == bench.TINY.num_hidden_layers
+    assert "torch" not in record["settings"] and record["torch"] == torch.__version__
+    other = {**tiny_result, "settings": {**tiny_result["settings"], "fp8": True}}
+    _bench_cli(monkeypatch, other, "--record")  # other settings: a second record beside the first
+    records = json.loads((tmp_path / "benchmarks" / "cpu.json").read_text())
+    assert [r["settings"]["fp8"] for r in records] == [False, True]
+
+
+def test_compare_exits_1_naming_the_figure_and_ratio_below_the_floor_or_without_a_record(
+    tiny_result, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks").mkdir()
+    with pytest.raises(SystemExit) as exit:
+        _bench_cli(monkeypatch, tiny_result, "--compare")
+    assert exit.value.code == 1
+    assert "no record for cpu with these settings in benchmarks/cpu.json" in capsys.readouterr().out
+    _bench_cli(monkeypatch, tiny_result, "--record")
+    path = tmp_path / "benchmarks" / "cpu.json"
+    (record,) = json.loads(path.read_text())
+    record["tokens_per_s"] *= 1.1  # a record 10% faster than the measurement
+    path.write_text(json.dumps([record]))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        _bench_cli(monkeypatch, tiny_result, "--compare")
+    assert exit.value.code == 1
+    measured, recorded = tiny_result["tokens_per_s"], record["tokens_per_s"]
+    low = f"tokens_per_s {measured:,.0f} against {recorded:,.0f}: 0.909, below 0.97"
+    assert low in capsys.readouterr().out
+    record["tokens_per_s"] /= 1.1 / 1.02  # 2% faster: within the floor
+    path.write_text(json.dumps([record]))
+    _bench_cli(monkeypatch, tiny_result, "--compare")
+    assert ": 0.980" in capsys.readouterr().out
 
 
 def test_bad_settings_are_value_errors_before_any_compute():

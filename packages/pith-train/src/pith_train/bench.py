@@ -7,10 +7,12 @@ Shape legend: B sequences, S sequence length.
 
 import collections
 import dataclasses
+import json
 import math
 import os
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import pith_models
@@ -129,12 +131,7 @@ def kernels(prof, steps: int, top: int = 60) -> list[dict]:
         us[component, name] += t
         calls[component, name] += 1
     return [
-        {
-            "component": c,
-            "name": n[:160],
-            "calls_per_step": calls[c, n] / steps,
-            "ms_per_step": t / 1e3 / steps,
-        }
+        dict(component=c, name=n[:160], calls_per_step=calls[c, n] / steps, ms_per_step=t / 1e3 / steps)
         for (c, n), t in us.most_common(top)
     ]
 
@@ -162,9 +159,7 @@ def idle(prof, steps: int, top: int = 12) -> dict | None:
             k: sum(g for g, _, _ in gaps if lo <= g < hi) / 1e3 / steps for k, (lo, hi) in bins.items()
         },
         "gaps_per_step": len(gaps) / steps,
-        "longest": [
-            {"us": g, "after": a[:80], "before": b[:80]} for g, a, b in sorted(gaps, reverse=True)[:top]
-        ],
+        "longest": [dict(us=g, after=a[:80], before=b[:80]) for g, a, b in sorted(gaps, reverse=True)[:top]],
     }
 
 
@@ -202,8 +197,7 @@ def memory_at_peak(snapshot: dict, device: int = 0, top: int = 15) -> dict:
 def _measured_matmul_flops(device: torch.device) -> float:
     if device.type != "cuda":
         return peak_flops(device)[0]
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    a, b = torch.randn(2, 8192, 8192, device=device, dtype=torch.bfloat16)
     times = []
     for i in range(13):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -360,33 +354,19 @@ def run(
     datasheet, datasheet_source = peak_flops(dev)
     measured = _measured_matmul_flops(dev)
     gib = 2**30
+    workload = dict(
+        model=dataclasses.asdict(model_cfg), params=pith_models.param_count(whole),
+        active_params_nonembed=f_none / 6, seq_len=S, batch=B, tokens_per_step=B * S,
+        data=data or "random tokens, uniform over the vocabulary")  # fmt: skip
+    knobs = dict(
+        compile=compile and cuda, ac=ac, grouped_gemm=grouped_gemm, fp8=fp8, fp8_lm_head=fp8_lm_head,
+        cuda_graph=cuda_graph and cuda, micro_batches=Bl // mb, overlap=overlap, wgrad_delay=wgrad_delay,
+        document_mask=document_mask, steps=steps, warmup=warmup, torch=torch.__version__)  # fmt: skip
     out = {
         "card": torch.cuda.get_device_name(dev) if cuda else "cpu",
         "layout": dict(world=mesh.layout.world, dp=dp, cp=cp, ep=ep, fsdp=mesh.dense_mesh is not None),
-        "workload": {
-            "model": dataclasses.asdict(model_cfg),
-            "params": pith_models.param_count(whole),
-            "active_params_nonembed": f_none / 6,
-            "seq_len": S,
-            "batch": B,
-            "tokens_per_step": B * S,
-            "data": data or "random tokens, uniform over the vocabulary",
-            "document_mask": document_mask,
-        },
-        "settings": {
-            "compile": compile and cuda,
-            "ac": ac,
-            "grouped_gemm": grouped_gemm,
-            "fp8": fp8,
-            "fp8_lm_head": fp8_lm_head,
-            "cuda_graph": cuda_graph and cuda,
-            "micro_batches": Bl // mb,
-            "overlap": overlap,
-            "wgrad_delay": wgrad_delay,
-            "steps": steps,
-            "warmup": warmup,
-            "torch": torch.__version__,
-        },  # fmt: skip
+        "workload": workload,
+        "settings": knobs,
         "step_ms": step_s * 1e3,
         "step_ms_all": [s * 1e3 for s in seconds],
         "step_ms_back_to_back": back_to_back_ms,
@@ -417,6 +397,38 @@ def run(
     return out
 
 
+# --compare fails below this share of the record: calls on one machine differ by ~1-3%.
+COMPARE_FLOOR = 0.97
+
+
+def record(r: dict, write: bool) -> tuple[bool, str]:
+    """-> (r's throughputs >= COMPARE_FLOOR x benchmarks/<card>.json's record of its settings, a report);
+    write: r becomes that record (commit: $PITH_COMMIT)."""
+    w, b2b = r["workload"], r["step_ms_back_to_back"]
+    key = {**r["settings"], "layout": r["layout"], "layers": w["model"]["num_hidden_layers"]}
+    key.update(seq_len=w["seq_len"], batch=w["batch"], data=w["data"])
+    new = dict(
+        card=r["card"], torch=key.pop("torch"), commit=os.environ.get("PITH_COMMIT", "unknown"),
+        date=time.strftime("%Y-%m-%d", time.gmtime()), settings=key, step_ms=r["step_ms"],
+        tokens_per_s=r["tokens_per_s"], back_to_back=b2b and w["tokens_per_step"] / b2b * 1e3,
+        breakdown_ms_per_step=r.get("breakdown_ms_per_step"),
+    )  # fmt: skip
+    path = Path("benchmarks", "".join(c if c.isalnum() else "-" for c in r["card"].lower()) + ".json")
+    records = json.loads(path.read_text()) if path.exists() else []
+    old = next((e for e in records if e["settings"] == key), None)
+    if write:
+        path.write_text(json.dumps([e for e in records if e is not old] + [new], indent=1))
+        return True, f"recorded in {path}"
+    if old is None:
+        return False, f"no record for {r['card']} with these settings in {path} (bench --record makes one)"
+    report = f"against {path}'s record of {old['date']} ({old['commit']}, torch {old['torch']}):"
+    ratios = {k: new[k] / old[k] for k in ("tokens_per_s", "back_to_back") if new[k] and old[k]}
+    for k, x in ratios.items():
+        below = f", below {COMPARE_FLOOR}" if x < COMPARE_FLOOR else ""
+        report += f"\n  {k} {new[k]:,.0f} against {old[k]:,.0f}: {x:.3f}{below}"
+    return min(ratios.values(), default=1) >= COMPARE_FLOOR, report
+
+
 def summary(r: dict) -> str:
     mem = (
         f"peak memory {r['peak_allocated_gib']:.1f} GiB allocated, {r['peak_reserved_gib']:.1f} GiB reserved"
@@ -426,11 +438,9 @@ def summary(r: dict) -> str:
     )
     s = r["settings"]
     lines = [
-        f"{r['card']}: {r['workload']['tokens_per_step']:,} tokens/step, compile={s['compile']} ac={s['ac']}"
-        f" grouped_gemm={s['grouped_gemm']} fp8={s['fp8']} fp8_lm_head={s['fp8_lm_head']}"
-        f" cuda_graph={s['cuda_graph']} document_mask={r['workload']['document_mask']}"
-        f" micro-batches={s['micro_batches']}"
-        f" overlap={s['overlap']} wgrad_delay={s['wgrad_delay']}, layout {r['layout']}",
+        f"{r['card']}: {r['workload']['tokens_per_step']:,} tokens/step, "
+        + " ".join(f"{k}={v}" for k, v in s.items() if k not in ("steps", "warmup", "torch"))
+        + f", layout {r['layout']}",
         f"  {r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms']:.1f} ms (median of {s['steps']})",
         f"  MFU {r['mfu_measured']:.1%}: causal FLOPs over the measured"
         f" {r['measured_matmul_tflops']:.3g} TFLOP/s matmul (bf16 on CUDA)"

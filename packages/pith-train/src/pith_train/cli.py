@@ -199,16 +199,11 @@ def cmd_check_layout(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     import json
 
-    from pith_train.bench import run, summary
+    from pith_train.bench import record, run, summary
 
-    result = run(
-        tiny=args.tiny, layers=args.layers, seq_len=args.seq_len, batch=args.batch, steps=args.steps,
-        warmup=args.warmup, compile=args.compile == "on", ac=args.ac, grouped_gemm=args.grouped_gemm,
-        fp8=args.fp8, fp8_lm_head=args.fp8_lm_head, cuda_graph=args.cuda_graph,
-        profile_steps=args.profile, data=args.data, device=args.device, dp=args.dp, cp=args.cp,
-        ep=args.ep, micro_batch=args.micro_batch, overlap=args.overlap == "on",
-        wgrad_delay=args.wgrad_delay == "on", memory_peak=args.memory_peak, document_mask=args.document_mask,
-    )  # fmt: skip
+    on = {k: getattr(args, k) == "on" for k in ("compile", "overlap", "wgrad_delay")}
+    skip = {"command", "rest", "run", "json", "record", "compare", "profile", *on}
+    result = run(**{k: v for k, v in vars(args).items() if k not in skip}, **on, profile_steps=args.profile)
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun rank 0 reports
@@ -216,6 +211,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(summary(result))
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")
+    for write in [False] * args.compare + [True] * args.record:
+        ok, report = record(result, write)
+        print(report)
+        if not ok:
+            sys.exit(1)
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -379,6 +379,8 @@ def main(argv: list[str] | None = None) -> None:
         key = flag.replace("-", "_")
         p.add_argument(f"--{flag}", choices=["on", "off"], default="on", help=f"parallel.{key}")
     p.add_argument("--json", default="bench.json", help="where the measurements go")
+    p.add_argument("--record", action="store_true", help="set the card's record (benchmarks/README.md)")
+    p.add_argument("--compare", action="store_true", help="exit 1 below 0.97 of the card's record")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser(

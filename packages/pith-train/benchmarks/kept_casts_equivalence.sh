@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 19 on one GPU, from the repository root (~6 min on an H200; results in $OUT, else ./bench_out):
+# The kept bf16 weight casts' speed and the optimised path's loss equivalence on one GPU, from the
+# repository root (~6 min on an H200; results in $OUT, else ./bench_out):
 # 1. `pith-train bench --compile on --ac none --steps 6 --warmup 3` without and with the kept bf16
 #    weight casts in one process, the second with `--profile 2` (kept_casts.py, ~2.5 min);
 # 2. the 200-step loss equivalence, optimised (compile, no recompute) against the plain noise family
