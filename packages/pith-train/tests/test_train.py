@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -23,6 +24,7 @@ from pith_train.cli import main
 from pith_train.config import load_config, model_config
 from pith_train.optim import build_optimizer, lr_at
 from pith_train.optim import build_optimizer as train_build
+from pith_train.prepare import prepare, stdlib_corpus
 from pith_train.train import flops_per_token, fp8_size_problems, parallel_layout, pretrain, step_settings
 
 
@@ -306,6 +308,7 @@ def test_a_run_whose_checkpoints_are_all_damaged_is_never_restarted_silently(mic
             r" schedule gives 0.00972862\).* schedule from step 0: --checkpoint.init_from=",
         ),
         (["--train.steps=5", "--optim.warmup_steps=1"], "disagrees with step 1, steps 3-4 of the 4 steps"),
+        (["--optim.name=muon"], "optimizer state"),
     ],
 )
 def test_resume_is_checked_against_the_run(micro_config, tmp_path, overrides, message):
@@ -318,6 +321,25 @@ def test_resume_is_checked_against_the_run(micro_config, tmp_path, overrides, me
         "step_000002",
         "step_000004",
     ]
+
+
+def test_a_resume_knows_its_data_by_content_not_by_path(micro_config, byte_data, tmp_path, monkeypatch):
+    """The same dataset given by a relative path, a symlink, or moved elsewhere resumes; so does a changed
+    data.val_windows under data.val_path (no window is held out); other data is refused."""
+    shutil.copytree(byte_data, tmp_path / "data")
+    prepare(stdlib_corpus()[3:4], str(tmp_path / "val"), "byte", progress=False, workers=1)
+    run, val = tmp_path / "run", f"--data.val_path={tmp_path / 'val'}"
+    pretrain(micro_config(f"--data.path={tmp_path / 'data'}", val), tmp_path / "straight")
+    pretrain(micro_config(f"--data.path={tmp_path / 'data'}", val), run, stop_at=2)
+    monkeypatch.chdir(tmp_path)
+    pretrain(micro_config("--data.path=data", "--data.val_path=val", "--data.val_windows=2"), run, stop_at=3)
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    pretrain(micro_config("--data.path=link", val), run, stop_at=4)
+    (tmp_path / "data").rename(tmp_path / "moved")
+    with pytest.raises(ValueError, match="data.path .* would change which sequences"):
+        pretrain(micro_config(f"--data.path={tmp_path / 'val'}", val), run)
+    pretrain(micro_config("--data.path=moved", val), run)
+    assert _losses(run) == _losses(tmp_path / "straight")
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
