@@ -13,17 +13,18 @@ from pith_engine import checkpoint
 
 from pith_train import config as config_mod
 from pith_train.config import Config
+from pith_train.data import PackedDataset
 from pith_train.optim import lr_at
 
 # The [optim] keys of the learning-rate schedule (checked against the steps trained, not warned of).
 SCHEDULE = ("schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
-# The keys that decide which sequences each step trains on (pith-train README, Data layout).
+# The keys that decide which sequences each step trains on (pith-train README, Data layout); the
+# datasets by content (data_ids), data.val_windows only where it picks held-out training windows.
 DATA_ORDER = (
     "data.path",
-    "data.tokenizer",
-    "data.seq_len",
     "data.val_path",  # with one, no training window is held out
     "data.val_windows",
+    "data.seq_len",
     "train.seed",
     "train.global_batch",
 )
@@ -82,12 +83,28 @@ def _model_check(ckpt: Path, cfg: Config, model_hf: dict, what: str) -> None:
         )
 
 
-def _data_changes(saved: Config, cfg: Config) -> list[str]:
-    return [
-        f"{k} {_value(saved, k)!r} -> {_value(cfg, k)!r}"
-        for k in DATA_ORDER
-        if _value(saved, k) != _value(cfg, k)
-    ]
+def data_ids(cfg: Config, strict: bool = True) -> dict:
+    """data.path's and data.val_path's datasets by content ("": none, or the built-in corpus); not
+    strict: a path with no dataset (a saved run's that moved) as itself."""
+
+    def one(path: str, key: str) -> str:
+        if not path or (not strict and not (Path(path) / "meta.json").is_file()):
+            return path
+        return PackedDataset(path, key).fingerprint()
+
+    ids = {k: one(_value(cfg, k), k) for k in DATA_ORDER[:2]}
+    return ids | {"data.path": ids["data.path"] or f"built-in, {cfg.data.tokenizer}"}
+
+
+def _data_changes(saved: Config, cfg: Config, then: dict) -> list[str]:
+    """What changes the order from the run's (`then`: its data_ids, as saved in trainer.json)."""
+    now, held = data_ids(cfg), not (saved.data.val_path and cfg.data.val_path)
+    changes = []
+    for k in DATA_ORDER:
+        a, b = _value(saved, k), _value(cfg, k)
+        if (then[k] != now[k] if k in then else a != b) and (k != "data.val_windows" or held):
+            changes.append(f"{k} {a!r} -> {b!r}" + " (other data there)" * (a == b))
+    return changes
 
 
 def _steps(steps: list[int]) -> str:
@@ -106,9 +123,14 @@ def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
     _model_check(ckpt, cfg, model_hf, "resume")
     if not (ckpt / "config.toml").is_file():
         return
-    saved = config_mod.load_config(str(ckpt / "config.toml"))
+    saved, state = config_mod.load_config(str(ckpt / "config.toml")), read_json(ckpt / "trainer.json")
     extend = f"--checkpoint.init_from={ckpt} in a new --run-dir (its weights and optimizer state, a new run)"
-    if changed := _data_changes(saved, cfg):
+    if saved.optim.name != cfg.optim.name:
+        raise ValueError(
+            f"cannot resume {ckpt}: optim.name {saved.optim.name} -> {cfg.optim.name}: the checkpoint holds"
+            f" {saved.optim.name}'s optimizer state; keep it, or start {extend}"
+        )
+    if changed := _data_changes(saved, cfg, state.get("data") or data_ids(saved, strict=False)):
         raise ValueError(
             f"cannot resume {ckpt}: {', '.join(changed)} would change which sequences the remaining"
             f" steps train on; keep the run's values, or start {extend}"
@@ -118,7 +140,7 @@ def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
         f"optim.{k} {then[k]} -> {v}" for k, v in now.items() if k not in SCHEDULE and then[k] != v
     ]:
         warn(f"resuming with the config's optimizer settings, not the run's: {', '.join(changed)}")
-    step = read_json(ckpt / "trainer.json")["step"]
+    step = state["step"]
     if wrong := [s for s in range(step) if not math.isclose(lr_at(s, saved), lr_at(s, cfg), rel_tol=1e-9)]:
         s = wrong[0]
         raise ValueError(
@@ -144,7 +166,8 @@ def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
         raise ValueError(
             f"{ckpt}'s optimizer state is {saved.optim.name}'s: set optim.name={saved.optim.name}"
         )
-    cursor = 0 if _data_changes(saved, cfg) else trained["cursor"]
+    changed = _data_changes(saved, cfg, trained.get("data") or data_ids(saved, strict=False))
+    cursor = 0 if changed else trained["cursor"]
     warn(
         f"starting from {ckpt} (step {trained['step']} of its run): its weights and optimizer state, this"
         f" config's schedule from step 0, the data from sequence {cursor}"

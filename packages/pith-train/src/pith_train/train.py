@@ -179,8 +179,6 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
             " model (e.g. --model.vocab_size), change data.seq_len or train.micro_batch, or turn FP8 off"
         )
     loader = WindowLoader(ds, cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed, val_ds)
-    if main:
-        rundir.write_config(run_dir, cfg)
     torch.manual_seed(cfg.train.seed)
     cuda = device.type == "cuda"
     model = build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
@@ -192,6 +190,9 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     if resume_from:
         state = rundir.read_json(resume_from / "trainer.json")
         step, cursor = state["step"], state["cursor"]
+    if main:  # every check passed: nothing in run_dir changed before
+        rundir.write_config(run_dir, cfg)
+    data_ids = rundir.data_ids(cfg)
     stages = trainer_stages(cfg, model, mesh)
     settings = step_settings(cfg, model)
     flops = flops_per_token(pith_models.build(model.cfg), cfg.data.seq_len)  # the whole model, on meta
@@ -210,7 +211,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
 
     def save(step: int) -> Path:
         files = {
-            "trainer.json": json.dumps({"step": step, "cursor": cursor}),
+            "trainer.json": json.dumps({"step": step, "cursor": cursor, "data": data_ids}),
             "config.json": json.dumps(model.cfg.to_hf(), indent=1),
             "config.toml": config_mod.to_toml(cfg),  # what a resume is checked against
         }
