@@ -300,7 +300,7 @@ def test_a_run_whose_checkpoints_are_all_damaged_is_never_restarted_silently(mic
         (["--data.seq_len=16"], "data.seq_len 32 -> 16 would change which sequences"),
         (["--train.seed=1"], "train.seed 0 -> 1"),
         (["--train.global_batch=8"], "train.global_batch 4 -> 8"),
-        (["--data.val_path={val}"], "data.val_path '' -> '.*val' would change which sequences"),
+        (["--data.val_path={val}"], r"data.val_path \[\] -> \['.*val'\] would change which sequences"),
         (["--data.val_path=elsewhere"], "data.val_path 'elsewhere': no prepared dataset there"),
         (["--model.name=qwen3-moe-tiny"], "another model than model.name='qwen3-moe-tiny'"),
         (
@@ -656,3 +656,52 @@ def test_a_launch_that_stopped_before_its_first_step_may_start_again(micro_confi
     assert list((tmp_path / "tensorboard").glob("events.*")) and not (tmp_path / "metrics.jsonl").exists()
     monkeypatch.undo()
     assert pretrain(micro_config(), tmp_path)["step"] == 6
+
+
+@pytest.fixture(scope="module")
+def blend(micro_config, byte_data, tmp_path_factory):
+    """Two sources at 0.75 and 0.25, validated on held-out windows of each: (its overrides, the
+    uninterrupted run's directory, what it printed)."""
+    root = tmp_path_factory.mktemp("blend")
+    prepare(stdlib_corpus()[3:4], str(root / "code"), "byte", progress=False, workers=1)
+    overrides = [f"--data.path={byte_data},{root / 'code'}", "--data.weights=0.75,0.25", "--log.eval_every=3"]
+    printed = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train.tqdm, "write", staticmethod(lambda text, **_: printed.append(text)))
+        pretrain(micro_config(*overrides), root / "straight")
+    return overrides, root / "straight", "\n".join(printed)
+
+
+def test_two_sources_train_at_their_weights_with_the_mix_printed_logged_and_resumed_exactly(
+    micro_config, blend, tmp_path
+):
+    overrides, straight, printed = blend
+    rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    taken = [round(r["mix/bytes"] * 4 * r["step"]) for r in rows]  # bytes' sequences so far, 4 a step
+    assert [r["mix/bytes"] + r["mix/code"] for r in rows] == [1.0] * 6 and 12 <= taken[-1] <= 24
+    assert f"data bytes: {taken[-1]} sequences in 6 steps" in printed
+    assert f"realised mix of 24 sequences: bytes {taken[-1] / 24:.4f} (weight 0.7500), code" in printed
+    for r in (rows[2], rows[5]):  # the validation steps: each source's loss, and their weighted mean
+        assert r["val_loss"] == pytest.approx(0.75 * r["val_loss/bytes"] + 0.25 * r["val_loss/code"])
+    pretrain(micro_config(*overrides), tmp_path, stop_at=3)
+    pretrain(micro_config(*overrides), tmp_path)
+    assert _losses(tmp_path) == _losses(straight)
+    again = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["mix/bytes"] for r in again] == [r["mix/bytes"] for r in rows]
+
+
+@pytest.mark.distributed
+def test_two_sources_train_in_the_same_order_under_two_data_ranks(
+    micro_args, blend, tmp_path, pretrains_in_ranks
+):
+    overrides, straight, _ = blend
+    pretrains_in_ranks(
+        2, [(tmp_path / "dp2", [*micro_args, *overrides, "--parallel.dp=2", "--train.micro_batch=1"])]
+    )
+    rows = [json.loads(line) for line in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [r["mix/code"] for r in rows] == [r["mix/code"] for r in want]
+    assert [sorted(r) for r in rows] == [sorted(r) for r in want]  # validation at the same steps
+    for key in ("loss", "val_loss", "val_loss/bytes", "val_loss/code"):
+        got = [r[key] for r in rows if key in r]
+        assert got == pytest.approx([r[key] for r in want if key in r], rel=1e-5), key

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pith_train.config import BLEND_BLOCK
 from pith_train.prepare import ByteTokenizer, HFTokenizer, padded_vocab
 
 
@@ -103,15 +104,16 @@ class WindowLoader:
             self._epoch, self._order = epoch, rng.permutation(self.num_train)
         return int(self.train_ids[self._order[i]])
 
+    def _rows(self, ks: range) -> tuple[torch.Tensor, ...]:
+        return windows(self.tokens, self.S, np.array([self._train_id(k) for k in ks]))
+
     def step_batch(
         self, cursor: int, global_batch: int, micro_batch: int, rank: int = 0, ranks: int = 1
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out = []
-        for j in range(global_batch // (micro_batch * ranks)):
-            first = cursor + (j * ranks + rank) * micro_batch
-            ids = np.array([self._train_id(k) for k in range(first, first + micro_batch)])
-            out.append(windows(self.tokens, self.S, ids))
-        return out
+        firsts = [
+            cursor + (j * ranks + rank) * micro_batch for j in range(global_batch // (micro_batch * ranks))
+        ]
+        return [self._rows(range(first, first + micro_batch)) for first in firsts]
 
     def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1, ignore_index: int = -100):
         """This rank's share of the validation windows, sliced as step_batch slices a step; rows past
@@ -122,3 +124,53 @@ class WindowLoader:
             inputs_BS, labels_BS = windows(self.val_tokens, self.S, self.val_ids[np.minimum(ids, n - 1)])
             labels_BS[torch.from_numpy(ids >= n)] = ignore_index
             yield inputs_BS, labels_BS
+
+
+def blend_counts(weights: list[float]) -> np.ndarray:
+    """Each source's samples in a block of BLEND_BLOCK: its share of the weights, largest remainder."""
+    share = np.asarray(weights or [1.0]) / sum(weights or [1.0]) * BLEND_BLOCK
+    n = np.floor(share).astype(np.int64)
+    n[np.argsort(n - share, kind="stable")[: BLEND_BLOCK - n.sum()]] += 1
+    return n
+
+
+class Blend:
+    """WindowLoaders mixed by weight. Sample k is a pure function of (seed, weights, sizes, k): block
+    k // BLEND_BLOCK holds blend_counts of each source in an order seeded by (seed, block), and a
+    source's n-th sample is its loader's n-th (its own epoch permutations). Host work per sample is
+    O(1), per block O(BLEND_BLOCK), whatever the corpus size; one source is its loader's order."""
+
+    step_batch = WindowLoader.step_batch
+
+    def __init__(self, loaders: list[WindowLoader], weights: list[float], seed: int):
+        self.loaders, self.counts, self.seed, self._block = loaders, blend_counts(weights), seed, -1
+
+    def _at(self, k: int) -> int:
+        b, i = divmod(k, BLEND_BLOCK)
+        if b != self._block:
+            n = self.counts
+            src = np.repeat(np.arange(len(n)), n)
+            src = np.random.default_rng([self.seed, b, 0x626C656E64]).permutation(src)
+            rank = np.empty_like(src)  # the sample's index among its source's in the block
+            rank[np.argsort(src, kind="stable")] = np.arange(BLEND_BLOCK) - np.repeat(np.cumsum(n) - n, n)
+            self._block, self._src, self._rank = b, src, rank
+        return i
+
+    def taken(self, cursor: int) -> np.ndarray:
+        """Samples of each source among the first `cursor`."""
+        i = self._at(cursor)
+        return (
+            self.counts * (cursor // BLEND_BLOCK) + np.bincount(self._src[:i], minlength=len(self.counts))
+        ).tolist()
+
+    def source(self, k: int) -> tuple[int, int]:
+        """Sample k's source and its place in that source's order."""
+        i = self._at(k)
+        d = int(self._src[i])
+        return d, int(self.counts[d] * (k // BLEND_BLOCK) + self._rank[i])
+
+    def _rows(self, ks: range) -> tuple[torch.Tensor, ...]:
+        at = [(self.loaders[d], n) for d, n in map(self.source, ks)]
+        return tuple(
+            map(torch.cat, zip(*(windows(s.tokens, s.S, np.array([s._train_id(n)])) for s, n in at)))
+        )

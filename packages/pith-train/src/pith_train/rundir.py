@@ -13,7 +13,7 @@ from pith_engine import checkpoint
 
 from pith_train import config as config_mod
 from pith_train.config import Config
-from pith_train.data import PackedDataset
+from pith_train.data import PackedDataset, blend_counts
 from pith_train.optim import lr_at
 
 # The [optim] keys of the learning-rate schedule (checked against the steps trained, not warned of).
@@ -23,6 +23,7 @@ SCHEDULE = ("schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
 DATA_ORDER = (
     "data.path",
     "data.val_path",  # with one, no training window is held out
+    "data.weights",
     "data.val_windows",
     "data.seq_len",
     "train.seed",
@@ -84,16 +85,16 @@ def _model_check(ckpt: Path, cfg: Config, model_hf: dict, what: str) -> None:
 
 
 def data_ids(cfg: Config, strict: bool = True) -> dict:
-    """data.path's and data.val_path's datasets by content ("": none, or the built-in corpus); not
-    strict: a path with no dataset (a saved run's that moved) as itself."""
+    """What of the data decides the order: the datasets by content; not strict: a path with no dataset
+    (a saved run's, moved since) as itself."""
 
     def one(path: str, key: str) -> str:
-        if not path or (not strict and not (Path(path) / "meta.json").is_file()):
-            return path
-        return PackedDataset(path, key).fingerprint()
+        ok = strict or (Path(path) / "meta.json").is_file()
+        return PackedDataset(path, key).fingerprint() if ok else path
 
-    ids = {k: one(_value(cfg, k), k) for k in DATA_ORDER[:2]}
-    return ids | {"data.path": ids["data.path"] or f"built-in, {cfg.data.tokenizer}"}
+    ids = {k: [one(p, k) for p in _value(cfg, k)] for k in DATA_ORDER[:2]}
+    ids["data.weights"] = blend_counts(cfg.data.weights).tolist()  # the shares, as the order sees them
+    return ids | {"data.path": ids["data.path"] or [f"built-in, {cfg.data.tokenizer}"]}
 
 
 def _data_changes(saved: Config, cfg: Config, then: dict) -> list[str]:
