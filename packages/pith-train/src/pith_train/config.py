@@ -172,15 +172,8 @@ def _set(cfg: Config, section: str, key: str, value, where: str, text: bool = Fa
     if key not in keys:
         raise ValueError(f"{where}: unknown key {section}.{key}; [{section}] has {sorted(keys)}")
     kind = keys[key]
-    if typing.get_origin(kind) is list:  # a TOML array, or a string: "" none, "a,b" two
-        items, kind = (
-            (value.split(",") if value else []) if isinstance(value, str) else value,
-            kind.__args__[0],
-        )
-        if not isinstance(items, list):
-            raise ValueError(f"{where}: expected an array, got {value!r}")
-        value = [_typed(where, _parse_text(where, v, kind) if isinstance(v, str) else v, kind) for v in items]
-        return setattr(target, key, value)
+    if typing.get_origin(kind) is list:  # [data]'s lists
+        return setattr(target, key, list(_model_value(where, value, tuple[kind.__args__[0], ...])))
     value = _parse_text(where, value, kind) if text else value
     setattr(target, key, _typed(where, value, kind))
 
@@ -212,14 +205,16 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 
 
 def _model_value(where: str, value, kind):
-    """A [model] override as its field's type: int, float, bool, str, `X | None` ("none") or a tuple
-    (a TOML array, or its JSON text on the command line)."""
+    """A [model] override (or a [data] list) as its field's type: int, float, bool, str, `X | None`
+    ("none") or a tuple (a TOML array, or on the command line its JSON text or "a,b"; a string "" none)."""
     if typing.get_origin(kind) in (types.UnionType, typing.Union):
         if value is None or (isinstance(value, str) and value.lower() == "none"):
             return None
         kind = next(a for a in typing.get_args(kind) if a is not type(None))
     if typing.get_origin(kind) is tuple:
-        items = json.loads(value) if isinstance(value, str) and value.startswith("[") else value
+        items = value
+        if isinstance(value, str):
+            items = json.loads(value) if value.startswith("[") else value.split(",") if value else []
         if not isinstance(items, list | tuple):
             raise ValueError(f"{where}: expected an array, got {value!r}")
         return tuple(_model_value(where, v, typing.get_args(kind)[0]) for v in items)

@@ -97,15 +97,21 @@ def data_ids(cfg: Config, strict: bool = True) -> dict:
     return ids | {"data.path": ids["data.path"] or [f"built-in, {cfg.data.tokenizer}"]}
 
 
-def _data_changes(saved: Config, cfg: Config, then: dict) -> list[str]:
-    """What changes the order from the run's (`then`: its data_ids, as saved in trainer.json)."""
-    now, held = data_ids(cfg), not (saved.data.val_path and cfg.data.val_path)
+def _saved(ckpt: Path, cfg: Config) -> tuple[Config, dict, list[str]]:
+    """The run's config and trainer.json in `ckpt`, and what of `cfg` would change its data order."""
+    saved, state = config_mod.load_config(str(ckpt / "config.toml")), read_json(ckpt / "trainer.json")
+    if saved.optim.name != cfg.optim.name:
+        raise ValueError(
+            f"{ckpt} holds {saved.optim.name}'s optimizer state: set optim.name={saved.optim.name}"
+        )
+    then, now = state.get("data") or data_ids(saved, False), data_ids(cfg)
+    held = not (saved.data.val_path and cfg.data.val_path)  # data.val_windows picks training windows
     changes = []
     for k in DATA_ORDER:
         a, b = _value(saved, k), _value(cfg, k)
         if (then[k] != now[k] if k in then else a != b) and (k != "data.val_windows" or held):
             changes.append(f"{k} {a!r} -> {b!r}" + " (other data there)" * (a == b))
-    return changes
+    return saved, state, changes
 
 
 def _steps(steps: list[int]) -> str:
@@ -124,14 +130,9 @@ def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
     _model_check(ckpt, cfg, model_hf, "resume")
     if not (ckpt / "config.toml").is_file():
         return
-    saved, state = config_mod.load_config(str(ckpt / "config.toml")), read_json(ckpt / "trainer.json")
+    saved, state, changed = _saved(ckpt, cfg)
     extend = f"--checkpoint.init_from={ckpt} in a new --run-dir (its weights and optimizer state, a new run)"
-    if saved.optim.name != cfg.optim.name:
-        raise ValueError(
-            f"cannot resume {ckpt}: optim.name {saved.optim.name} -> {cfg.optim.name}: the checkpoint holds"
-            f" {saved.optim.name}'s optimizer state; keep it, or start {extend}"
-        )
-    if changed := _data_changes(saved, cfg, state.get("data") or data_ids(saved, strict=False)):
+    if changed:
         raise ValueError(
             f"cannot resume {ckpt}: {', '.join(changed)} would change which sequences the remaining"
             f" steps train on; keep the run's values, or start {extend}"
@@ -162,12 +163,7 @@ def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
     _model_check(ckpt, cfg, model_hf, "start from")
     if not (ckpt / "config.toml").is_file():  # convert's: weights alone
         raise ValueError(f"{ckpt} holds weights without a run's optimizer state: use --model.name={ckpt}")
-    trained, saved = read_json(ckpt / "trainer.json"), config_mod.load_config(str(ckpt / "config.toml"))
-    if saved.optim.name != cfg.optim.name:
-        raise ValueError(
-            f"{ckpt}'s optimizer state is {saved.optim.name}'s: set optim.name={saved.optim.name}"
-        )
-    changed = _data_changes(saved, cfg, trained.get("data") or data_ids(saved, strict=False))
+    _, trained, changed = _saved(ckpt, cfg)
     cursor = 0 if changed else trained["cursor"]
     warn(
         f"starting from {ckpt} (step {trained['step']} of its run): its weights and optimizer state, this"
