@@ -45,11 +45,11 @@ def test_printed_config_reads_back_equal(tmp_path):
         ("", ["--optim.beta2=-0.5"], "optim.beta2 must be in [0, 1), got -0.5"),
         ("", ["--optim.eps=0"], "optim.eps must be > 0, got 0.0"),
         ("", ["--optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0, got -0.1"),
-        ("", ["--data.path=a,b"], "data.weights []: give one per data.path (2), each > 0"),
+        ("", ["--data.path=a,b"], "data.weights []: give one per data.path (2), > 0"),
         ("", ["--data.path=a,b", "--data.weights=1,0"], "data.weights [1.0, 0.0]: give one per data.path"),
         ("", ["--data.weights=1,2"], "data.weights [1.0, 2.0]: give one per data.path (1)"),
         ("", ["--data.path=a,b", "--data.weights=1,nan"], "data.weights [1.0, nan]: give one"),
-        ("", ["--data.path=a,b", "--data.weights=1,1e-6"], "at least 1/65536 of their sum"),
+        ("", ["--data.path=a,b", "--data.weights=1,1e-6"], ">= 1/65536 of their sum"),
         ("", ["--data.path=a,b", "--data.weights=1,x"], "expected float, got 'x'"),
         (
             "",

@@ -286,8 +286,7 @@ def validate(cfg: Config) -> None:
     d, n = cfg.data, max(1, len(cfg.data.path))
     if (d.weights or n > 1) and (len(d.weights) != n or not min(d.weights) * BLEND_BLOCK >= sum(d.weights)):
         raise ValueError(
-            f"data.weights {d.weights}: give one per data.path ({n}), each > 0 and at least 1/{BLEND_BLOCK}"
-            " of their sum (the finest share a blend resolves)"
+            f"data.weights {d.weights}: give one per data.path ({n}), > 0 and >= 1/{BLEND_BLOCK} of their sum"
         )
     if d.val_path and len(d.val_path) != n:
         raise ValueError(f"data.val_path {d.val_path}: give one per data.path ({n}), or none")

@@ -40,8 +40,7 @@ class PackedDataset:
         self.doc_ends = np.fromfile(Path(path) / "doc_ends.bin", dtype=np.int64)
 
     def fingerprint(self) -> str:
-        """The content's identity: sizes and 64 evenly spaced slices of the tokens and document ends
-        (hashing whole files would take minutes at corpus scale)."""
+        """Sizes and 64 evenly spaced slices of tokens and document ends (whole files: minutes to hash)."""
         h = hashlib.sha256()
         for a in (self.tokens, self.doc_ends):
             h.update(b"%d" % len(a) + b"".join(a[i * len(a) // 64 :][:64].tobytes() for i in range(64)))
@@ -135,10 +134,8 @@ def blend_counts(weights: list[float]) -> np.ndarray:
 
 
 class Blend:
-    """WindowLoaders mixed by weight. Sample k is a pure function of (seed, weights, sizes, k): block
-    k // BLEND_BLOCK holds blend_counts of each source in an order seeded by (seed, block), and a
-    source's n-th sample is its loader's n-th (its own epoch permutations). Host work per sample is
-    O(1), per block O(BLEND_BLOCK), whatever the corpus size; one source is its loader's order."""
+    """WindowLoaders mixed by weight (pith-train README, Blends): sample k is a pure function of (seed,
+    weights, sizes, k); O(1) host work a sample, O(BLEND_BLOCK) a block, whatever the corpus size."""
 
     step_batch = WindowLoader.step_batch
 
@@ -149,8 +146,7 @@ class Blend:
         b, i = divmod(k, BLEND_BLOCK)
         if b != self._block:
             n = self.counts
-            src = np.repeat(np.arange(len(n)), n)
-            src = np.random.default_rng([self.seed, b, 0x626C656E64]).permutation(src)
+            src = np.random.default_rng([self.seed, b, 0xB1E4D]).permutation(np.repeat(np.arange(len(n)), n))
             rank = np.empty_like(src)  # the sample's index among its source's in the block
             rank[np.argsort(src, kind="stable")] = np.arange(BLEND_BLOCK) - np.repeat(np.cumsum(n) - n, n)
             self._block, self._src, self._rank = b, src, rank
@@ -159,9 +155,8 @@ class Blend:
     def taken(self, cursor: int) -> np.ndarray:
         """Samples of each source among the first `cursor`."""
         i = self._at(cursor)
-        return (
-            self.counts * (cursor // BLEND_BLOCK) + np.bincount(self._src[:i], minlength=len(self.counts))
-        ).tolist()
+        n = self.counts
+        return (n * (cursor // BLEND_BLOCK) + np.bincount(self._src[:i], minlength=len(n))).tolist()
 
     def source(self, k: int) -> tuple[int, int]:
         """Sample k's source and its place in that source's order."""

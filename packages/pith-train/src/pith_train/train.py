@@ -183,11 +183,10 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     sources = [WindowLoader(ds, S, d.val_windows, cfg.train.seed, v) for ds, v in zip(datasets, val_sets)]
     loader, names = Blend(sources, d.weights, cfg.train.seed), [Path(x.path).resolve().name for x in datasets]
     names = names if len(set(names)) == len(names) else [f"{i}_{n}" for i, n in enumerate(names)]
-    for name, source, n in zip(names, sources, loader.taken(cfg.train.steps * G)):
-        epochs = n / source.num_train
+    for name, s, n in zip(names, sources, loader.taken(cfg.train.steps * G)):
         warn(
-            f"data {name}: {n} sequences in {cfg.train.steps} steps, {epochs:.3g} epochs"
-            + ", repeated" * (epochs > 1)
+            f"data {name}: {n} sequences in {cfg.train.steps} steps, {n / s.num_train:.3g} epochs"
+            + ", repeated" * (n > s.num_train)
         )
     torch.manual_seed(cfg.train.seed)
     cuda = device.type == "cuda"
@@ -288,12 +287,8 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
                 bar.close()
                 raise Interrupted(signum, step, path)
     bar.close()
-    if len(names) > 1 and cursor:
-        mix = zip(names, loader.taken(cursor), loader.counts / BLEND_BLOCK)
-        warn(
-            f"realised mix of {cursor} sequences: "
-            + ", ".join(f"{n} {c / cursor:.4f} (weight {w:.4f})" for n, c, w in mix)
-        )
+    if len(names) > 1:
+        warn(f"realised mix: {dict(zip(names, loader.taken(cursor)))} sequences, weights {d.weights}")
     return {
         "step": step,
         "loss": record.get("loss"),
