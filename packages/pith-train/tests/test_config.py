@@ -45,6 +45,19 @@ def test_printed_config_reads_back_equal(tmp_path):
         ("", ["--optim.beta2=-0.5"], "optim.beta2 must be in [0, 1), got -0.5"),
         ("", ["--optim.eps=0"], "optim.eps must be > 0, got 0.0"),
         ("", ["--optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0, got -0.1"),
+        ("", ["--data.path=a,b"], "data.weights []: give one per data.path (2), > 0"),
+        ("", ["--data.path=a,b", "--data.weights=1,0"], "data.weights [1.0, 0.0]: give one per data.path"),
+        ("", ["--data.weights=1,2"], "data.weights [1.0, 2.0]: give one per data.path (1)"),
+        ("", ["--data.path=a,b", "--data.weights=1,nan"], "data.weights [1.0, nan]: give one"),
+        ("", ["--data.path=a,b", "--data.weights=1,1e-6"], ">= 1/65536 of their sum"),
+        ("", ["--data.path=a,b", "--data.weights=1,x"], "expected float, got 'x'"),
+        (
+            "",
+            ["--data.path=a,b", "--data.weights=1,1", "--data.val_path=v"],
+            "one per data.path (2), or none",
+        ),
+        ("[data]\nweights = 1.0\n", [], "data.weights: expected an array, got 1.0"),
+        ('[data]\npath = ["a", 2]\n', [], "data.path: expected str, got int 2"),
     ],
 )
 def test_bad_config_raises_naming_the_problem(tmp_path, toml, overrides, message):
@@ -58,3 +71,15 @@ def test_bad_config_raises_naming_the_problem(tmp_path, toml, overrides, message
 def test_missing_config_file_is_named():
     with pytest.raises(ValueError, match="nope.toml"):
         load_config("nope.toml")
+
+
+def test_data_lists_are_toml_arrays_or_comma_separated_and_one_path_is_a_string_too(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[data]\npath = ["a", "b"]\nweights = [3, 1]\nval_path = "va,vb"\n')
+    cfg = load_config(str(path))
+    assert (cfg.data.path, cfg.data.weights, cfg.data.val_path) == (["a", "b"], [3.0, 1.0], ["va", "vb"])
+    assert load_config(None, ["--data.path=a,b", "--data.weights=3,1", "--data.val_path=va,vb"]) == cfg
+    path.write_text('[data]\npath = "one"\nval_path = ""\n')  # as a run's config.toml before blends
+    assert (load_config(str(path)).data.path, load_config(str(path)).data.val_path) == (["one"], [])
+    (tmp_path / "back.toml").write_text(to_toml(cfg))
+    assert load_config(str(tmp_path / "back.toml")) == cfg

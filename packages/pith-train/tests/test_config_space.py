@@ -2,8 +2,8 @@
 valid space (model family; aux losses on or off: load balancing, z-loss, the routing bias; 1-4
 micro-batches; activation checkpointing none/selective/full; overlap and the weight-gradient delay on
 or off; FP8 on the CPU path; validation windows that need not fill a batch; AdamW or Muon; document
-masking, on a dataset of short documents; layouts of 1, 2 and 4 processes over pp, dp, cp, ep and
-their products) and checks, for each:
+masking, on a dataset of short documents; a blend of 1-3 sources with drawn weights; layouts of 1, 2
+and 4 processes over pp, dp, cp, ep and their products) and checks, for each:
 - it trains, validation included, without an error;
 - its per-step losses equal the plain run of the same config: one process, each micro-batch whole
   (the same sequences, data layout contract), no recompute, overlap or delay, Adam eps 1e-3 as
@@ -62,7 +62,8 @@ class Drawn:
     stop_at: int
     val_path: bool  # validation on a dataset of its own (data.val_path), not windows held out
     init: bool  # from a checkpoint of a 2-step run (checkpoint.init_from), not from the HF weights
-    document_mask: bool  # data.document_mask, on Setup.short_docs
+    document_mask: bool  # data.document_mask, its first source Setup.short_docs
+    weights: list[float]  # data.weights of 1-3 sources (data.path), each validated on its own
 
     @property
     def data_ranks(self) -> int:
@@ -74,15 +75,17 @@ class Drawn:
         options = [o for o in self.options if not plain or not o.startswith(("--train.ac", "--parallel"))]
         sequences = self.micro_batches * self.micro_batch * self.data_ranks
         plainly = ["--train.ac=none", "--parallel.overlap=false", "--parallel.wgrad_delay=false"] * plain
-        options += [f"--data.val_path={setup.val_data}"] * self.val_path
         # documents of 1 to 12 tokens: several in every window of SEQ, some spanning the CP chunks
-        options += [f"--data.path={setup.short_docs}"] * self.document_mask
+        first = setup.short_docs if self.document_mask else setup.data
+        sources = [first, *setup.more][: len(self.weights)]
+        options += [f"--data.val_path={','.join([str(setup.val_data)] * len(sources))}"] * self.val_path
+        options += [f"--data.weights={','.join(map(str, self.weights))}"]
         options += [
             f"--checkpoint.init_from={setup.source(self.family, _option(self, 'optim.name'))}"
         ] * self.init
         return [
-            f"--model.name={setup.hf[self.family]}", f"--data.path={setup.data}", f"--data.seq_len={SEQ}",
-            f"--data.document_mask={self.document_mask}".lower(),
+            f"--model.name={setup.hf[self.family]}", f"--data.path={','.join(map(str, sources))}",
+            f"--data.seq_len={SEQ}", f"--data.document_mask={self.document_mask}".lower(),
             f"--train.steps={STEPS}", f"--train.global_batch={sequences}", f"--train.micro_batch={micro}",
             "--train.device=cpu", "--train.lr=1e-2", "--optim.eps=1e-3", "--optim.warmup_steps=1",
             "--log.progress=false", "--log.tensorboard=false",
@@ -98,6 +101,7 @@ class Drawn:
         full = any(o == "--train.ac=full" for o in self.options)
         evals = len({s for s in range(1, STEPS + 1) if (eval_every and s % eval_every == 0) or s == STEPS})
         val_rounds = -(-val_windows // (self.micro_batch * self.data_ranks))
+        val_rounds *= len(self.weights)  # each source's windows
         return held * (STEPS * self.micro_batches * (2 if full else 1) + evals * val_rounds)
 
 
@@ -129,7 +133,8 @@ def configs(draw, world: int) -> Drawn:
     family = draw(st.sampled_from(sorted(FAMILIES)))
     micro_batch, stop_at = draw(st.sampled_from([1, 2])), draw(st.integers(1, 2))
     flags = [draw(st.booleans()) for _ in range(3)]
-    return Drawn(family, layout, micro_batches, micro_batch, options, stop_at, *flags)
+    weights = draw(st.lists(st.sampled_from([0.25, 1.0, 3.0]), min_size=1, max_size=3))
+    return Drawn(family, layout, micro_batches, micro_batch, options, stop_at, *flags, weights)
 
 
 def distinct(drawn: st.SearchStrategy) -> st.SearchStrategy:
@@ -142,8 +147,8 @@ FIXTURES = HealthCheck.function_scoped_fixture  # the session's and module's, se
 
 class Setup:
     """What the drawn runs read: each family's tiny model as a Hugging Face directory (fp32), the
-    training data, a validation dataset of other files, and checkpoints of 2 plain steps to start from
-    (made when first asked for, one per family and optimizer)."""
+    training data and two more sources to blend with it, a validation dataset of other files, and
+    checkpoints of 2 plain steps to start from (made when first asked for, one per family and optimizer)."""
 
     def __init__(self, root: Path, micro_hf: Path, data: Path):
         self.root, self.data, self.val_data = root, data, root / "val"
@@ -156,6 +161,9 @@ class Setup:
         )
         self.short_docs = root / "short_docs"
         prepare([str(docs)], str(self.short_docs), "byte", progress=False, workers=1)
+        self.more = [root / "blend_a", root / "blend_b"]
+        for i, path in enumerate(self.more):
+            prepare(stdlib_corpus()[5 + i : 6 + i], str(path), "byte", progress=False, workers=1)
         micro = dataclasses.replace(pith_models.from_pretrained(micro_hf).cfg, num_hidden_layers=4)
         self.hf = {name: root / name for name in FAMILIES}
         for name, cfg in FAMILIES.items():

@@ -5,7 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pith_train.data import PackedDataset, WindowLoader
+from pith_train.config import BLEND_BLOCK
+from pith_train.data import Blend, PackedDataset, WindowLoader
 from pith_train.prepare import ByteTokenizer, find_inputs, load_tokenizer, prepare, stdlib_corpus
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -204,3 +205,56 @@ def test_loader_rejects_too_little_data(byte_data, val_data):
         match=r"bytes has 0 windows of data.seq_len=4096, fewer than 2 \(data.val_windows\): lower data.val_",
     ):
         WindowLoader(ds, seq_len=4096, val_windows=2, seed=0, val_ds=PackedDataset(str(val_data)))
+
+
+class _Source:
+    """A WindowLoader's part a Blend reads: `_train_id` (here the identity on a source of `num_train`
+    windows), tokens and S."""
+
+    def __init__(self, num_train: int):
+        self.num_train, self.S, self.tokens = num_train, 1, np.zeros(1)
+
+    def _train_id(self, k: int) -> int:
+        return k
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    weights=st.lists(st.floats(0.01, 100), min_size=1, max_size=4),
+    first=st.integers(0, 3 * BLEND_BLOCK),
+    n=st.integers(1, 4000),
+    seed=st.integers(0, 2**31),
+)
+def test_a_blend_takes_each_source_at_its_weight_within_binomial_noise(weights, first, n, seed):
+    """The samples [first, first + n) hold each source within 5 sigma of n * its weight (a block's mix is
+    exact; within one it is drawn without replacement, closer than binomial); each source's samples are
+    its own order's next ones, counted by taken() from any position alone (a pure function of k)."""
+    blend = Blend([_Source(7) for _ in weights], weights, seed)
+    counts, share = blend.counts, np.asarray(weights) / sum(weights)
+    assert counts.sum() == BLEND_BLOCK and (np.abs(counts - share * BLEND_BLOCK) < 1).all()
+    picks = [blend.source(k) for k in range(first, first + n)]
+    got = np.bincount([d for d, _ in picks], minlength=len(weights))
+    assert (np.abs(got - n * share) <= 5 * np.sqrt(n * share * (1 - share)) + 1).all(), (got, n * share)
+    before = Blend([_Source(7) for _ in weights], weights, seed).taken(first)
+    assert (np.asarray(before) + got).tolist() == Blend(blend.loaders, weights, seed).taken(first + n)
+    for d in range(len(weights)):  # a source's samples are its next ones, in order
+        assert [i for s, i in picks if s == d] == list(range(before[d], before[d] + got[d]))
+
+
+def test_a_blend_of_one_source_is_its_loaders_order_and_a_blend_any_layouts(byte_data, val_data):
+    ds, val_ds = PackedDataset(str(byte_data)), PackedDataset(str(val_data))
+    alone = WindowLoader(ds, 16, 4, seed=5)
+    blend = Blend([WindowLoader(ds, 16, 4, seed=5)], [], seed=5)
+    for cursor in (0, 8, BLEND_BLOCK - 4):
+        for a, b in zip(alone.step_batch(cursor, 8, 4), blend.step_batch(cursor, 8, 4)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    two = Blend([WindowLoader(ds, 16, 4, 5), WindowLoader(val_ds, 16, 4, 5)], [0.75, 0.25], seed=5)
+    whole = two.step_batch(BLEND_BLOCK - 8, 16, 4)  # across a block's end
+    ranks = [two.step_batch(BLEND_BLOCK - 8, 16, 2, rank=r, ranks=2) for r in range(2)]
+    fresh = Blend([WindowLoader(ds, 16, 4, 5), WindowLoader(val_ds, 16, 4, 5)], [3, 1], seed=5)
+    for j in range(2):
+        assert torch.equal(torch.cat([ranks[0][j][0], ranks[1][j][0]]), whole[j][0])
+        assert torch.equal(fresh.step_batch(BLEND_BLOCK - 8, 16, 4)[j][0], whole[j][0])  # resumed there
+    rows = {tuple(r.tolist()) for x, _ in two.step_batch(0, 64, 64) for r in x}
+    sources = [{_cut(d, 16, i) for i in range(d.num_windows(16))} for d in (ds, val_ds)]
+    assert all(r in sources[0] or r in sources[1] for r in rows) and all(rows & s for s in sources)

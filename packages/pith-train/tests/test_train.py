@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -23,6 +24,7 @@ from pith_train.cli import main
 from pith_train.config import load_config, model_config
 from pith_train.optim import build_optimizer, lr_at
 from pith_train.optim import build_optimizer as train_build
+from pith_train.prepare import prepare, stdlib_corpus
 from pith_train.train import flops_per_token, fp8_size_problems, parallel_layout, pretrain, step_settings
 
 
@@ -298,7 +300,8 @@ def test_a_run_whose_checkpoints_are_all_damaged_is_never_restarted_silently(mic
         (["--data.seq_len=16"], "data.seq_len 32 -> 16 would change which sequences"),
         (["--train.seed=1"], "train.seed 0 -> 1"),
         (["--train.global_batch=8"], "train.global_batch 4 -> 8"),
-        (["--data.val_path=elsewhere"], "data.val_path '' -> 'elsewhere' would change which sequences"),
+        (["--data.val_path={val}"], r"data.val_path \[\] -> \['.*val'\] would change which sequences"),
+        (["--data.val_path=elsewhere"], "data.val_path 'elsewhere': no prepared dataset there"),
         (["--model.name=qwen3-moe-tiny"], "another model than model.name='qwen3-moe-tiny'"),
         (
             ["--train.steps=12"],
@@ -306,18 +309,40 @@ def test_a_run_whose_checkpoints_are_all_damaged_is_never_restarted_silently(mic
             r" schedule gives 0.00972862\).* schedule from step 0: --checkpoint.init_from=",
         ),
         (["--train.steps=5", "--optim.warmup_steps=1"], "disagrees with step 1, steps 3-4 of the 4 steps"),
+        (["--optim.name=muon"], "holds adamw's optimizer state: set optim.name=adamw"),
     ],
 )
 def test_resume_is_checked_against_the_run(micro_config, tmp_path, overrides, message):
     pretrain(micro_config(), tmp_path, stop_at=4)
     saved = (tmp_path / "config.toml").read_text()
+    val = tmp_path / "val"
+    prepare(stdlib_corpus()[3:4], str(val), "byte", progress=False, workers=1)
     with pytest.raises(ValueError, match=message):
-        pretrain(micro_config(*overrides), tmp_path)
+        pretrain(micro_config(*(o.format(val=val) for o in overrides)), tmp_path)
     assert (tmp_path / "config.toml").read_text() == saved  # a refused launch rewrites nothing
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")] == [
         "step_000002",
         "step_000004",
     ]
+
+
+def test_a_resume_knows_its_data_by_content_not_by_path(micro_config, byte_data, tmp_path, monkeypatch):
+    """The same dataset given by a relative path, a symlink, or moved elsewhere resumes; so does a changed
+    data.val_windows under data.val_path (no window is held out); other data is refused."""
+    shutil.copytree(byte_data, tmp_path / "data")
+    prepare(stdlib_corpus()[3:4], str(tmp_path / "val"), "byte", progress=False, workers=1)
+    run, val = tmp_path / "run", f"--data.val_path={tmp_path / 'val'}"
+    pretrain(micro_config(f"--data.path={tmp_path / 'data'}", val), tmp_path / "straight")
+    pretrain(micro_config(f"--data.path={tmp_path / 'data'}", val), run, stop_at=2)
+    monkeypatch.chdir(tmp_path)
+    pretrain(micro_config("--data.path=data", "--data.val_path=val", "--data.val_windows=2"), run, stop_at=3)
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    pretrain(micro_config("--data.path=link", val), run, stop_at=4)
+    (tmp_path / "data").rename(tmp_path / "moved")
+    with pytest.raises(ValueError, match="data.path .* would change which sequences"):
+        pretrain(micro_config(f"--data.path={tmp_path / 'val'}", val), run)
+    pretrain(micro_config("--data.path=moved", val), run)
+    assert _losses(run) == _losses(tmp_path / "straight")
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
@@ -352,7 +377,7 @@ def test_a_finished_cosine_run_extends_as_a_new_run_from_its_weights_and_optimiz
     losses = _losses(tmp_path / "more")
     assert sorted(losses) == [1, 2, 3, 4] and losses[1] < reference[1] - 0.3  # trained weights
     state = json.loads((tmp_path / "more" / "checkpoints" / "step_000004" / "trainer.json").read_text())
-    assert state == {"step": 4, "cursor": 24 + 16}
+    assert (state["step"], state["cursor"]) == (4, 24 + 16)
     pretrain(longer, tmp_path / "more")  # finished: its own checkpoint, not init_from, decides
     assert sorted(_losses(tmp_path / "more")) == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="init_from='nope' is not a Pith checkpoint"):
@@ -616,7 +641,7 @@ def test_a_local_launch_whose_workers_fail_exits_with_their_status(micro_args, t
 def test_init_from_needs_a_runs_checkpoint_with_the_same_optimizer(micro_config, micro_hf, tmp_path):
     pretrain(micro_config("--train.steps=2"), tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
-    with pytest.raises(ValueError, match="optimizer state is adamw's: set optim.name=adamw"):
+    with pytest.raises(ValueError, match="holds adamw's optimizer state: set optim.name=adamw"):
         pretrain(micro_config(f"--checkpoint.init_from={ckpt}", "--optim.name=muon"), tmp_path / "a")
     main(["convert", str(micro_hf), str(tmp_path / "converted")])
     with pytest.raises(ValueError, match=f"without a run's optimizer state: use --model.name={tmp_path}"):
@@ -631,3 +656,53 @@ def test_a_launch_that_stopped_before_its_first_step_may_start_again(micro_confi
     assert list((tmp_path / "tensorboard").glob("events.*")) and not (tmp_path / "metrics.jsonl").exists()
     monkeypatch.undo()
     assert pretrain(micro_config(), tmp_path)["step"] == 6
+
+
+@pytest.fixture(scope="module")
+def blend(micro_config, byte_data, tmp_path_factory):
+    """Two sources at 0.75 and 0.25, validated on held-out windows of each: (its overrides, the
+    uninterrupted run's directory, what it printed)."""
+    root = tmp_path_factory.mktemp("blend")
+    prepare(stdlib_corpus()[3:4], str(root / "code"), "byte", progress=False, workers=1)
+    overrides = [f"--data.path={byte_data},{root / 'code'}", "--data.weights=0.75,0.25", "--log.eval_every=3"]
+    printed = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train.tqdm, "write", staticmethod(lambda text, **_: printed.append(text)))
+        pretrain(micro_config(*overrides), root / "straight")
+    return overrides, root / "straight", "\n".join(printed)
+
+
+def test_two_sources_train_at_their_weights_with_the_mix_printed_logged_and_resumed_exactly(
+    micro_config, blend, tmp_path
+):
+    overrides, straight, printed = blend
+    rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    taken = [round(r["mix/bytes"] * 4 * r["step"]) for r in rows]  # bytes' sequences so far, 4 a step
+    assert [r["mix/bytes"] + r["mix/code"] for r in rows] == [1.0] * 6 and 12 <= taken[-1] <= 24
+    assert f"data bytes: {taken[-1]} sequences in 6 steps" in printed
+    mix = f"realised mix: {{'bytes': {taken[-1]}, 'code': {24 - taken[-1]}}} sequences, weights [0.75, 0.25]"
+    assert mix in printed
+    for r in (rows[2], rows[5]):  # the validation steps: each source's loss, and their weighted mean
+        assert r["val_loss"] == pytest.approx(0.75 * r["val_loss/bytes"] + 0.25 * r["val_loss/code"])
+    pretrain(micro_config(*overrides), tmp_path, stop_at=3)
+    pretrain(micro_config(*overrides), tmp_path)
+    assert _losses(tmp_path) == _losses(straight)
+    again = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["mix/bytes"] for r in again] == [r["mix/bytes"] for r in rows]
+
+
+@pytest.mark.distributed
+def test_two_sources_train_in_the_same_order_under_two_data_ranks(
+    micro_args, blend, tmp_path, pretrains_in_ranks
+):
+    overrides, straight, _ = blend
+    pretrains_in_ranks(
+        2, [(tmp_path / "dp2", [*micro_args, *overrides, "--parallel.dp=2", "--train.micro_batch=1"])]
+    )
+    rows = [json.loads(line) for line in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [r["mix/code"] for r in rows] == [r["mix/code"] for r in want]
+    assert [sorted(r) for r in rows] == [sorted(r) for r in want]  # validation at the same steps
+    for key in ("loss", "val_loss", "val_loss/bytes", "val_loss/code"):
+        got = [r[key] for r in rows if key in r]
+        assert got == pytest.approx([r[key] for r in want if key in r], rel=1e-5), key

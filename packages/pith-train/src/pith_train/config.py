@@ -9,6 +9,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Samples over which a blend's mix is exact (pith_train.data.Blend), so the finest share it resolves.
+BLEND_BLOCK = 1 << 16
+
 
 @dataclass
 class ModelConfig:
@@ -20,11 +23,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""  # a prepared dataset; "" = the built-in corpus, made in RUN_DIR/data
+    # Prepared datasets, several mixed by data.weights (pith-train README, Blends); [] = the built-in
+    # corpus, made in RUN_DIR/data. Lists: TOML arrays, or comma-separated on the command line
+    path: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # one per data.path, > 0, normalised; [] for one
     tokenizer: str = "byte"  # "byte" or a tokenizer.json: the dataset's
     seq_len: int = 128  # tokens per training sequence
-    # A prepared dataset (same tokenizer) for the validation loss; "" = hold windows of data.path out
-    val_path: str = ""
+    # Prepared datasets (same tokenizer) for the validation loss, one per data.path; [] = hold windows out
+    val_path: list[str] = field(default_factory=list)
     # Windows of the validation loss, spread over the set (a fixed sample, as Megatron's eval-iters)
     val_windows: int = 16
     # Each packed document trains alone: its own attention, positions from 0, no label into the next
@@ -168,6 +174,8 @@ def _set(cfg: Config, section: str, key: str, value, where: str, text: bool = Fa
     if key not in keys:
         raise ValueError(f"{where}: unknown key {section}.{key}; [{section}] has {sorted(keys)}")
     kind = keys[key]
+    if typing.get_origin(kind) is list:  # [data]'s lists
+        return setattr(target, key, list(_model_value(where, value, tuple[kind.__args__[0], ...])))
     value = _parse_text(where, value, kind) if text else value
     setattr(target, key, _typed(where, value, kind))
 
@@ -199,14 +207,16 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 
 
 def _model_value(where: str, value, kind):
-    """A [model] override as its field's type: int, float, bool, str, `X | None` ("none") or a tuple
-    (a TOML array, or its JSON text on the command line)."""
+    """A [model] override (or a [data] list) as its field's type: int, float, bool, str, `X | None`
+    ("none") or a tuple (a TOML array, or on the command line its JSON text or "a,b"; a string "" none)."""
     if typing.get_origin(kind) in (types.UnionType, typing.Union):
         if value is None or (isinstance(value, str) and value.lower() == "none"):
             return None
         kind = next(a for a in typing.get_args(kind) if a is not type(None))
     if typing.get_origin(kind) is tuple:
-        items = json.loads(value) if isinstance(value, str) and value.startswith("[") else value
+        items = value
+        if isinstance(value, str):
+            items = json.loads(value) if value.startswith("[") else value.split(",") if value else []
         if not isinstance(items, list | tuple):
             raise ValueError(f"{where}: expected an array, got {value!r}")
         return tuple(_model_value(where, v, typing.get_args(kind)[0]) for v in items)
@@ -275,6 +285,13 @@ def validate(cfg: Config) -> None:
     for key, (value, least) in at_least.items():
         if value < least:
             raise ValueError(f"{key} must be >= {least}, got {value}")
+    d, n = cfg.data, max(1, len(cfg.data.path))
+    if (d.weights or n > 1) and (len(d.weights) != n or not min(d.weights) * BLEND_BLOCK >= sum(d.weights)):
+        raise ValueError(
+            f"data.weights {d.weights}: give one per data.path ({n}), > 0 and >= 1/{BLEND_BLOCK} of their sum"
+        )
+    if d.val_path and len(d.val_path) != n:
+        raise ValueError(f"data.val_path {d.val_path}: give one per data.path ({n}), or none")
     per_step = t.micro_batch * cfg.data_ranks
     if t.global_batch % per_step:
         raise ValueError(

@@ -4,12 +4,14 @@ pith-train README (Data layout) sets out and the parallel engine relies on.
 Shape legend: B sequences, S sequence length.
 """
 
+import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pith_train.config import BLEND_BLOCK
 from pith_train.prepare import ByteTokenizer, HFTokenizer, padded_vocab
 
 
@@ -36,6 +38,13 @@ class PackedDataset:
             )
         self.tokens = np.memmap(tokens_bin, dtype=dtype, mode="r", shape=(n,))
         self.doc_ends = np.fromfile(Path(path) / "doc_ends.bin", dtype=np.int64)
+
+    def fingerprint(self) -> str:
+        """Sizes and 64 evenly spaced slices of tokens and document ends (whole files: minutes to hash)."""
+        h = hashlib.sha256()
+        for a in (self.tokens, self.doc_ends):
+            h.update(b"%d" % len(a) + b"".join(a[i * len(a) // 64 :][:64].tobytes() for i in range(64)))
+        return h.hexdigest()[:16]
 
     def check_tokenizer(self, tok: ByteTokenizer | HFTokenizer) -> None:
         m = self.meta
@@ -105,15 +114,16 @@ class WindowLoader:
             self._epoch, self._order = epoch, rng.permutation(self.num_train)
         return int(self.train_ids[self._order[i]])
 
+    def _rows(self, ks: range) -> tuple[torch.Tensor, ...]:
+        return windows(self.tokens, self.S, np.array([self._train_id(k) for k in ks]), self.doc_ends)
+
     def step_batch(
         self, cursor: int, global_batch: int, micro_batch: int, rank: int = 0, ranks: int = 1
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out = []
-        for j in range(global_batch // (micro_batch * ranks)):
-            first = cursor + (j * ranks + rank) * micro_batch
-            ids = np.array([self._train_id(k) for k in range(first, first + micro_batch)])
-            out.append(windows(self.tokens, self.S, ids, self.doc_ends))
-        return out
+        firsts = [
+            cursor + (j * ranks + rank) * micro_batch for j in range(global_batch // (micro_batch * ranks))
+        ]
+        return [self._rows(range(first, first + micro_batch)) for first in firsts]
 
     def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1, ignore_index: int = -100):
         """This rank's share of the validation windows, sliced as step_batch slices a step; rows past
@@ -124,3 +134,47 @@ class WindowLoader:
             batch = windows(self.val_tokens, self.S, self.val_ids[np.minimum(ids, n - 1)], self.val_doc_ends)
             batch[1][torch.from_numpy(ids >= n)] = ignore_index
             yield batch
+
+
+def blend_counts(weights: list[float]) -> np.ndarray:
+    """Each source's samples in a block of BLEND_BLOCK: its share of the weights, largest remainder."""
+    share = np.asarray(weights or [1.0]) / sum(weights or [1.0]) * BLEND_BLOCK
+    n = np.floor(share).astype(np.int64)
+    n[np.argsort(n - share, kind="stable")[: BLEND_BLOCK - n.sum()]] += 1
+    return n
+
+
+class Blend:
+    """WindowLoaders mixed by weight (pith-train README, Blends): sample k is a pure function of (seed,
+    weights, sizes, k); O(1) host work a sample, O(BLEND_BLOCK) a block, whatever the corpus size."""
+
+    step_batch = WindowLoader.step_batch
+
+    def __init__(self, loaders: list[WindowLoader], weights: list[float], seed: int):
+        self.loaders, self.counts, self.seed, self._block = loaders, blend_counts(weights), seed, -1
+
+    def _at(self, k: int) -> int:
+        b, i = divmod(k, BLEND_BLOCK)
+        if b != self._block:
+            n = self.counts
+            src = np.random.default_rng([self.seed, b, 0xB1E4D]).permutation(np.repeat(np.arange(len(n)), n))
+            rank = np.empty_like(src)  # the sample's index among its source's in the block
+            rank[np.argsort(src, kind="stable")] = np.arange(BLEND_BLOCK) - np.repeat(np.cumsum(n) - n, n)
+            self._block, self._src, self._rank = b, src, rank
+        return i
+
+    def taken(self, cursor: int) -> np.ndarray:
+        """Samples of each source among the first `cursor`."""
+        i = self._at(cursor)
+        n = self.counts
+        return (n * (cursor // BLEND_BLOCK) + np.bincount(self._src[:i], minlength=len(n))).tolist()
+
+    def source(self, k: int) -> tuple[int, int]:
+        """Sample k's source and its place in that source's order."""
+        i = self._at(k)
+        d = int(self._src[i])
+        return d, int(self.counts[d] * (k // BLEND_BLOCK) + self._rank[i])
+
+    def _rows(self, ks: range) -> tuple[torch.Tensor, ...]:
+        at = [(self.loaders[d], n) for d, n in map(self.source, ks)]
+        return tuple(map(torch.cat, zip(*(s._rows([n]) for s, n in at))))

@@ -13,17 +13,19 @@ from pith_engine import checkpoint
 
 from pith_train import config as config_mod
 from pith_train.config import Config
+from pith_train.data import PackedDataset, blend_counts
 from pith_train.optim import lr_at
 
 # The [optim] keys of the learning-rate schedule (checked against the steps trained, not warned of).
 SCHEDULE = ("schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
-# The keys that decide which sequences each step trains on (pith-train README, Data layout).
+# The keys that decide which sequences each step trains on (pith-train README, Data layout); the
+# datasets by content (data_ids), data.val_windows only where it picks held-out training windows.
 DATA_ORDER = (
     "data.path",
-    "data.tokenizer",
-    "data.seq_len",
     "data.val_path",  # with one, no training window is held out
+    "data.weights",
     "data.val_windows",
+    "data.seq_len",
     "train.seed",
     "train.global_batch",
 )
@@ -82,12 +84,34 @@ def _model_check(ckpt: Path, cfg: Config, model_hf: dict, what: str) -> None:
         )
 
 
-def _data_changes(saved: Config, cfg: Config) -> list[str]:
-    return [
-        f"{k} {_value(saved, k)!r} -> {_value(cfg, k)!r}"
-        for k in DATA_ORDER
-        if _value(saved, k) != _value(cfg, k)
-    ]
+def data_ids(cfg: Config, strict: bool = True) -> dict:
+    """What of the data decides the order: the datasets by content; not strict: a path with no dataset
+    (a saved run's, moved since) as itself."""
+
+    def one(path: str, key: str) -> str:
+        ok = strict or (Path(path) / "meta.json").is_file()
+        return PackedDataset(path, key).fingerprint() if ok else path
+
+    ids = {k: [one(p, k) for p in _value(cfg, k)] for k in DATA_ORDER[:2]}
+    ids["data.weights"] = blend_counts(cfg.data.weights).tolist()  # the shares, as the order sees them
+    return ids | {"data.path": ids["data.path"] or [f"built-in, {cfg.data.tokenizer}"]}
+
+
+def _saved(ckpt: Path, cfg: Config) -> tuple[Config, dict, list[str]]:
+    """The run's config and trainer.json in `ckpt`, and what of `cfg` would change its data order."""
+    saved, state = config_mod.load_config(str(ckpt / "config.toml")), read_json(ckpt / "trainer.json")
+    if saved.optim.name != cfg.optim.name:
+        raise ValueError(
+            f"{ckpt} holds {saved.optim.name}'s optimizer state: set optim.name={saved.optim.name}"
+        )
+    then, now = state.get("data") or data_ids(saved, False), data_ids(cfg)
+    held = not (saved.data.val_path and cfg.data.val_path)  # data.val_windows picks training windows
+    changes = []
+    for k in DATA_ORDER:
+        a, b = _value(saved, k), _value(cfg, k)
+        if (then[k] != now[k] if k in then else a != b) and (k != "data.val_windows" or held):
+            changes.append(f"{k} {a!r} -> {b!r}" + " (other data there)" * (a == b))
+    return saved, state, changes
 
 
 def _steps(steps: list[int]) -> str:
@@ -106,9 +130,9 @@ def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
     _model_check(ckpt, cfg, model_hf, "resume")
     if not (ckpt / "config.toml").is_file():
         return
-    saved = config_mod.load_config(str(ckpt / "config.toml"))
+    saved, state, changed = _saved(ckpt, cfg)
     extend = f"--checkpoint.init_from={ckpt} in a new --run-dir (its weights and optimizer state, a new run)"
-    if changed := _data_changes(saved, cfg):
+    if changed:
         raise ValueError(
             f"cannot resume {ckpt}: {', '.join(changed)} would change which sequences the remaining"
             f" steps train on; keep the run's values, or start {extend}"
@@ -118,7 +142,7 @@ def check_resume(ckpt: Path, cfg: Config, model_hf: dict, warn) -> None:
         f"optim.{k} {then[k]} -> {v}" for k, v in now.items() if k not in SCHEDULE and then[k] != v
     ]:
         warn(f"resuming with the config's optimizer settings, not the run's: {', '.join(changed)}")
-    step = read_json(ckpt / "trainer.json")["step"]
+    step = state["step"]
     if wrong := [s for s in range(step) if not math.isclose(lr_at(s, saved), lr_at(s, cfg), rel_tol=1e-9)]:
         s = wrong[0]
         raise ValueError(
@@ -139,12 +163,8 @@ def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
     _model_check(ckpt, cfg, model_hf, "start from")
     if not (ckpt / "config.toml").is_file():  # convert's: weights alone
         raise ValueError(f"{ckpt} holds weights without a run's optimizer state: use --model.name={ckpt}")
-    trained, saved = read_json(ckpt / "trainer.json"), config_mod.load_config(str(ckpt / "config.toml"))
-    if saved.optim.name != cfg.optim.name:
-        raise ValueError(
-            f"{ckpt}'s optimizer state is {saved.optim.name}'s: set optim.name={saved.optim.name}"
-        )
-    cursor = 0 if _data_changes(saved, cfg) else trained["cursor"]
+    _, trained, changed = _saved(ckpt, cfg)
+    cursor = 0 if changed else trained["cursor"]
     warn(
         f"starting from {ckpt} (step {trained['step']} of its run): its weights and optimizer state, this"
         f" config's schedule from step 0, the data from sequence {cursor}"

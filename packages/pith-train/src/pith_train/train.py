@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from pith_train import config as config_mod
 from pith_train import plan, rundir
-from pith_train.config import Config, ModelConfig, model_config
-from pith_train.data import PackedDataset, WindowLoader
+from pith_train.config import BLEND_BLOCK, Config, ModelConfig, model_config
+from pith_train.data import Blend, PackedDataset, WindowLoader
 from pith_train.metrics import MetricsLog, log_line, peak_flops, peak_memory_gib
 from pith_train.optim import build_optimizer, lr_at
 from pith_train.prepare import load_tokenizer, prepare, stdlib_corpus
@@ -117,27 +117,27 @@ def build_model(
     return built
 
 
-def open_data(cfg: Config, run_dir: Path, main: bool) -> tuple[PackedDataset, PackedDataset | None]:
-    """The dataset and validation dataset (or None); the built-in corpus prepared on first use."""
+def open_data(cfg: Config, run_dir: Path, main: bool) -> tuple[list, list]:
+    """The datasets and each one's validation dataset (None: windows held out); the built-in corpus
+    prepared on first use."""
     tok = load_tokenizer(cfg.data.tokenizer)
-    path = Path(cfg.data.path) if cfg.data.path else run_dir / "data"
-    if not cfg.data.path and not (path / "meta.json").is_file():
+    paths = [Path(p) for p in cfg.data.path] or [run_dir / "data"]
+    if not cfg.data.path and not (paths[0] / "meta.json").is_file():
         if main:
-            prepare(stdlib_corpus(), str(path), cfg.data.tokenizer, progress=cfg.log.progress)
+            prepare(stdlib_corpus(), str(paths[0]), cfg.data.tokenizer, progress=cfg.log.progress)
         if dist.is_initialized():
             dist.barrier()
-    if not path.exists():
-        raise ValueError(f"data.path {str(path)!r} does not exist")
-    val_path = cfg.data.val_path
-    if val_path and Path(val_path).resolve() == path.resolve():
-        raise ValueError(f"data.val_path is data.path ({val_path!r}): choose another dataset or none")
-    ds = PackedDataset(str(path))
-    ds.check_tokenizer(tok)
-    if not val_path:
-        return ds, None
-    val_ds = PackedDataset(val_path, "data.val_path")
-    val_ds.check_tokenizer(tok)
-    return ds, val_ds
+    if missing := [str(p) for p in paths if not p.exists()]:
+        raise ValueError(f"data.path {missing[0]!r} does not exist")
+    for v in cfg.data.val_path:
+        if Path(v).resolve() in [p.resolve() for p in paths]:
+            raise ValueError(f"data.val_path is data.path ({v!r}): choose another dataset or none")
+    sets = [PackedDataset(str(p)) for p in paths] + [
+        PackedDataset(v, "data.val_path") for v in cfg.data.val_path
+    ]
+    for ds in sets:
+        ds.check_tokenizer(tok)
+    return sets[: len(paths)], sets[len(paths) :] or [None] * len(paths)
 
 
 def pick_device(choice: str, key: str, cpu_threads: int = 0) -> torch.device:
@@ -171,18 +171,26 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
         init = rundir.check_init(cfg, model_cfg.to_hf(), mesh, warn)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    ds, val_ds = open_data(cfg, run_dir, main)
-    ds.check_vocab(model_cfg.vocab_size)
+    datasets, val_sets = open_data(cfg, run_dir, main)
+    for ds in datasets:
+        ds.check_vocab(model_cfg.vocab_size)
     if device.type == "cuda" and (bad := fp8_size_problems(cfg, model_cfg)):
         raise ValueError(
             f"train.fp8 / train.fp8_lm_head on CUDA need multiples of 16, got {', '.join(bad)}: pad the"
             " model (e.g. --model.vocab_size), change data.seq_len or train.micro_batch, or turn FP8 off"
         )
-    loader = WindowLoader(
-        ds, cfg.data.seq_len, cfg.data.val_windows, cfg.train.seed, val_ds, cfg.data.document_mask
-    )
-    if main:
-        rundir.write_config(run_dir, cfg)
+    d, G, S = cfg.data, cfg.train.global_batch, cfg.data.seq_len
+    sources = [
+        WindowLoader(ds, S, d.val_windows, cfg.train.seed, v, d.document_mask)
+        for ds, v in zip(datasets, val_sets)
+    ]
+    loader, names = Blend(sources, d.weights, cfg.train.seed), [Path(x.path).resolve().name for x in datasets]
+    names = names if len(set(names)) == len(names) else [f"{i}_{n}" for i, n in enumerate(names)]
+    for name, s, n in zip(names, sources, loader.taken(cfg.train.steps * G)):
+        warn(
+            f"data {name}: {n} sequences in {cfg.train.steps} steps, {n / s.num_train:.3g} epochs"
+            + ", repeated" * (n > s.num_train)
+        )
     torch.manual_seed(cfg.train.seed)
     cuda = device.type == "cuda"
     model = build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
@@ -194,12 +202,14 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     if resume_from:
         state = rundir.read_json(resume_from / "trainer.json")
         step, cursor = state["step"], state["cursor"]
+    if main:  # every check passed: nothing in run_dir changed before
+        rundir.write_config(run_dir, cfg)
+    data_ids = rundir.data_ids(cfg)
     stages = trainer_stages(cfg, model, mesh)
     settings = step_settings(cfg, model)
     flops = flops_per_token(pith_models.build(model.cfg), cfg.data.seq_len)  # the whole model, on meta
     peak, peak_source = peak_flops(device)
     metrics = MetricsLog(run_dir, step, main, cfg.log.tensorboard, cfg.log.wandb, dataclasses.asdict(cfg))
-    G, S = cfg.train.global_batch, cfg.data.seq_len
     data_slice = mesh.data_rank, mesh.layout.data_ranks  # which sequences of each batch are this rank's
     last = min(cfg.train.steps, stop_at or cfg.train.steps)
     terminal = sys.stderr.isatty()
@@ -212,7 +222,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
 
     def save(step: int) -> Path:
         files = {
-            "trainer.json": json.dumps({"step": step, "cursor": cursor}),
+            "trainer.json": json.dumps({"step": step, "cursor": cursor, "data": data_ids}),
             "config.json": json.dumps(model.cfg.to_hf(), indent=1),
             "config.toml": config_mod.to_toml(cfg),  # what a resume is checked against
         }
@@ -255,13 +265,18 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
                 "expert_load_max_over_mean": load,
                 "memory_gib": peak_memory_gib(device),
             }
+            if len(names) > 1:  # the realised mix so far
+                record.update({f"mix/{n}": c / cursor for n, c in zip(names, loader.taken(cursor))})
             signum = stop.requested(device)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last or signum:
                 path = save(step)  # before validation: a failure there must not lose the trained step
             try:
                 if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == cfg.train.steps:
-                    val = loader.val_batches(cfg.train.micro_batch, *data_slice)
-                    record["val_loss"] = evaluate(stages, val)
+                    val = [
+                        evaluate(stages, s.val_batches(cfg.train.micro_batch, *data_slice)) for s in sources
+                    ]
+                    record["val_loss"] = sum(v * n for v, n in zip(val, loader.counts.tolist())) / BLEND_BLOCK
+                    record.update({f"val_loss/{n}": v for n, v in zip(names, val)} if len(val) > 1 else {})
             finally:
                 metrics.write(**record)
             bar.update(1)
@@ -275,6 +290,8 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
                 bar.close()
                 raise Interrupted(signum, step, path)
     bar.close()
+    if len(names) > 1:
+        warn(f"realised mix: {dict(zip(names, loader.taken(cursor)))} sequences, weights {d.weights}")
     return {
         "step": step,
         "loss": record.get("loss"),
