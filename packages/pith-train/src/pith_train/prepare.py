@@ -228,16 +228,16 @@ def prepare(
     if train_vocab and train_vocab < 258:
         raise ValueError(f"--train-tokenizer {train_vocab}: 256 bytes, EOS and one merge need 258 or more")
     tok = None if train_vocab else load_tokenizer(tokenizer)  # fails here, before any writing, on a bad spec
-    stats = [os.stat(f) for f in files]
-    if empty := [f for f, s in zip(files, stats) if not s.st_size]:
+    inputs = [(str(Path(f).resolve()), (s := os.stat(f)).st_size, s.st_mtime_ns) for f in files]
+    if empty := [f for f, size, _ in inputs if not size]:
         raise ValueError(f"input {empty[0]} is empty: leave it out")
-    inputs = [(str(Path(f).resolve()), s.st_size, s.st_mtime_ns) for f, s in zip(files, stats)]
     key = hashlib.sha256(json.dumps([inputs, text_field, train_vocab or tok.hash]).encode()).hexdigest()[:16]
     if out.exists():
-        if not (out / "meta.json").is_file() or json.loads((out / "meta.json").read_text())["source"] != key:
+        done = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else {}
+        if done.get("source") != key:
             raise ValueError(f"output {out_dir!r} exists, from other inputs; remove it or choose another")
         print(f"{out_dir}: already prepared from these inputs; nothing to do", file=sys.stderr)
-        return json.loads((out / "meta.json").read_text())
+        return done
     if tmp.exists():
         print(f"{tmp}: left by an interrupted run; starting again", file=sys.stderr)
         shutil.rmtree(tmp)
@@ -245,7 +245,7 @@ def prepare(
     if train_vocab:
         train_bpe(files, text_field, train_vocab, tmp / "tokenizer.json", show)
     tok = load_tokenizer(spec := str(tmp / "tokenizer.json") if train_vocab else tokenizer)
-    total = sum(s.st_size for s in stats)
+    total = sum(size for _, size, _ in inputs)
     workers = min(workers or os.cpu_count() or 1, -(-total // BATCH_BYTES))  # no more than the batches
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not show)
     start, docs, n, top = time.monotonic(), 0, 0, 0
