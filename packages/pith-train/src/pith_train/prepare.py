@@ -271,6 +271,7 @@ def prepare(
         "dtype": tokens.dtype.name,
         "num_tokens": n,
         "num_docs": docs,
+        "num_files": len(files),
         "source": key,  # inputs (paths, sizes, times), text field, tokenizer: what a re-run compares
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
