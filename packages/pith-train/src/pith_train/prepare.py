@@ -53,7 +53,7 @@ class HFTokenizer:
         self.eos_id = found[0]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        encs = self.tok.encode_batch_fast(texts, add_special_tokens=False)  # the ids of encode_batch
+        encs = self.tok.encode_batch_fast(texts, add_special_tokens=False)  # no offsets
         return [np.array(e.ids, dtype=np.int64) for e in encs]
 
     def decode(self, ids: list[int]) -> str:
@@ -162,12 +162,11 @@ def _encode(batch: tuple) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _encoded(batches, workers: int, spec: str):
-    """(pos, _encode(batch)) for each (pos, batch), in order."""
+    """(pos, _encode(batch)) for each (pos, batch), in order; spawned: the parent may hold torch's threads."""
     if workers == 1:  # in-process: no start-up cost, and callable from a script without a __main__ guard
         _init_worker(spec, False)
         yield from ((pos, _encode(batch)) for pos, batch in batches)
         return
-    # spawn, not fork: the parent may hold torch's threads.
     with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (spec, True)) as pool:
         pending = []  # at most 2 batches per worker in flight
         while True:
@@ -183,13 +182,10 @@ def find_inputs(paths: list[str], glob: str | None = None) -> list[str]:
     """Files as given; directories searched (sorted) for `glob`, by default for the formats read."""
     files = []
     for p in map(Path, paths):
-        if p.is_dir():
-            found = (f for f in p.rglob(glob or "*") if f.is_file() and (glob or KNOWN.search(f.name)))
-            files += sorted(map(str, found))
-        elif p.is_file():
-            files.append(str(p))
-        else:
+        if not p.exists():
             raise ValueError(f"input {str(p)!r} does not exist")
+        found = (f for f in p.rglob(glob or "*") if f.is_file() and (glob or KNOWN.search(f.name)))
+        files += sorted(map(str, found)) if p.is_dir() else [str(p)]
     if not files:
         raise ValueError(f"no input files in {paths} (name files of other kinds by --glob)")
     return files
@@ -221,17 +217,16 @@ def prepare(
     progress: bool = True,
     train_vocab: int = 0,
 ) -> dict:
-    """Tokenize `files` into a packed dataset at `out_dir`, built in OUT.tmp and renamed when complete
-    (run again, it starts an interrupted one again, and does nothing once complete); -> its metadata.
-    `train_vocab`: with a BPE of that size trained on the files instead of `tokenizer`."""
+    """Tokenize `files` into a packed dataset at `out_dir` (built in OUT.tmp, renamed when complete);
+    -> its metadata. `train_vocab`: with a BPE of that size trained on the files instead."""
     out, tmp, show = Path(out_dir), Path(f"{out_dir}.tmp"), progress and sys.stderr.isatty()
     if train_vocab and train_vocab < 258:
         raise ValueError(f"--train-tokenizer {train_vocab}: 256 bytes, EOS and one merge need 258 or more")
-    tok = None if train_vocab else load_tokenizer(tokenizer)  # fails here, before any writing, on a bad spec
+    by = train_vocab or load_tokenizer(tokenizer).hash  # fails here, before any writing, on a bad spec
     inputs = [(str(Path(f).resolve()), (s := os.stat(f)).st_size, s.st_mtime_ns) for f in files]
     if empty := [f for f, size, _ in inputs if not size]:
         raise ValueError(f"input {empty[0]} is empty: leave it out")
-    key = hashlib.sha256(json.dumps([inputs, text_field, train_vocab or tok.hash]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([inputs, text_field, by]).encode()).hexdigest()[:16]
     if out.exists():
         done = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else {}
         if done.get("source") != key:
@@ -272,7 +267,7 @@ def prepare(
         "num_tokens": n,
         "num_docs": docs,
         "num_files": len(files),
-        "source": key,  # inputs (paths, sizes, times), text field, tokenizer: what a re-run compares
+        "source": key,  # what a re-run compares
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     tmp.rename(out)
