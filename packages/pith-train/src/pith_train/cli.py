@@ -13,10 +13,9 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
     from pith_train.prepare import find_inputs, padded_vocab, prepare
 
     tokenizer, vocab = args.tokenizer or "byte", args.train_tokenizer
-    meta = prepare(
-        find_inputs(args.inputs), args.out, tokenizer, args.text_field, args.workers, train_vocab=vocab
-    )
-    print(f"wrote {args.out}: {meta['num_tokens']:,} tokens in {meta['num_docs']:,} documents")
+    files = find_inputs(args.inputs, args.glob)
+    meta = prepare(files, args.out, tokenizer, args.text_field, args.workers, train_vocab=vocab)
+    print(f"{args.out}: {meta['num_tokens']:,} tokens in {meta['num_docs']:,} documents")
     if vocab:
         train = f"--data.tokenizer={meta['tokenizer']} --model.vocab_size={padded_vocab(meta['vocab_size'])}"
         print(f"train on it with --data.path={args.out} {train}")
@@ -275,8 +274,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pith-train", description="Pith: train Mixture-of-Experts models")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("prepare-data", help="tokenize .txt/.jsonl files into a packed dataset")
-    p.add_argument("inputs", nargs="+", help="files, or directories searched for .txt and .jsonl files")
+    p = sub.add_parser("prepare-data", help="tokenize text, JSONL or Parquet files into a packed dataset")
+    p.add_argument("inputs", nargs="+", help="files, or directories searched for .txt, .jsonl, .parquet")
+    p.add_argument(
+        "--glob", help="the files to take from directories instead, e.g. '*.py' (each one document)"
+    )
     p.add_argument("--out", required=True, help="dataset directory to create")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--tokenizer", help="'byte' (the default) or a Hugging Face tokenizer.json")
@@ -287,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         metavar="VOCAB",
         help="train a byte-level BPE of VOCAB tokens on the inputs instead, written to OUT/tokenizer.json",
     )
-    p.add_argument("--text-field", default="text", help="the JSON field holding a .jsonl line's text")
+    p.add_argument("--text-field", default="text", help="the JSONL field or Parquet column holding the text")
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: one per CPU)")
     p.set_defaults(run=cmd_prepare_data)
 

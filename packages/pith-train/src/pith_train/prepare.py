@@ -1,13 +1,18 @@
 """Tokenizers and `prepare-data` (pith-train README, Commands). No torch import here, so the
 tokenizing worker processes start quickly."""
 
-import contextlib
+import gzip
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
+import re
 import shutil
+import signal
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
@@ -42,15 +47,14 @@ class HFTokenizer:
         self.hash = hashlib.sha256(data).hexdigest()[:16]
         self.tok = Tokenizer.from_str(data.decode("utf-8"))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        ids = [self.tok.token_to_id(t) for t in self.EOS_NAMES]
-        found = [i for i in ids if i is not None]
+        found = [i for t in self.EOS_NAMES if (i := self.tok.token_to_id(t)) is not None]
         if not found:
             raise ValueError(f"tokenizer {path}: has none of the end-of-text tokens {self.EOS_NAMES}")
         self.eos_id = found[0]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        encs = self.tok.encode_batch(texts, add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
+        encs = self.tok.encode_batch_fast(texts, add_special_tokens=False)  # no offsets
+        return [np.array(e.ids, dtype=np.int64) for e in encs]
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -69,53 +73,121 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     return HFTokenizer(spec)
 
 
-_worker_tokenizer = None
+# The parent reads batches of ~BATCH_BYTES of text (`_batches`), workers tokenize them (`_encode`), the
+# parent writes them in order; memory: 2 batches per worker in flight and the largest document.
+BATCH_BYTES = 1 << 20
+KNOWN = re.compile(r"\.(txt|jsonl)(\.gz|\.zst)?$|\.parquet$")
 
 
-def _init_worker(spec: str) -> None:
-    global _worker_tokenizer  # one tokenizer per worker process, built once
-    _worker_tokenizer = load_tokenizer(spec)
-
-
-def _read_documents(path: str, text_field: str):
-    if not path.endswith(".jsonl"):
-        yield Path(path).read_text(encoding="utf-8", errors="replace")
-        return
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+def _jsonl_texts(block: bytes, where: tuple[str, int], field: str) -> list[str]:
+    """The `field` strings of a block of JSONL lines; `where`: its file and first line number."""
+    texts = []
+    for n, line in enumerate(block.split(b"\n"), where[1]):
+        if line.strip():
             try:
                 row = json.loads(line)
             except ValueError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e}); fix or remove that line") from None
-            if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                raise ValueError(f"{path}:{n}: expected a JSON object with a string field {text_field!r}")
-            yield row[text_field]
+                raise ValueError(f"{where[0]}:{n}: not valid JSON ({e}); fix or remove that line") from None
+            if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                raise ValueError(f"{where[0]}:{n}: expected a JSON object with a string field {field!r}")
+            texts.append(row[field])
+    return texts
 
 
-def _tokenize_file(args: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
-    """-> (every document's tokens, each followed by EOS; each document's length with its EOS)."""
-    path, text_field = args
-    tok = _worker_tokenizer
-    docs = [np.append(ids, tok.eos_id) for ids in tok.encode_batch(list(_read_documents(path, text_field)))]
-    if not docs:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(docs), np.asarray([len(d) for d in docs], np.int64)
+def _file_batches(path: str, field: str):
+    """(bytes of `path` read, (parse, *args)) for each batch of its texts, parse(*args). A file other
+    than .jsonl or .parquet is one text."""
+    size = os.path.getsize(path)
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        table, done = pq.ParquetFile(path), 0
+        if field not in table.schema_arrow.names:
+            raise ValueError(f"{path}: no column {field!r} (it has {table.schema_arrow.names})")
+        for records in table.iter_batches(1024, columns=[field]):
+            texts = records.column(0).to_pylist()
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError(f"{path}: column {field!r} holds {set(map(type, texts))}, not strings")
+            done += len(texts)
+            yield size * done // table.metadata.num_rows, (list, texts)
+        return
+    with open(path, "rb") as raw:
+        f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+        if path.endswith(".zst"):
+            import zstandard
+
+            f = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        if not re.search(r"\.jsonl(\.gz|\.zst)?$", path):
+            yield size, (list, [f.read().decode("utf-8", errors="replace")])
+            return
+        line, rest = 1, bytearray()
+        while True:
+            chunk = f.read(BATCH_BYTES)
+            rest += chunk  # cut at the last line's end, which only the new chunk can hold
+            if cut := rest.rfind(b"\n", len(rest) - len(chunk)) + 1 if chunk else len(rest):
+                block = bytes(rest[:cut])
+                del rest[:cut]
+                yield raw.tell(), (_jsonl_texts, block, (path, line), field)
+                line += block.count(b"\n")
+            if not chunk:
+                return
 
 
-def find_inputs(paths: list[str]) -> list[str]:
-    """Files as given; directories searched (sorted) for .txt and .jsonl files."""
+def _batches(files: list[str], field: str):
+    """(input bytes read, batch) over `files`: the same batches whatever the workers."""
+    done = 0
+    for path in files:
+        yield from ((done + pos, batch) for pos, batch in _file_batches(path, field))
+        done += os.path.getsize(path)
+
+
+_tok = None
+
+
+def _init_worker(spec: str, pool: bool) -> None:
+    global _tok  # one tokenizer per worker process, built once, on one thread: workers are the parallelism
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if pool:  # Ctrl-C reaches the whole process group: the parent stops the pool
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _tok = load_tokenizer(spec)
+
+
+def _encode(batch: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """-> (the batch's documents' tokens, each followed by EOS, in the dataset's dtype; their lengths)."""
+    parse, *args = batch
+    docs = [np.append(ids, _tok.eos_id) for ids in _tok.encode_batch(parse(*args))]
+    tokens = np.concatenate(docs) if docs else np.zeros(0, np.int64)
+    dtype = np.uint16 if _tok.vocab_size <= 1 << 16 else np.uint32
+    return tokens.astype(dtype), np.array([len(d) for d in docs], np.int64)
+
+
+def _encoded(batches, workers: int, spec: str):
+    """(pos, _encode(batch)) for each (pos, batch), in order; spawned: the parent may hold torch's threads."""
+    if workers == 1:  # in-process: no start-up cost, and callable from a script without a __main__ guard
+        _init_worker(spec, False)
+        yield from ((pos, _encode(batch)) for pos, batch in batches)
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (spec, True)) as pool:
+        pending = []  # at most 2 batches per worker in flight
+        while True:
+            for pos, batch in itertools.islice(batches, 2 * workers - len(pending)):
+                pending.append((pos, pool.apply_async(_encode, (batch,))))
+            if not pending:
+                return
+            pos, result = pending.pop(0)
+            yield pos, result.get()
+
+
+def find_inputs(paths: list[str], glob: str | None = None) -> list[str]:
+    """Files as given; directories searched (sorted) for `glob`, by default for the formats read."""
     files = []
     for p in map(Path, paths):
-        if p.is_dir():
-            files += sorted(str(f) for f in p.rglob("*") if f.suffix in (".txt", ".jsonl") and f.is_file())
-        elif p.is_file():
-            files.append(str(p))
-        else:
+        if not p.exists():
             raise ValueError(f"input {str(p)!r} does not exist")
+        found = (f for f in p.rglob(glob or "*") if f.is_file() and (glob or KNOWN.search(f.name)))
+        files += sorted(map(str, found)) if p.is_dir() else [str(p)]
     if not files:
-        raise ValueError(f"no .txt or .jsonl files found in {paths}")
+        raise ValueError(f"no input files in {paths} (name files of other kinds by --glob)")
     return files
 
 
@@ -132,7 +204,7 @@ def train_bpe(files: list[str], text_field: str, vocab_size: int, path: Path, pr
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=progress,
     )
-    tok.train_from_iterator((doc for f in files for doc in _read_documents(f, text_field)), trainer)
+    tok.train_from_iterator((t for _, (parse, *a) in _batches(files, text_field) for t in parse(*a)), trainer)
     tok.save(str(path))
 
 
@@ -145,53 +217,57 @@ def prepare(
     progress: bool = True,
     train_vocab: int = 0,
 ) -> dict:
-    """Tokenize `files` into a packed dataset at `out_dir`; -> its metadata. `train_vocab`: with a BPE
-    of that size trained on the files instead of `tokenizer`."""
-    out, tmp = Path(out_dir), Path(f"{out_dir}.tmp")
-    if out.exists():
-        raise ValueError(f"output {out_dir!r} already exists; remove it or choose another")
+    """Tokenize `files` into a packed dataset at `out_dir` (built in OUT.tmp, renamed when complete);
+    -> its metadata. `train_vocab`: with a BPE of that size trained on the files instead."""
+    out, tmp, show = Path(out_dir), Path(f"{out_dir}.tmp"), progress and sys.stderr.isatty()
     if train_vocab and train_vocab < 258:
         raise ValueError(f"--train-tokenizer {train_vocab}: 256 bytes, EOS and one merge need 258 or more")
-    tok = None if train_vocab else load_tokenizer(tokenizer)  # fails here, before any writing, on a bad spec
-    shutil.rmtree(tmp, ignore_errors=True)
+    by = train_vocab or load_tokenizer(tokenizer).hash  # fails here, before any writing, on a bad spec
+    inputs = [(str(Path(f).resolve()), (s := os.stat(f)).st_size, s.st_mtime_ns) for f in files]
+    if empty := [f for f, size, _ in inputs if not size]:
+        raise ValueError(f"input {empty[0]} is empty: leave it out")
+    key = hashlib.sha256(json.dumps([inputs, text_field, by]).encode()).hexdigest()[:16]
+    if out.exists():
+        done = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else {}
+        if done.get("source") != key:
+            raise ValueError(f"output {out_dir!r} exists, from other inputs; remove it or choose another")
+        print(f"{out_dir}: already prepared from these inputs; nothing to do", file=sys.stderr)
+        return done
+    if tmp.exists():
+        print(f"{tmp}: left by an interrupted run; starting again", file=sys.stderr)
+        shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     if train_vocab:
-        tokenizer = str(tmp / "tokenizer.json")
-        train_bpe(files, text_field, train_vocab, Path(tokenizer), progress)
-        tok = load_tokenizer(tokenizer)
-    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
-    workers = workers or min(len(files), os.cpu_count() or 1)
-    num_tokens, doc_ends = 0, []
-    bar = tqdm(total=len(files), unit="file", disable=not progress, desc="tokenizing")
-    with open(tmp / "tokens.bin", "wb") as f, contextlib.ExitStack() as stack:
-        jobs = [(p, text_field) for p in files]
-        if workers > 1:
-            # spawn, not fork: the parent may hold torch's threads. imap keeps the file order, so the
-            # dataset does not depend on the number of workers.
-            pool = stack.enter_context(
-                multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer,))
+        train_bpe(files, text_field, train_vocab, tmp / "tokenizer.json", show)
+    tok = load_tokenizer(spec := str(tmp / "tokenizer.json") if train_vocab else tokenizer)
+    total = sum(size for _, size, _ in inputs)
+    workers = min(workers or os.cpu_count() or 1, -(-total // BATCH_BYTES))  # no more than the batches
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not show)
+    start, docs, n, top = time.monotonic(), 0, 0, 0
+    with open(tmp / "tokens.bin", "wb") as tf, open(tmp / "doc_ends.bin", "wb") as ef:
+        for pos, (tokens, lengths) in _encoded(_batches(files, text_field), workers, spec):
+            tf.write(tokens.data)
+            ef.write((n + np.cumsum(lengths)).data)
+            n, docs, top = n + len(tokens), docs + len(lengths), max(top, int(tokens.max(initial=0)))
+            bar.set_postfix_str(
+                f"{docs:,} docs, {n:,} tokens, {n / (time.monotonic() - start):,.0f} tokens/s", False
             )
-            results = pool.imap(_tokenize_file, jobs)
-        else:  # in-process: no start-up cost, and callable from a script without a __main__ guard
-            _init_worker(tokenizer)
-            results = map(_tokenize_file, jobs)
-        for tokens, lengths in results:
-            f.write(tokens.astype(dtype).tobytes())
-            doc_ends.append(num_tokens + np.cumsum(lengths))
-            num_tokens += len(tokens)
-            bar.update(1)
-            bar.set_postfix(tokens=f"{num_tokens:,}")
+            bar.update(pos - bar.n)
     bar.close()
-    np.concatenate(doc_ends or [np.zeros(0, np.int64)]).tofile(tmp / "doc_ends.bin")
+    if n == docs:
+        shutil.rmtree(tmp)
+        raise ValueError(f"the inputs hold no text ({docs} documents, all empty)")
     meta = {
         "tokenizer": str(out.resolve() / "tokenizer.json") if train_vocab else tok.name,
         "tokenizer_hash": tok.hash,
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
-        "dtype": np.dtype(dtype).name,
-        "num_tokens": num_tokens,
-        "num_docs": int(sum(len(d) for d in doc_ends)),
+        "max_token_id": top,
+        "dtype": tokens.dtype.name,
+        "num_tokens": n,
+        "num_docs": docs,
         "num_files": len(files),
+        "source": key,  # what a re-run compares
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     tmp.rename(out)

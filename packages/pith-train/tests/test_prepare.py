@@ -1,0 +1,213 @@
+"""prepare-data at corpus scale: formats, workers, memory, interruption, refusals."""
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pith_train.prepare as prep
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pith_train.cli import main
+from pith_train.data import PackedDataset
+from pith_train.prepare import HFTokenizer, find_inputs, prepare, stdlib_corpus
+
+
+def test_an_empty_input_is_refused_and_any_text_file_is_read_by_glob(tmp_path, capsys):
+    """An empty file was prepared (and a BPE trained on nothing); .py files in a folder had to be
+    renamed .txt."""
+    (tmp_path / "empty.txt").write_text("")
+    for extra in ([], ["--train-tokenizer", "300"]):
+        with pytest.raises(SystemExit) as e:
+            main(["prepare-data", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "ds"), *extra])
+        assert e.value.code == 1 and "empty.txt is empty" in capsys.readouterr().err
+        assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "a.py").write_text("print(1)\n")
+    (src / "pkg" / "b.py").write_text("x = 2\n")
+    (src / "c.txt").write_text("not this one")
+    main(["prepare-data", str(src), "--glob", "*.py", "--out", str(tmp_path / "py"), "--workers", "1"])
+    ds = PackedDataset(str(tmp_path / "py"))
+    assert ds.doc_ends.tolist() == [10, 17]
+    assert bytes(ds.tokens[ds.tokens != 256].astype(np.uint8)) == b"print(1)\nx = 2\n"
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_the_progress_bar_is_drawn_on_a_terminal_only(tmp_path, capsys, monkeypatch):
+    """The bar was written into redirected logs."""
+    args = ["prepare-data", stdlib_corpus()[0], "--workers", "1", "--out"]
+    main([*args, str(tmp_path / "logged")])
+    assert "tokenizing" not in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    main([*args, str(tmp_path / "shown")])
+    assert "tokens/s" in sys.stderr.getvalue()
+
+
+DOCS = ["héllo wörld ☃\n", "", 'two\nlines and a "quote"', "x" * 300, "<|endoftext|> as text", "\t tab"]
+
+
+def _corpus(src):
+    """Every format prepare reads (sorted as find_inputs sorts them), with the texts each holds."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    src.mkdir()
+    rows = "".join(json.dumps({"text": t, "n": i}) + "\n\n" for i, t in enumerate(DOCS)).encode()
+    (src / "a.jsonl").write_bytes(rows[:-2])  # no newline at the end
+    (src / "b.jsonl.gz").write_bytes(gzip.compress(rows))
+    (src / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(rows))
+    pq.write_table(pa.table({"n": range(len(DOCS)), "text": DOCS}), src / "d.parquet", row_group_size=4)
+    (src / "e.txt").write_text(DOCS[0] + DOCS[2])
+    (src / "f.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(DOCS[3].encode()))
+    (src / "g.py").write_text("not found without --glob")
+    return DOCS * 4 + [DOCS[0] + DOCS[2], DOCS[3]]
+
+
+def _bytes(path):
+    return [(path / f).read_bytes() for f in ("tokens.bin", "doc_ends.bin", "meta.json")]
+
+
+def test_every_format_gives_each_documents_own_tokens_whatever_the_workers(tmp_path, monkeypatch):
+    """Batches of 64 bytes split every file; 1 or 2 workers write the same dataset, each document
+    the tokenizer's tokens for it alone, then EOS."""
+    monkeypatch.setattr(prep, "BATCH_BYTES", 64)
+    texts = _corpus(tmp_path / "src")
+    files = find_inputs([str(tmp_path / "src")])
+    assert [Path(f).name[0] for f in files] == list("abcdef")
+    spec = str(tmp_path / "tok.json")
+    prep.train_bpe(files, "text", 300, Path(spec), progress=False)
+    tok = HFTokenizer(spec)
+    for workers in (1, 2):
+        meta = prepare(files, str(tmp_path / f"w{workers}"), spec, workers=workers, progress=False)
+    assert _bytes(tmp_path / "w1") == _bytes(tmp_path / "w2")
+    ds = PackedDataset(str(tmp_path / "w2"))
+    want = [tok.tok.encode(t, add_special_tokens=False).ids + [tok.eos_id] for t in texts]
+    assert (
+        np.array_equal(ds.tokens, np.concatenate(want))
+        and ds.doc_ends.tolist() == np.cumsum([len(w) for w in want]).tolist()
+    )
+    assert meta["max_token_id"] == max(map(max, want)) and meta["num_docs"] == len(texts)
+
+
+@settings(max_examples=40)
+@given(
+    docs=st.lists(st.text(max_size=20), max_size=12),
+    blank=st.lists(st.booleans(), min_size=12, max_size=12),
+    batch=st.integers(1, 48),
+    end=st.sampled_from(["", "\n", "\n\n"]),
+)
+def test_jsonl_blocks_cut_at_line_ends_whatever_the_batch(tmp_path_factory, docs, blank, batch, end):
+    """Blocks are the file cut at line ends, each with its first line's number; blank lines are no
+    documents."""
+    lines = [json.dumps({"text": t}) + "\n" * (1 + b) for t, b in zip(docs, blank)]
+    path = tmp_path_factory.mktemp("jsonl") / "d.jsonl"
+    path.write_bytes(("".join(lines).rstrip("\n") + end).encode())
+    old, prep.BATCH_BYTES = prep.BATCH_BYTES, batch
+    try:
+        batches = [b for _, b in prep._batches([str(path)], "text")]
+    finally:
+        prep.BATCH_BYTES = old
+    blocks = [block for _, block, _, _ in batches]
+    assert b"".join(blocks) == path.read_bytes() and all(b.endswith(b"\n") for b in blocks[:-1])
+    assert [line for _, _, (_, line), _ in batches] == [
+        1 + b"".join(blocks[:i]).count(b"\n") for i in range(len(blocks))
+    ]
+    assert [t for parse, *args in batches for t in parse(*args)] == docs
+
+
+def test_formats_refuse_a_missing_field_and_an_existing_output(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a", None]}), tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match=r"p.parquet: no column 'text' \(it has \['body'\]\)"):
+        prepare([str(tmp_path / "p.parquet")], str(tmp_path / "ds"), progress=False)
+    with pytest.raises(ValueError, match="p.parquet: column 'body' holds .*NoneType"):
+        prepare([str(tmp_path / "p.parquet")], str(tmp_path / "ds"), text_field="body", progress=False)
+    (tmp_path / "blank.jsonl").write_text('\n{"text": ""}\n')
+    with pytest.raises(ValueError, match=r"the inputs hold no text \(1 documents, all empty\)"):
+        prepare([str(tmp_path / "blank.jsonl")], str(tmp_path / "ds"), progress=False)
+    assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()
+    (tmp_path / "a.txt").write_text("a")
+    prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), progress=False)
+    with pytest.raises(ValueError, match="'.*ds' exists, from other inputs; remove it"):
+        prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), text_field="body", progress=False)
+
+
+# SIGINT to the whole process group (what Ctrl-C sends) once 8 batches are written.
+INTERRUPT = """
+import os, signal, sys
+import pith_train.prepare as prep
+from pith_train.cli import main
+prep.BATCH_BYTES, encoded = 1 << 12, prep._encoded
+def interrupt(*args):
+    for i, item in enumerate(encoded(*args)):
+        if i == 8:
+            os.killpg(0, signal.SIGINT)
+        yield item
+prep._encoded = interrupt
+main(sys.argv[1:])
+"""
+
+
+def test_an_interrupted_run_leaves_no_dataset_and_the_same_command_starts_it_again(tmp_path, capsys):
+    """Ctrl-C midway through a 2-worker run of a .jsonl.gz: no dataset pretrain would open; the same
+    command starts again and writes what one worker writes; once more, it does nothing."""
+    import gzip
+
+    rows = (json.dumps({"text": f"document {i}: " + "abc " * (i % 97)}) + "\n" for i in range(4000))
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress("".join(rows).encode(), 1))
+    args = ["prepare-data", str(tmp_path / "c.jsonl.gz"), "--out"]
+    out, tmp = tmp_path / "ds", tmp_path / "ds.tmp"
+    run = subprocess.run(
+        [sys.executable, "-c", INTERRUPT, *args, str(out), "--workers", "2"],
+        capture_output=True, text=True, start_new_session=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 130 and "interrupted" in run.stderr, run.stderr
+    assert not out.exists() and (tmp / "tokens.bin").stat().st_size > 0
+    for path in (out, tmp):
+        with pytest.raises(ValueError, match="no prepared dataset there"):
+            PackedDataset(str(path))
+    main([*args, str(out), "--workers", "2"])
+    assert "left by an interrupted run; starting again" in capsys.readouterr().err and not tmp.exists()
+    main([*args, str(tmp_path / "one"), "--workers", "1"])
+    before = (out / "tokens.bin").stat().st_mtime_ns
+    main([*args, str(out)])
+    assert "already prepared from these inputs; nothing to do" in capsys.readouterr().err
+    assert _bytes(out) == _bytes(tmp_path / "one") and (out / "tokens.bin").stat().st_mtime_ns == before
+
+
+PEAK = """
+import resource, sys
+import pith_train.prepare as prep
+prep.BATCH_BYTES = 1 << 18
+peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10  # MiB
+before = peak()
+prep.prepare([sys.argv[1]], sys.argv[2], workers=2, progress=False)
+print(peak() - before)
+"""
+
+
+def test_memory_is_bounded_by_the_batches_in_flight_not_the_corpus(tmp_path):
+    """2 workers, batches of 256 KiB: at most 2 per worker in flight (each with its 512 KiB of uint16
+    tokens) and the one being written, about 4 MiB; the 24 MiB corpus (48 MiB of tokens) raised the
+    parent's peak by 6 MiB, and by 29 MiB when the batches were all handed to the pool at once."""
+    line = json.dumps({"text": "abc def " * 125}) + "\n"
+    (tmp_path / "c.jsonl").write_text(line * (24 * 2**20 // len(line)))
+    run = subprocess.run(
+        [sys.executable, "-c", PEAK, str(tmp_path / "c.jsonl"), str(tmp_path / "ds")],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert int(run.stdout) < 16, run.stdout
+    assert PackedDataset(str(tmp_path / "ds")).meta["num_tokens"] == 24 * 2**20 // len(line) * 1001
