@@ -1,0 +1,235 @@
+"""`pith-train plan CONFIG --measure`: one process plays rank R of the config's layout on this device,
+the other ranks mirrored (`Mirror`), and trains a few steps with the trainer's own model, FSDP, stages
+and optimizer: its peak memory beside the plan's terms, and its step time without communication."""
+
+import contextlib
+import os
+import statistics
+import time
+
+import pith_ops
+import torch
+import torch.distributed as dist
+from pith_engine.step import train_step
+from torch._C._distributed_c10d import PythonCallbackWork
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from pith_train import plan
+from pith_train.config import Config, model_config
+from pith_train.optim import build_optimizer
+from pith_train.train import (
+    apply_fp8,
+    build_model,
+    parallel_layout,
+    pick_device,
+    step_settings,
+    trainer_stages,
+)
+
+SUM = (dist.ReduceOp.SUM, dist.ReduceOp.PREMUL_SUM)
+
+
+class Mirror(dist.ProcessGroup):
+    """`size` ranks that each do what this one does: an all-gather returns copies of this rank's piece,
+    an all-to-all what it sends, a sum `size` times the input (max, min, avg: the input), a reduce-
+    scatter this rank's piece of that sum, a broadcast leaves the tensor, and a receive takes the oldest
+    unclaimed send of its shape (random normal values if none), so values stay finite and routing
+    realistic. Every buffer is the caller's, of its real size."""
+
+    def __init__(self, rank: int, size: int):
+        super().__init__(rank, size)
+        self.n, self.sent = size, {}  # (shape, dtype) -> sends not yet received, oldest first
+
+    def _done(self, fill=lambda: None):
+        # Copies run on the issuing stream, as NCCL's; a wait on another stream waits for them there.
+        fill()
+        ready = torch.cuda.Event() if torch.cuda.is_available() else None
+        if ready is not None:
+            ready.record()
+        return PythonCallbackWork(
+            lambda timeout: ready is None or torch.cuda.current_stream().wait_event(ready) or 1
+        )
+
+    def _reduce(self, x, op):
+        return x.mul_(self.n) if op in SUM else x
+
+    def allreduce(self, tensors, opts):
+        return self._done(lambda: [self._reduce(t, opts.reduceOp) for t in tensors])
+
+    allreduce_coalesced = allreduce
+
+    def all_gather_single(self, out, x, opts):
+        # FSDP2 gathers in place: x may be this rank's piece of out
+        x = x.reshape(-1)
+        return self._done(lambda: [o.copy_(x) for o in out.view(self.n, -1) if o.data_ptr() != x.data_ptr()])
+
+    def allgather(self, outs, xs, opts):
+        return self._done(lambda: [o.copy_(x) for os, x in zip(outs, xs) for o in os])
+
+    def reduce_scatter_single(self, out, x, opts):
+        return self._done(
+            lambda: self._reduce(out.copy_(x.view(self.n, -1)[self.rank()].view_as(out)), opts.reduceOp)
+        )
+
+    def reduce_scatter(self, outs, xs, opts):
+        return self._done(
+            lambda: [self._reduce(o.copy_(x[self.rank()]), opts.reduceOp) for o, x in zip(outs, xs)]
+        )
+
+    def all_to_all_single(self, out, x, out_splits, in_splits, opts):
+        # Every rank sends this rank what it sends them: the splits mirror, and out takes x.
+        return self._done(lambda: out.copy_(x))
+
+    _allgather_base, _reduce_scatter_base, alltoall_base = (
+        all_gather_single,
+        reduce_scatter_single,
+        all_to_all_single,
+    )
+
+    def alltoall(self, outs, xs, opts):
+        return self._done(lambda: [o.copy_(x) for o, x in zip(outs, xs)])
+
+    def broadcast(self, tensors, opts):
+        return self._done()
+
+    def barrier(self, opts):
+        return self._done()
+
+    def send(self, tensors, dst, tag):
+        for t in tensors:
+            self.sent.setdefault((t.shape, t.dtype), []).append(t)
+        return self._done()
+
+    def recv(self, tensors, src, tag):
+        # Claimed at the wait, after the batch's sends were issued (a DualPipeV batch sends and receives
+        # at once): no order of the schedule's can block.
+        def fill():
+            for t in tensors:
+                sent = self.sent.get((t.shape, t.dtype))
+                t.copy_(sent.pop(0)) if sent else t.normal_()
+
+        return PythonCallbackWork(lambda timeout: fill() or 1)
+
+    def _get_backend(self, device):  # batch_isend_irecv asks it whether it coalesces: no
+        return self
+
+    def getBackendName(self):
+        return BACKEND
+
+    def _set_group_name(self, name: str) -> None:  # torch's pybind reads a Python group's name back here
+        self.name = name
+
+    group_name = property(lambda self: self.name)
+
+
+BACKEND = "pith-mirror"
+# torch's one way to make a process group of a class: DeviceMesh, FSDP2 and DCP create subgroups by the
+# default group's backend name, so the mirror's subgroups are mirrors too.
+dist.Backend.register_backend(
+    BACKEND, lambda store, rank, size, timeout: Mirror(rank, size), devices=["cpu", "cuda"]
+)
+
+
+class Live(TorchDispatchMode):
+    """Bytes of the CPU tensors allocated under it that are alive, and their peak (the CPU allocator
+    keeps no statistics): each op's outputs that alias none of its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {
+            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and (s := t.untyped_storage()).nbytes():
+                if (ptr := s.data_ptr()) in seen or not self._free(ptr):
+                    continue
+                self.live[ptr] = StorageWeakRef(s), s.nbytes()
+                self.now += s.nbytes()
+        if self.now > self.peak:  # frees only lower `now`: count them when it could set a peak
+            for ptr in list(self.live):
+                self._free(ptr)
+            self.peak = max(self.peak, self.now)
+        return out
+
+    def _free(self, ptr: int) -> bool:
+        """Whether no live storage is at `ptr` (forgetting a dead one)."""
+        if ptr in self.live and not self.live[ptr][0].expired():
+            return False
+        self.now -= self.live.pop(ptr, (None, 0))[1]
+        return True
+
+
+def _tensors(named) -> dict[str, tuple]:
+    return {k: (tuple(t.shape), t.dtype, t.numel() * t.element_size()) for k, t in named if t is not None}
+
+
+def _local(t):
+    return getattr(t, "_local_tensor", t)
+
+
+def heaviest(cfg: Config, m: plan.Model, cuda: bool) -> int:
+    """The global rank (data, context, expert coordinates 0) of the pipeline rank that holds most."""
+    return plan.plan(cfg, m, cuda).rank * (cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.ep)
+
+
+def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 1) -> dict:
+    """Train `warmup` + `steps` steps of random tokens as global rank `rank` (default: the heaviest),
+    mirrored unless a process group is already started (a real run's rank, for the tests) -> the
+    tensors it holds {kind: {name: (shape, dtype, bytes)}}, the measured peak (bytes, over the steps),
+    the plan of its pipeline rank, and the median step's seconds."""
+    device = pick_device(cfg.train.device, "train.device", cfg.train.cpu_threads)
+    cuda, m, p = device.type == "cuda", plan.model_shape(model_config(cfg.model)), cfg.parallel
+    plan.valid(cfg, m)
+    world = p.pp * p.dp * p.cp * p.ep
+    rank = heaviest(cfg, m, cuda) if rank is None else rank
+    if not 0 <= rank < world:
+        raise ValueError(f"--rank {rank}: expected a rank of the layout's {world}, 0 to {world - 1}")
+    if not dist.is_initialized() and "RANK" not in os.environ:  # under torchrun: the real group
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world)
+    mesh = parallel_layout(cfg, device)
+    rank = dist.get_rank()
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
+    apply_fp8(cfg, model, cuda)
+    optimizer = build_optimizer(model, cfg)
+    stages, settings = trainer_stages(cfg, model, mesh), step_settings(cfg, model)
+    names = {p: n for n, p in model.named_parameters()}
+    held = {"parameters": _tensors((n, _local(p)) for p, n in names.items())}
+    update = optimizer.step
+
+    def step_with_snapshot(**kw):  # the gradients as the optimizer takes them (zero_grad drops them)
+        held["gradients"] = _tensors((n, _local(pith_ops.grad(p))) for p, n in names.items())
+        return update(**kw)
+
+    optimizer.step = step_with_snapshot
+    gen = torch.Generator(device).manual_seed(cfg.train.seed + mesh.data_rank)
+    B, S, V = cfg.train.global_batch // mesh.layout.data_ranks, cfg.data.seq_len, m.cfg.vocab_size
+    live, sync = Live(), torch.cuda.synchronize if cuda else lambda: None
+    seconds = []
+    for i in range(warmup + steps):
+        ids = torch.randint(V, (B, S + 1), device=device, generator=gen)
+        micro = [(x[:, :-1], x[:, 1:]) for x in ids.split(cfg.train.micro_batch)]
+        if i == warmup and cuda:
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        with live if i >= warmup and not cuda else contextlib.nullcontext():
+            train_step(stages, optimizer, micro, cfg.train.lr, *settings)
+            sync()
+        seconds.append(time.perf_counter() - start)
+    held["optimizer state"] = _tensors(
+        (f"{names[p]}.{k}", _local(t)) for o in getattr(optimizer, "optimizers", [optimizer])
+        for p, state in o.state.items() for k, t in state.items()
+    )  # fmt: skip
+    static = sum(b for kind in ("parameters", "optimizer state") for *_, b in held[kind].values())
+    peak = torch.cuda.max_memory_allocated(device) if cuda else static + live.peak
+    planned = max(plan.rank_plan(cfg, m, mesh.pp_rank, cuda), key=lambda x: x.total)
+    return {"rank": rank, "held": held, "peak": peak, "static": static, "device": str(device),
+            "plan": planned, "step_s": statistics.median(seconds[warmup:])}  # fmt: skip
