@@ -41,3 +41,19 @@ def test_a_mirrored_rank_holds_what_the_real_rank_holds_and_peaks_within_10_perc
         dynamic = [r["peak"] - r["static"] for r in (mirror, real)]
         print(name, rank, dynamic, mirror["plan"])
         assert 0.9 <= dynamic[0] / dynamic[1] <= 1.1, (name, dynamic)
+
+
+def test_plan_measure_prints_measured_beside_planned(capsys):
+    import torch.distributed as dist
+    from pith_train.cli import main
+
+    try:
+        main(["plan", *(f"--{o}" for o in BASE), "--parallel.ep=2", "--measure", "--rank=1", "--steps=1"])
+    finally:
+        dist.destroy_process_group()
+    out = capsys.readouterr().out
+    assert "rank 1 (pipeline rank 0) measured on cpu, the other ranks mirrored" in out, out
+    assert [line.split()[1:] for line in out.splitlines() if line.startswith("  parameters")][0][0] == (
+        [line.split()[1:] for line in out.splitlines() if line.startswith("  parameters")][0][1]
+    ), out
+    assert "step without communication" in out

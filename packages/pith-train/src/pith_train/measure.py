@@ -230,6 +230,26 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
     )  # fmt: skip
     static = sum(b for kind in ("parameters", "optimizer state") for *_, b in held[kind].values())
     peak = torch.cuda.max_memory_allocated(device) if cuda else static + live.peak
-    planned = max(plan.rank_plan(cfg, m, mesh.pp_rank, cuda), key=lambda x: x.total)
+    start, at_step = plan.rank_plan(cfg, m, mesh.pp_rank, cuda)
     return {"rank": rank, "held": held, "peak": peak, "static": static, "device": str(device),
-            "plan": planned, "step_s": statistics.median(seconds[warmup:])}  # fmt: skip
+            "plan": max(start, at_step, key=lambda x: x.total), "step_plan": at_step,
+            "step_s": statistics.median(seconds[warmup:])}  # fmt: skip
+
+
+def report(r: dict) -> str:
+    out, gib = r["plan"], plan.GIB
+    held = {k: sum(b for *_, b in v.values()) for k, v in r["held"].items()}
+    grads = held["gradients"]
+    held["gradients"] = grads if out is r["step_plan"] else None  # measured at the optimizer step
+    rows = [(k, v, held.get(k)) for k, v in sorted(out.terms.items(), key=lambda kv: -kv[1])]
+    rows.append(("total (allocated), peak", out.total, r["peak"]))
+    cell = lambda x: "-" if x is None else f"{x / gib:.3f}"
+    return "\n".join([
+        f"rank {r['rank']} (pipeline rank {out.rank}) measured on {r['device']}, the other ranks mirrored;"
+        f" the plan at {out.moment}, GiB:",
+        f"  {'term':<30}{'planned':>10}{'measured':>10}",
+        *(f"  {k:<30}{cell(p):>10}{cell(m):>10}" for k, p, m in rows),
+        f"measured / planned peak: {r['peak'] / out.total:.3f}; gradients at the optimizer step, planned"
+        f" {cell(r['step_plan'].terms['gradients'])}, measured {cell(grads)}",
+        f"step without communication: {r['step_s'] * 1e3:.1f} ms (a lower bound on the real step)",
+    ])  # fmt: skip
