@@ -66,7 +66,12 @@ def resume_command(argv: list[str]) -> str:
     world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if world == 1:
         return shlex.join(["pith-train", "pretrain", *argv])
-    nodes = [] if world == local else ["--nnodes", str(world // local), "<your rendezvous flags>"]
+    # torchrun's agents share the rendezvous store with their workers (MASTER_ADDR:MASTER_PORT), unless
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; the same line on every node
+    env = lambda key, default: os.environ.get(key, default)
+    endpoint = f"{env('MASTER_ADDR', 'HOST')}:{env('MASTER_PORT', 'PORT')}"
+    nodes = ["--nnodes", str(world // local), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+    nodes = [] if world == local else [*nodes, "--rdzv-id", env("TORCHELASTIC_RUN_ID", "none")]
     return shlex.join(
         ["torchrun", *nodes, "--nproc-per-node", str(local), "-m", "pith_train", "pretrain", *argv]
     )
