@@ -590,12 +590,9 @@ def test_the_resume_hint_under_torchrun_is_its_launch_line(monkeypatch):
     assert stopping.resume_command(["c.toml", "--run-dir", "r"]) == (
         "torchrun --nproc-per-node 8 -m pith_train pretrain c.toml --run-dir r"
     )
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # two nodes of 4, as torchrun's agents tell their workers
-    for key, value in {"MASTER_ADDR": "node0", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job7"}.items():
-        monkeypatch.setenv(key, value)
-    assert stopping.resume_command(["--run-dir", "r"]) == (
-        "torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id job7"
-        " --nproc-per-node 4 -m pith_train pretrain --run-dir r"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert stopping.resume_command(["--run-dir", "r"]).startswith(
+        "torchrun --nnodes 2 '<your rendezvous flags>' --nproc-per-node 4 -m pith_train"
     )
 
 

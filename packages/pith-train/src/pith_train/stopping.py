@@ -63,18 +63,27 @@ def resume_command(argv: list[str]) -> str:
     """The command that continues this run: the launch line, as its launcher was started."""
     if launched := os.environ.get("PITH_LAUNCH"):  # launch_local's
         return launched
+    if agent := torchrun_line():
+        return shlex.join(agent)
     world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if world == 1:
         return shlex.join(["pith-train", "pretrain", *argv])
-    # torchrun's agents share the rendezvous store with their workers (MASTER_ADDR:MASTER_PORT), unless
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; the same line on every node
-    env = lambda key, default: os.environ.get(key, default)
-    endpoint = f"{env('MASTER_ADDR', 'HOST')}:{env('MASTER_PORT', 'PORT')}"
-    nodes = ["--nnodes", str(world // local), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
-    nodes = [] if world == local else [*nodes, "--rdzv-id", env("TORCHELASTIC_RUN_ID", "none")]
+    nodes = [] if world == local else ["--nnodes", str(world // local), "<your rendezvous flags>"]
     return shlex.join(
         ["torchrun", *nodes, "--nproc-per-node", str(local), "-m", "pith_train", "pretrain", *argv]
     )
+
+
+def torchrun_line() -> list[str] | None:
+    """Under torchrun: its agent's (this process's parent's) command line, rendezvous flags and all; the
+    workers' env names no rendezvous endpoint (MASTER_PORT is another store's)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = [a.decode() for a in f.read().split(b"\0")[:-1]]
+    except OSError:  # not Linux
+        return None
+    starts = [i for i, a in enumerate(argv) if a.endswith("torchrun") or a == "torch.distributed.run"]
+    return ["torchrun", *argv[starts[0] + 1 :]] if starts and "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:
