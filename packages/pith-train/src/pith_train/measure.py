@@ -1,6 +1,5 @@
-"""`pith-train plan CONFIG --measure`: one process plays rank R of the config's layout on this device,
-the other ranks mirrored (`Mirror`), and trains a few steps with the trainer's own model, FSDP, stages
-and optimizer: its peak memory beside the plan's terms, and its step time without communication."""
+"""`pith-train plan CONFIG --measure`: one process plays a rank of the config's layout on this device,
+the other ranks mirrored (`Mirror`), training as the trainer builds it: memory beside the plan."""
 
 import contextlib
 import os
@@ -16,52 +15,35 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from pith_train import plan
+from pith_train import plan, train
 from pith_train.config import Config, model_config
 from pith_train.optim import build_optimizer
-from pith_train.train import (
-    apply_fp8,
-    build_model,
-    parallel_layout,
-    pick_device,
-    step_settings,
-    trainer_stages,
-)
-
-SUM = (dist.ReduceOp.SUM, dist.ReduceOp.PREMUL_SUM)
 
 
 class Mirror(dist.ProcessGroup):
-    """`size` ranks that each do what this one does: an all-gather returns copies of this rank's piece,
-    an all-to-all what it sends, a sum `size` times the input (max, min, avg: the input), a reduce-
-    scatter this rank's piece of that sum, a broadcast leaves the tensor, and a receive takes the oldest
-    unclaimed send of its shape (random normal values if none), so values stay finite and routing
-    realistic. Every buffer is the caller's, of its real size."""
+    """`size` ranks that each do what this one does (the pith-train README, Measuring a rank): values
+    stay finite, routing realistic, and every buffer is the caller's, of its real size."""
 
     def __init__(self, rank: int, size: int):
         super().__init__(rank, size)
-        self.n, self.sent = size, {}  # (shape, dtype) -> sends not yet received, oldest first
+        self.n, self.sent = size, {}  # (shape, dtype) -> this rank's sends not yet received, oldest first
 
     def _done(self, fill=lambda: None):
         # Copies run on the issuing stream, as NCCL's; a wait on another stream waits for them there.
         fill()
-        ready = torch.cuda.Event() if torch.cuda.is_available() else None
-        if ready is not None:
+        if (ready := torch.cuda.Event() if torch.cuda.is_available() else None) is not None:
             ready.record()
         return PythonCallbackWork(
-            lambda timeout: ready is None or torch.cuda.current_stream().wait_event(ready) or 1
+            lambda _: ready is None or torch.cuda.current_stream().wait_event(ready) or 1
         )
 
-    def _reduce(self, x, op):
-        return x.mul_(self.n) if op in SUM else x
+    def _sum(self, x, opts):  # identical ranks: a sum n times x, max, min and avg x
+        return x.mul_(self.n) if opts.reduceOp in (dist.ReduceOp.SUM, dist.ReduceOp.PREMUL_SUM) else x
 
     def allreduce(self, tensors, opts):
-        return self._done(lambda: [self._reduce(t, opts.reduceOp) for t in tensors])
+        return self._done(lambda: [self._sum(t, opts) for t in tensors])
 
-    allreduce_coalesced = allreduce
-
-    def all_gather_single(self, out, x, opts):
-        # FSDP2 gathers in place: x may be this rank's piece of out
+    def all_gather_single(self, out, x, opts):  # FSDP2 gathers in place: x may be this rank's piece
         x = x.reshape(-1)
         return self._done(lambda: [o.copy_(x) for o in out.view(self.n, -1) if o.data_ptr() != x.data_ptr()])
 
@@ -69,33 +51,15 @@ class Mirror(dist.ProcessGroup):
         return self._done(lambda: [o.copy_(x) for os, x in zip(outs, xs) for o in os])
 
     def reduce_scatter_single(self, out, x, opts):
-        return self._done(
-            lambda: self._reduce(out.copy_(x.view(self.n, -1)[self.rank()].view_as(out)), opts.reduceOp)
-        )
+        return self._done(lambda: self._sum(out.copy_(x.view(self.n, -1)[self.rank()].view_as(out)), opts))
 
-    def reduce_scatter(self, outs, xs, opts):
-        return self._done(
-            lambda: [self._reduce(o.copy_(x[self.rank()]), opts.reduceOp) for o, x in zip(outs, xs)]
-        )
-
-    def all_to_all_single(self, out, x, out_splits, in_splits, opts):
-        # Every rank sends this rank what it sends them: the splits mirror, and out takes x.
+    def all_to_all_single(self, out, x, out_splits, in_splits, opts):  # the splits mirror too
         return self._done(lambda: out.copy_(x))
-
-    _allgather_base, _reduce_scatter_base, alltoall_base = (
-        all_gather_single,
-        reduce_scatter_single,
-        all_to_all_single,
-    )
-
-    def alltoall(self, outs, xs, opts):
-        return self._done(lambda: [o.copy_(x) for o, x in zip(outs, xs)])
 
     def broadcast(self, tensors, opts):
         return self._done()
 
-    def barrier(self, opts):
-        return self._done()
+    barrier = broadcast
 
     def send(self, tensors, dst, tag):
         for t in tensors:
@@ -103,16 +67,17 @@ class Mirror(dist.ProcessGroup):
         return self._done()
 
     def recv(self, tensors, src, tag):
-        # Claimed at the wait, after the batch's sends were issued (a DualPipeV batch sends and receives
-        # at once): no order of the schedule's can block.
-        def fill():
+        # Claimed at the wait, after the batch's sends (DualPipeV sends and receives in one batch): no
+        # order of the schedule's can block.
+        def fill(_):
             for t in tensors:
                 sent = self.sent.get((t.shape, t.dtype))
                 t.copy_(sent.pop(0)) if sent else t.normal_()
+            return True
 
-        return PythonCallbackWork(lambda timeout: fill() or 1)
+        return PythonCallbackWork(fill)
 
-    def _get_backend(self, device):  # batch_isend_irecv asks it whether it coalesces: no
+    def _get_backend(self, device):  # batch_isend_irecv asks whether it coalesces: no
         return self
 
     def getBackendName(self):
@@ -125,16 +90,14 @@ class Mirror(dist.ProcessGroup):
 
 
 BACKEND = "pith-mirror"
-# torch's one way to make a process group of a class: DeviceMesh, FSDP2 and DCP create subgroups by the
-# default group's backend name, so the mirror's subgroups are mirrors too.
-dist.Backend.register_backend(
-    BACKEND, lambda store, rank, size, timeout: Mirror(rank, size), devices=["cpu", "cuda"]
-)
+# String-keyed, as torch makes a process group of a class (the one such place): DeviceMesh, FSDP2 and
+# DCP make subgroups by the default group's backend name, so the mirror's subgroups mirror too.
+dist.Backend.register_backend(BACKEND, lambda store, r, n, timeout: Mirror(r, n), devices=["cpu", "cuda"])
 
 
 class Live(TorchDispatchMode):
-    """Bytes of the CPU tensors allocated under it that are alive, and their peak (the CPU allocator
-    keeps no statistics): each op's outputs that alias none of its inputs."""
+    """Bytes of the CPU tensors allocated under it still alive (each op's outputs that alias none of its
+    inputs), and their peak: the CPU allocator keeps no statistics."""
 
     def __init__(self):
         super().__init__()
@@ -179,11 +142,10 @@ def heaviest(cfg: Config, m: plan.Model, cuda: bool) -> int:
 
 
 def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 1) -> dict:
-    """Train `warmup` + `steps` steps of random tokens as global rank `rank` (default: the heaviest),
-    mirrored unless a process group is already started (a real run's rank, for the tests) -> the
-    tensors it holds {kind: {name: (shape, dtype, bytes)}}, the measured peak (bytes, over the steps),
-    the plan of its pipeline rank, and the median step's seconds."""
-    device = pick_device(cfg.train.device, "train.device", cfg.train.cpu_threads)
+    """`warmup` + `steps` steps on random tokens as rank `rank` (default: the heaviest), mirrored unless
+    under torchrun (the tests' real ranks) -> its tensors {kind: {name: (shape, dtype, bytes)}}, the
+    peak over the steps (bytes), its pipeline rank's plans, the median step's seconds."""
+    device = train.pick_device(cfg.train.device, "train.device", cfg.train.cpu_threads)
     cuda, m, p = device.type == "cuda", plan.model_shape(model_config(cfg.model)), cfg.parallel
     plan.valid(cfg, m)
     world = p.pp * p.dp * p.cp * p.ep
@@ -194,13 +156,13 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
         if cuda:
             torch.cuda.set_device(device)
         dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world)
-    mesh = parallel_layout(cfg, device)
+    mesh = train.parallel_layout(cfg, device)
     rank = dist.get_rank()
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
-    apply_fp8(cfg, model, cuda)
+    model = train.build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
+    train.apply_fp8(cfg, model, cuda)
     optimizer = build_optimizer(model, cfg)
-    stages, settings = trainer_stages(cfg, model, mesh), step_settings(cfg, model)
+    stages, settings = train.trainer_stages(cfg, model, mesh), train.step_settings(cfg, model)
     names = {p: n for n, p in model.named_parameters()}
     held = {"parameters": _tensors((n, _local(p)) for p, n in names.items())}
     update = optimizer.step
