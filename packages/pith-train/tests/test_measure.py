@@ -57,3 +57,15 @@ def test_plan_measure_prints_measured_beside_planned(capsys):
         [line.split()[1:] for line in out.splitlines() if line.startswith("  parameters")][0][1]
     ), out
     assert "step without communication" in out
+
+
+@pytest.mark.parametrize("flags", [["--rank=2"], ["--rank=-1"], ["--steps=0"]])
+def test_plan_measure_refuses_a_rank_outside_the_layout_before_it_builds(capsys, flags):
+    from pith_train.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *(f"--{o}" for o in BASE), "--parallel.ep=2", "--measure", *flags])
+    assert e.value.code == 1 and "expected a rank 0 to 1, steps >= 1" in capsys.readouterr().err
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()

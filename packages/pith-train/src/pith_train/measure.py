@@ -150,8 +150,8 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
     plan.valid(cfg, m)
     world = p.pp * p.dp * p.cp * p.ep
     rank = heaviest(cfg, m, cuda) if rank is None else rank
-    if not 0 <= rank < world:
-        raise ValueError(f"--rank {rank}: expected a rank of the layout's {world}, 0 to {world - 1}")
+    if not 0 <= rank < world or steps < 1:
+        raise ValueError(f"--rank {rank}, --steps {steps}: expected a rank 0 to {world - 1}, steps >= 1")
     if not dist.is_initialized() and "RANK" not in os.environ:  # under torchrun: the real group
         if cuda:
             torch.cuda.set_device(device)
