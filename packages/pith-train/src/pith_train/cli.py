@@ -232,6 +232,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
         validate(cfg)
     if args.gpu_memory is not None and args.gpu_memory <= 0:
         raise ValueError(f"--gpu-memory {args.gpu_memory}: expected the GiB of one card, > 0")
+    if args.measure or args.rank is not None:
+        from pith_train import measure
+
+        return print(measure.report(measure.measure(cfg, args.rank, args.steps)))
     m, cuda = plan.model_shape(model_config(cfg.model)), cfg.train.device != "cpu"
     plan.valid(cfg, m)
     capacity, what = (args.gpu_memory * plan.GIB, "--gpu-memory") if args.gpu_memory else (None, "")
@@ -388,10 +392,14 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser(
         "plan",
         help="memory per rank of a run, term by term, and whether it fits the card (plan.py)",
-        usage="pith-train plan [CONFIG.toml] [--section.key=value ...] [--gpus N] [--gpu-memory GiB]",
+        usage="pith-train plan [CONFIG.toml] [--section.key=value ...] [--gpus N] [--gpu-memory GiB]"
+        " [--measure [--rank R] [--steps N]]",
     )
     p.add_argument("--gpus", type=int, help="plan on N GPUs: parallel.dp = N / (pp*cp*ep)")
     p.add_argument("--gpu-memory", type=float, help="GiB per card (default: this machine's card, if any)")
+    p.add_argument("--measure", action="store_true", help="play a rank on this device, the others mirrored")
+    p.add_argument("--rank", type=int, help="the rank --measure plays (default: the plan's heaviest)")
+    p.add_argument("--steps", type=int, default=2, help="steps --measure times, after one of warm-up")
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("plot", help="PNG of loss and throughput against step")

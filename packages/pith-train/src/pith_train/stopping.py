@@ -63,6 +63,8 @@ def resume_command(argv: list[str]) -> str:
     """The command that continues this run: the launch line, as its launcher was started."""
     if launched := os.environ.get("PITH_LAUNCH"):  # launch_local's
         return launched
+    if agent := torchrun_line():
+        return shlex.join(agent)
     world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if world == 1:
         return shlex.join(["pith-train", "pretrain", *argv])
@@ -70,6 +72,18 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join(
         ["torchrun", *nodes, "--nproc-per-node", str(local), "-m", "pith_train", "pretrain", *argv]
     )
+
+
+def torchrun_line() -> list[str] | None:
+    """Under torchrun: its agent's (this process's parent's) command line, rendezvous flags and all; the
+    workers' env names no rendezvous endpoint (MASTER_PORT is another store's)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = [a.decode() for a in f.read().split(b"\0")[:-1]]
+    except OSError:  # not Linux
+        return None
+    starts = [i for i, a in enumerate(argv) if a.endswith("torchrun") or a == "torch.distributed.run"]
+    return ["torchrun", *argv[starts[0] + 1 :]] if starts and "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:

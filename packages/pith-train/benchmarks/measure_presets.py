@@ -1,0 +1,98 @@
+"""`pith-train plan --measure` on the 8-GPU presets of configs/: rank 0, the plan's heaviest rank and the
+last rank of each, one after another on this one GPU (each in a fresh process: the mirrored process
+group and the compiled stages are per process). A table of the measured peak allocated against the
+plan, and the rank's step time without communication; JSON to OUT (default $OUT/measure_presets.json).
+
+    python3 packages/pith-train/benchmarks/measure_presets.py [OUT.json] [--eager]
+
+Steps: one of warm-up (compilation), two timed. Rows that would start after 400 s are skipped and a row
+still running at 470 s is stopped, so the whole stays within 8 minutes: every preset's rank 0 first. A
+row that fails (out of memory) is reported as such.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+PRESETS = ["deepseek-v2-lite-8gpu.toml", "gpt-oss-20b-8gpu.toml", "qwen3-30b-a3b-8gpu.toml"]
+BUDGET_S, END_S = 400, 470  # no row starts after BUDGET_S; every row ends by END_S
+
+
+def one(config: str, rank: int, out: str, eager: bool) -> None:
+    from pith_train import measure, plan
+    from pith_train.config import load_config, model_config
+
+    cfg = load_config(config, ["train.compile=false"] if eager else [])
+    r = measure.measure(cfg, rank, steps=2, warmup=1)
+    print(measure.report(r), flush=True)
+    m = plan.model_shape(model_config(cfg.model))
+    row = {
+        "config": Path(config).name, "rank": r["rank"], "heaviest": measure.heaviest(cfg, m, True),
+        "pipeline_rank": r["plan"].rank, "moment": r["plan"].moment, "device": r["device"],
+        "plan_gib": r["plan"].total / plan.GIB, "peak_allocated_gib": r["peak"] / plan.GIB,
+        "terms_gib": {k: v / plan.GIB for k, v in r["plan"].terms.items()},
+        "step_ms": r["step_s"] * 1e3, "compile": cfg.train.compile,
+        "held_gib": {k: sum(b for *_, b in v.values()) / plan.GIB for k, v in r["held"].items()},
+    }  # fmt: skip
+    Path(out).write_text(json.dumps(row))
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if a != "--eager"]
+    eager = "--eager" in sys.argv
+    out = Path(args[0] if args else Path(os.environ.get("OUT", "."), "measure_presets.json"))
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    from pith_train import measure, plan
+    from pith_train.config import load_config, model_config
+
+    jobs = []  # (preset, rank): every preset's rank 0, then the heaviest and last ranks
+    for name in PRESETS:
+        cfg = load_config(str(ROOT / "configs" / name), [])
+        p = cfg.parallel
+        heavy = measure.heaviest(cfg, plan.model_shape(model_config(cfg.model)), True)
+        jobs += [(name, r) for r in sorted({0, heavy, p.pp * p.dp * p.cp * p.ep - 1})]
+    jobs.sort(key=lambda job: job[1] != 0)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows, start = [], time.monotonic()
+    for name, rank in jobs:
+        if time.monotonic() - start > BUDGET_S:
+            rows.append({"config": name, "rank": rank, "error": "skipped: the 8-minute budget"})
+            continue
+        part = out.with_suffix(f".{name}.{rank}.json")
+        cmd = [sys.executable, __file__, "--one", str(ROOT / "configs" / name), str(rank), str(part)]
+        try:
+            row_s = END_S - (time.monotonic() - start)
+            done = subprocess.run(
+                cmd + ["--eager"] * eager, env=env, timeout=row_s, capture_output=True, text=True
+            )
+            print(done.stdout[-3000:], done.stderr[-2000:] if done.returncode else "", flush=True)
+            error = (
+                None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["failed"])[-1][:300]
+            )
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {row_s:.0f} s (the 8-minute budget)"
+        rows.append(
+            json.loads(part.read_text()) if error is None else {"config": name, "rank": rank, "error": error}
+        )
+    print(f"\n{'preset':<28}{'rank':>5}{'plan GiB':>10}{'peak GiB':>10}{'peak/plan':>11}{'step ms':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['config']:<28}{r['rank']:>5}  {r['error']}")
+        else:
+            ratio = r["peak_allocated_gib"] / r["plan_gib"]
+            print(f"{r['config']:<28}{r['rank']:>5}{r['plan_gib']:10.2f}{r['peak_allocated_gib']:10.2f}"
+                  f"{ratio:11.3f}{r['step_ms']:10.1f}")  # fmt: skip
+    out.write_text(json.dumps({"rows": rows, "seconds": time.monotonic() - start}, indent=1))
+    print(f"wrote {out} ({time.monotonic() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--one"]:
+        one(sys.argv[2], int(sys.argv[3]), sys.argv[4], "--eager" in sys.argv)
+    else:
+        main()

@@ -1,0 +1,71 @@
+"""`pith-train plan --measure` (pith_train.measure): a rank played on one process with the other ranks
+mirrored holds the tensors the same rank of a real gloo run holds, and peaks within 10% of it."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+BASE = ["model.name=qwen3-moe-tiny", "data.seq_len=32", "train.global_batch=8", "train.micro_batch=2",
+        "train.device=cpu"]  # fmt: skip
+LAYOUTS = {  # name -> (world, overrides)
+    "dp2": (2, ["parallel.dp=2"]),
+    "ep2": (2, ["parallel.ep=2"]),
+    "cp2": (2, ["parallel.cp=2"]),
+    "pp2": (2, ["parallel.pp=2", "model.num_hidden_layers=4"]),
+    "pp2xep2": (4, ["parallel.pp=2", "parallel.ep=2", "model.num_hidden_layers=4", "train.global_batch=16"]),
+}
+
+
+@pytest.mark.distributed
+def test_a_mirrored_rank_holds_what_the_real_rank_holds_and_peaks_within_10_percent(run_ranks, tmp_path):
+    script = Path(__file__).with_name("measures.py")
+    runs = {name: {"name": name, "argv": BASE + o} for name, (_, o) in LAYOUTS.items()}
+    for world in (2, 4):
+        real = [json.dumps(r) for name, r in runs.items() if LAYOUTS[name][0] == world]
+        run_ranks(script, world, tmp_path, *real)
+    run_ranks(
+        script,
+        1,
+        tmp_path,
+        *(json.dumps({**r, "name": f"mirror-{n}", "mirror": True}) for n, r in runs.items()),
+    )
+    for name in LAYOUTS:
+        (mirror_file,) = tmp_path.glob(f"mirror-{name}.*.json")
+        rank = mirror_file.name.split(".")[1]
+        mirror, real = (
+            json.loads(mirror_file.read_text()),
+            json.loads((tmp_path / f"{name}.{rank}.json").read_text()),
+        )
+        assert mirror["held"] == real["held"], name
+        dynamic = [r["peak"] - r["static"] for r in (mirror, real)]
+        print(name, rank, dynamic, mirror["plan"])
+        assert 0.9 <= dynamic[0] / dynamic[1] <= 1.1, (name, dynamic)
+
+
+def test_plan_measure_prints_measured_beside_planned(capsys):
+    import torch.distributed as dist
+    from pith_train.cli import main
+
+    try:
+        main(["plan", *(f"--{o}" for o in BASE), "--parallel.ep=2", "--measure", "--rank=1", "--steps=1"])
+    finally:
+        dist.destroy_process_group()
+    out = capsys.readouterr().out
+    assert "rank 1 (pipeline rank 0) measured on cpu, the other ranks mirrored" in out, out
+    assert [line.split()[1:] for line in out.splitlines() if line.startswith("  parameters")][0][0] == (
+        [line.split()[1:] for line in out.splitlines() if line.startswith("  parameters")][0][1]
+    ), out
+    assert "step without communication" in out
+
+
+@pytest.mark.parametrize("flags", [["--rank=2"], ["--rank=-1"], ["--steps=0"]])
+def test_plan_measure_refuses_a_rank_outside_the_layout_before_it_builds(capsys, flags):
+    from pith_train.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *(f"--{o}" for o in BASE), "--parallel.ep=2", "--measure", *flags])
+    assert e.value.code == 1 and "expected a rank 0 to 1, steps >= 1" in capsys.readouterr().err
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
