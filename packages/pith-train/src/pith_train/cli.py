@@ -13,6 +13,20 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
     from pith_train.prepare import find_inputs, padded_vocab, prepare
 
     tokenizer, vocab = args.tokenizer or "byte", args.train_tokenizer
+    if args.chat:
+        from pith_train.chat import prepare_chat
+
+        if args.max_tokens < 2:
+            raise ValueError(f"--max-tokens {args.max_tokens}: expected data.seq_len + 1 (at least 2)")
+        meta = prepare_chat(
+            find_inputs(args.inputs), args.out, tokenizer, args.max_tokens, args.too_long == "drop"
+        )
+        print(
+            f"wrote {args.out}: {meta['num_docs']:,} conversations, {meta['num_tokens']:,} tokens of which"
+            f" {meta['assistant_tokens']:,} assistant tokens (the loss counts these); longer than"
+            f" {args.max_tokens:,} tokens: {meta['truncated']:,} truncated, {meta['dropped']:,} dropped"
+        )
+        return
     meta = prepare(
         find_inputs(args.inputs), args.out, tokenizer, args.text_field, args.workers, train_vocab=vocab
     )
@@ -106,6 +120,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
     import torch
     from pith_engine import checkpoint
 
+    from pith_train.chat import TOKENIZER_FILES
     from pith_train.train import build_model
 
     src, dst = Path(args.src), Path(args.dst)
@@ -113,7 +128,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         raise ValueError(f"destination {args.dst!r} already exists")
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    carried = {n: (src / n).read_text() for n in ("tokenizer.json", "config.toml") if (src / n).is_file()}
+    carried = {n: (src / n).read_text() for n in (*TOKENIZER_FILES, "config.toml") if (src / n).is_file()}
     try:
         if (src / ".metadata").is_file():
             model = build_model(str(src), torch.device("cpu"), seed=0)
@@ -171,6 +186,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from pith_train.chat import hf_tokenizer
     from pith_train.inference import generate, run_tokenizer
     from pith_train.train import build_model
 
@@ -180,12 +196,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
         )
     path = Path(args.checkpoint)
     tok = run_tokenizer(path, args.tokenizer)
-    prompt = tok.encode_batch([args.prompt])[0].tolist()
-    if not prompt:
+    text = args.prompt
+    if args.chat:  # the template's user turn and generation prompt; the turn's end stops it
+        chat = hf_tokenizer(args.tokenizer or path)
+        text = chat.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        tok.eos_id = chat.eos_token_id
+    prompt = tok.encode_batch([text])[0].tolist()
+    if not args.prompt:
         raise ValueError("--prompt is empty")
     model = build_model(str(path), _device(args), seed=0).eval()
     new = generate(model, prompt, args.max_new_tokens, tok, args.top_p, args.temperature, args.seed)
-    print(args.prompt + tok.decode(new))
+    print(("" if args.chat else text) + tok.decode(new))
 
 
 def cmd_check_layout(args: argparse.Namespace) -> None:
@@ -288,6 +311,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--text-field", default="text", help="the JSON field holding a .jsonl line's text")
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: one per CPU)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help='.jsonl {"messages": [{"role", "content"}, ...]} in --tokenizer DIR\'s chat template, the loss'
+        " on the assistant's tokens only",
+    )
+    p.add_argument("--max-tokens", type=int, default=4097, help="with --chat: the longest conversation kept")
+    p.add_argument("--too-long", choices=["truncate", "drop"], default="truncate", help="with --chat")
     p.set_defaults(run=cmd_prepare_data)
 
     p = sub.add_parser(
@@ -337,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     gen_p.add_argument("--top-p", type=float, help="sample from the top-p nucleus (default: greedy)")
     gen_p.add_argument("--temperature", type=float, default=1.0, help="with --top-p")
     gen_p.add_argument("--seed", type=int, default=0, help="with --top-p")
+    gen_p.add_argument("--chat", action="store_true", help="--prompt as a user turn of the chat template")
     gen_p.set_defaults(run=cmd_generate)
 
     p = sub.add_parser("convert", help="Hugging Face directory <-> Pith checkpoint")

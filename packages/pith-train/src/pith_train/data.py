@@ -35,6 +35,10 @@ class PackedDataset:
                 " another dataset; prepare the dataset again with `pith-train prepare-data`"
             )
         self.tokens = np.memmap(tokens_bin, dtype=dtype, mode="r", shape=(n,))
+        mask = Path(path) / "loss_mask.bin"  # prepare-data --chat's: 1 where a token's loss counts
+        self.loss_mask = np.memmap(mask, np.uint8, "r") if mask.is_file() else None
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(f"{mask}: {len(self.loss_mask)} bytes for {n} tokens; prepare the dataset again")
         self.doc_ends = np.fromfile(Path(path) / "doc_ends.bin", dtype=np.int64)
 
     def check_tokenizer(self, tok: ByteTokenizer | HFTokenizer) -> None:
@@ -58,10 +62,17 @@ class PackedDataset:
         return (len(self.tokens) - 1) // seq_len
 
 
-def windows(tokens: np.ndarray, seq_len: int, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def windows(
+    tokens: np.ndarray, seq_len: int, ids: np.ndarray, loss_mask=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of windows `ids`; a label is -100 (ignored) where loss_mask is 0."""
     rows = np.stack([tokens[i * seq_len : (i + 1) * seq_len + 1] for i in ids]).astype(np.int64)
     # Two tensors, not two views of one: a caller writing labels (val_batches' padding) leaves inputs.
-    return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+    inputs_BS, labels_BS = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+    if loss_mask is not None:
+        masks = np.stack([loss_mask[i * seq_len + 1 : (i + 1) * seq_len + 1] for i in ids])
+        labels_BS[torch.from_numpy(masks == 0)] = -100
+    return inputs_BS, labels_BS
 
 
 class WindowLoader:
@@ -69,7 +80,7 @@ class WindowLoader:
     (seed, cursor)."""
 
     def __init__(self, ds: PackedDataset, seq_len: int, val_windows: int, seed: int, val_ds=None):
-        self.tokens, self.S, self.seed = ds.tokens, seq_len, seed
+        self.tokens, self.mask, self.S, self.seed = ds.tokens, ds.loss_mask, seq_len, seed
         val_from = val_ds or ds
         total, val_total = ds.num_windows(seq_len), val_from.num_windows(seq_len)
         held = 0 if val_ds else val_windows
@@ -80,7 +91,7 @@ class WindowLoader:
                     f"dataset {d.path} has {n} windows of data.seq_len={seq_len}, fewer than {need}"
                     f" ({what or 'data.val_windows'}): lower data.val_windows or data.seq_len"
                 )
-        self.val_tokens = val_from.tokens
+        self.val_tokens, self.val_mask = val_from.tokens, val_from.loss_mask
         # the middle window of each of val_windows parts: a corpus's tail is often one document
         self.val_ids = (2 * np.arange(val_windows) + 1) * val_total // (2 * val_windows)
         self.train_ids = np.setdiff1d(np.arange(total), self.val_ids) if held else np.arange(total)
@@ -101,7 +112,7 @@ class WindowLoader:
         for j in range(global_batch // (micro_batch * ranks)):
             first = cursor + (j * ranks + rank) * micro_batch
             ids = np.array([self._train_id(k) for k in range(first, first + micro_batch)])
-            out.append(windows(self.tokens, self.S, ids))
+            out.append(windows(self.tokens, self.S, ids, self.mask))
         return out
 
     def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1, ignore_index: int = -100):
@@ -110,6 +121,7 @@ class WindowLoader:
         n, per_round = len(self.val_ids), micro_batch * ranks
         for first in range(0, n, per_round):
             ids = np.arange(first + rank * micro_batch, first + (rank + 1) * micro_batch)
-            inputs_BS, labels_BS = windows(self.val_tokens, self.S, self.val_ids[np.minimum(ids, n - 1)])
+            val_ids = self.val_ids[np.minimum(ids, n - 1)]
+            inputs_BS, labels_BS = windows(self.val_tokens, self.S, val_ids, self.val_mask)
             labels_BS[torch.from_numpy(ids >= n)] = ignore_index
             yield inputs_BS, labels_BS

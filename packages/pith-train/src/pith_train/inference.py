@@ -50,13 +50,13 @@ def dataset_loss(model: nn.Module, ds: PackedDataset, seq_len: int, batch: int, 
     bar = tqdm(total=n, unit="window", disable=not sys.stderr.isatty())
     for first in range(0, n, batch):
         ids = np.arange(first, min(n, first + batch))
-        inputs_BS, labels_BS = (t.to(device) for t in windows(ds.tokens, seq_len, ids))
+        inputs_BS, labels_BS = (t.to(device) for t in windows(ds.tokens, seq_len, ids, ds.loss_mask))
         with _autocast(device):
             logits_BSV = model(inputs_BS)
         total += F.cross_entropy(
             logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="sum"
         ).item()
-        count += labels_BS.numel()
+        count += int((labels_BS != -100).sum())
         bar.update(len(ids))
         if bar.disable and (ids[-1] + 1) * 10 >= (lines + 1) * n:
             lines += 1
