@@ -6,9 +6,10 @@ geometry cut to a few layers, loaded by one process and by N gloo processes (a l
 
 Writes the directory once (bf16, one safetensors shard per layer plus one for the rest, with an index,
 as released checkpoints are; random weights), then for each of (one process, the layout) starts fresh
-processes, each reporting its peak RSS (ru_maxrss, file-backed mmap pages included), the RSS before
-the load (torch imported), the fp32 bytes of its shard, and the largest HF tensor of the directory in
-fp32 ("one tensor"). The bound the load aims for: peak - before <= shard + one tensor.
+processes, each reporting its peak RSS (VmHWM, reset after torch's import and the process group's
+start; file-backed mmap pages included), the RSS before the load, the fp32 bytes of its shard, and
+the largest HF tensor of the directory in fp32 ("one tensor"). The bound the load aims for:
+peak - before <= shard + one tensor.
 """
 
 import argparse
@@ -16,7 +17,6 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import resource
 import socket
 import sys
 from pathlib import Path
@@ -46,6 +46,12 @@ def write(cfg, path: Path) -> None:
     (path / "config.json").write_text(json.dumps({**cfg.to_hf(), "torch_dtype": "bfloat16"}))
 
 
+def hwm() -> int:
+    """This process's peak resident bytes since the last reset (file-backed mmap pages included)."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM"))
+    return int(line.split()[1]) * 1024
+
+
 def rank_main(path: str, layout: dict, env: dict, out) -> None:
     os.environ.update(env)
     import torch
@@ -54,10 +60,12 @@ def rank_main(path: str, layout: dict, env: dict, out) -> None:
     from pith_models import from_pretrained
 
     torch.set_num_threads(1)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     mesh = build_mesh(Layout(**layout), torch.device("cpu")) if layout else None
+    # A spawned process inherits its parent's high-water mark (ru_maxrss): reset it (Linux), read VmHWM.
+    Path("/proc/self/clear_refs").write_text("5")
+    before = hwm()
     model = from_pretrained(path, "cpu", mesh)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = hwm()
     shard = sum(local_rows(p)[0].numel() * 4 for p in model.parameters())
     out.put((int(env.get("RANK", 0)), before, peak, shard))
     if dist.is_initialized():

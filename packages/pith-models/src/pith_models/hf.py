@@ -68,15 +68,14 @@ def _files(path: Path) -> list[str]:
     raise ValueError(f"{path}: expected model.safetensors or model.safetensors.index.json, found neither")
 
 
-# e2m1 values by nibble, and by byte the (low, high) nibbles' pair: MXFP4 as GPT-OSS releases it
+# e2m1 values by nibble, and by byte its (low, high) nibbles': MXFP4 as GPT-OSS releases its experts
 _FP4 = torch.tensor([0.0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 _FP4_PAIRS = torch.stack([_FP4.repeat(16), _FP4.repeat_interleave(16)], -1)
 
 
 def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
-    """uint8 blocks [E, O, G, 16] (two e2m1 values a byte, low nibble first) and exponents + 127 [E, O, G]
-    -> fp32 [E, G*32, O], transformers' values bit for bit (its ldexp runs in fp32 too, so a bf16 copy
-    rounds alike). An expert at a time: an int index for every byte at once is 4x the blocks."""
+    """uint8 [E, O, G, 16] and exponents + 127 [E, O, G] -> fp32 [E, G*32, O], transformers' values
+    (its ldexp is fp32 too). An expert at a time: an int index per byte of all is 4x the blocks."""
     out = torch.empty(*scales.shape, 32)
     for e in range(len(out)):
         out[e] = torch.ldexp(_FP4_PAIRS[blocks[e].int()].flatten(-2), scales[e, ..., None].int() - 127)
@@ -86,26 +85,24 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
 def read_safetensors(path: Path, rows: dict[str, range] | None = None) -> dict[str, Tensor]:
     """The tensors of model.safetensors (or of its index's shards) that `rows` names, only those rows
     of dim 0 (nothing else is read); rows None: every tensor as a meta tensor, reading no data. MXFP4
-    `X_blocks` + `X_scales` come as X, dequantised."""
+    X_blocks and X_scales come as X, dequantised."""
     sd = {}
     with contextlib.ExitStack() as stack:
         files = [stack.enter_context(safe_open(path / f, framework="pt")) for f in _files(path)]
         where = {k: file for file in files for k in file.keys()}  # noqa: SIM118 (no __iter__)
         for k, file in where.items():
-            base, piece = k.removesuffix("_blocks").removesuffix("_scales"), file.get_slice(k)
-            scales = base + "_scales"
-            if base != k and not {base + "_blocks", scales} <= where.keys():
-                raise ValueError(f"{path}: {k} without its MXFP4 partner ({base}_blocks and {scales})")
-            if k == scales:
+            x, piece = k.removesuffix("_blocks").removesuffix("_scales"), file.get_slice(k)
+            if x != k and not {x + "_blocks", x + "_scales"} <= where.keys():
+                raise ValueError(f"{path}: {k} without its MXFP4 partner")
+            if k.endswith("_scales") and k != x:
                 continue
             if rows is None:
                 shape = piece.get_shape()
-                shape = shape if base == k else (shape[0], shape[2] * 32, shape[1])
-                sd[base] = torch.empty(shape, device="meta")
-            elif base in rows:
-                r = slice(rows[base].start, rows[base].stop)
-                mx = base != k
-                sd[base] = dequantize_mxfp4(piece[r], where[scales].get_slice(scales)[r]) if mx else piece[r]
+                sd[x] = torch.empty(shape if k == x else (shape[0], shape[2] * 32, shape[1]), device="meta")
+            elif x in rows:
+                r = slice(rows[x].start, rows[x].stop)
+                mx = k != x and dequantize_mxfp4(piece[r], where[x + "_scales"].get_slice(x + "_scales")[r])
+                sd[x] = piece[r] if k == x else mx
     return sd
 
 

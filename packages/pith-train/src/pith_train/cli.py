@@ -16,15 +16,12 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
     if args.chat:
         from pith_train.chat import prepare_chat
 
-        if args.max_tokens < 2:
-            raise ValueError(f"--max-tokens {args.max_tokens}: expected data.seq_len + 1 (at least 2)")
-        meta = prepare_chat(
-            find_inputs(args.inputs), args.out, tokenizer, args.max_tokens, args.too_long == "drop"
-        )
+        drop = args.too_long == "drop"
+        meta = prepare_chat(find_inputs(args.inputs), args.out, tokenizer, args.max_tokens, drop)
         print(
-            f"wrote {args.out}: {meta['num_docs']:,} conversations, {meta['num_tokens']:,} tokens of which"
-            f" {meta['assistant_tokens']:,} assistant tokens (the loss counts these); longer than"
-            f" {args.max_tokens:,} tokens: {meta['truncated']:,} truncated, {meta['dropped']:,} dropped"
+            f"wrote {args.out}: {meta['num_docs']:,} conversations, {meta['num_tokens']:,} tokens"
+            f" ({meta['assistant_tokens']:,} the assistant's, which the loss counts); {meta['truncated']:,}"
+            f" truncated, {meta['dropped']:,} dropped as longer than {args.max_tokens:,} tokens"
         )
         return
     meta = prepare(
@@ -311,13 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--text-field", default="text", help="the JSON field holding a .jsonl line's text")
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: one per CPU)")
-    p.add_argument(
-        "--chat",
-        action="store_true",
-        help='.jsonl {"messages": [{"role", "content"}, ...]} in --tokenizer DIR\'s chat template, the loss'
-        " on the assistant's tokens only",
-    )
-    p.add_argument("--max-tokens", type=int, default=4097, help="with --chat: the longest conversation kept")
+    p.add_argument("--chat", action="store_true", help='.jsonl {"messages": [...]} in the chat template')
+    p.add_argument("--max-tokens", type=int, default=4097, help="with --chat: the longest kept (seq_len + 1)")
     p.add_argument("--too-long", choices=["truncate", "drop"], default="truncate", help="with --chat")
     p.set_defaults(run=cmd_prepare_data)
 

@@ -38,7 +38,7 @@ class PackedDataset:
         mask = Path(path) / "loss_mask.bin"  # prepare-data --chat's: 1 where a token's loss counts
         self.loss_mask = np.memmap(mask, np.uint8, "r") if mask.is_file() else None
         if self.loss_mask is not None and len(self.loss_mask) != n:
-            raise ValueError(f"{mask}: {len(self.loss_mask)} bytes for {n} tokens; prepare the dataset again")
+            raise ValueError(f"{mask}: not one byte per token; prepare the dataset again")
         self.doc_ends = np.fromfile(Path(path) / "doc_ends.bin", dtype=np.int64)
 
     def check_tokenizer(self, tok: ByteTokenizer | HFTokenizer) -> None:
