@@ -201,22 +201,27 @@ def from_pretrained(
     for k, r in seen.items():
         lo, hi = torch.searchsorted(need, torch.tensor([first[k], first[k] + len(r)])).tolist()
         cut[k] = range(int(need[lo]) - first[k], int(need[hi - 1]) - first[k] + 1) if hi > lo else range(0)
-    sd = module.from_hf_state_dict(
-        read_safetensors(path, {k: seen[k][c.start : c.stop] for k, c in cut.items()}), cfg, held
-    )
-    got = module.from_hf_state_dict({k: ids[k][c.start : c.stop] for k, c in cut.items()}, cfg, held)
-    for name, p in model.named_parameters():
-        local = local_rows(p)[0]
-        if name in experts:
-            local.copy_(sd[name])
-            continue
-        have = got[name].flatten()
-        order = have.argsort()
-        at = order[torch.searchsorted(have[order], wanted[name])]
-        assert torch.equal(have[at], wanted[name]), name
-        local.copy_(sd[name][at])
-    for name, b in model.named_buffers():
-        b.copy_(sd[name])
+    # A layer at a time, read, converted, copied and freed: a rank's peak is its shard plus one layer's
+    # slices and their conversion (the others pass as empty rows), not plus its whole share twice.
+    layer = {k: k.split(".")[2] if k.startswith("model.layers.") else "" for k in seen}
+    for g in set(layer.values()):
+        part = {k: seen[k][c.start : c.stop] if layer[k] == g else range(0) for k, c in cut.items()}
+        sd = module.from_hf_state_dict(read_safetensors(path, part), cfg, held)
+        cut_ids = {k: ids[k][c.start : c.stop] if layer[k] == g else ids[k][:0] for k, c in cut.items()}
+        got = module.from_hf_state_dict(cut_ids, cfg, held)
+        for name, p in model.named_parameters():
+            local, have = local_rows(p)[0], got[name].flatten()
+            if name in experts and len(have):
+                local.copy_(sd[name])
+            if name in experts or not len(have):  # not this layer's
+                continue
+            order = have.argsort()
+            at = order[torch.searchsorted(have[order], wanted[name])]
+            assert torch.equal(have[at], wanted[name]), name
+            local.copy_(sd[name][at])
+        for name, b in model.named_buffers():
+            b.copy_(sd[name])
+        del sd, got
     return model
 
 
