@@ -201,8 +201,8 @@ def from_pretrained(
     for k, r in seen.items():
         lo, hi = torch.searchsorted(need, torch.tensor([first[k], first[k] + len(r)])).tolist()
         cut[k] = range(int(need[lo]) - first[k], int(need[hi - 1]) - first[k] + 1) if hi > lo else range(0)
-    # A layer at a time, read, converted, copied and freed: a rank's peak is its shard plus one layer's
-    # slices and their conversion (the others pass as empty rows), not plus its whole share twice.
+    # A layer at a time (the others as empty rows): a rank's peak is its shard plus one layer's slices
+    # and their conversion (measured: pith-models README), not plus its share read and converted.
     layer = {k: k.split(".")[2] if k.startswith("model.layers.") else "" for k in seen}
     for g in set(layer.values()):
         part = {k: seen[k][c.start : c.stop] if layer[k] == g else range(0) for k, c in cut.items()}

@@ -1,13 +1,12 @@
-"""Conversations for fine-tuning (`prepare-data --chat`): JSONL `{"messages": [{"role", "content"}...]}`
-rendered by a tokenizer directory's own chat template (transformers' apply_chat_template), packed with
-loss_mask.bin, a uint8 per token: 1 on the assistant's."""
+"""`prepare-data --chat`: conversations in their tokenizer's chat template (transformers renders it),
+with loss_mask.bin, a uint8 per token: 1 on the assistant's."""
 
 import json
 from pathlib import Path
 
 import numpy as np
 
-# A Hugging Face tokenizer's files: they travel with the weights (checkpoints, convert).
+# They travel with the weights (checkpoints, convert).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -27,9 +26,9 @@ def hf_tokenizer(path):
 
 
 def render(tok, messages: list[dict]) -> tuple[list[int], np.ndarray]:
-    """ids and loss mask. An assistant turn's tokens, end of turn included: what the conversation up to
-    it renders to beyond what the turns before it do with the generation prompt. Prefixes, not
-    `{% generation %}`: Qwen3's, GPT-OSS's and DeepSeek's released templates have no such tags."""
+    """ids and loss mask. An assistant turn's tokens (end of turn included): what the conversation up to
+    it renders to beyond the turns before it with the generation prompt. Prefixes, not `{% generation %}`:
+    Qwen3's, GPT-OSS's and DeepSeek's templates have no such tags."""
 
     def ids(msgs, prompt=False):
         return list(
@@ -47,12 +46,11 @@ def render(tok, messages: list[dict]) -> tuple[list[int], np.ndarray]:
 
 
 def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int, drop: bool) -> dict:
-    """A conversation of more than max_tokens tokens is cut to them, or dropped if `drop`."""
     from pith_train.prepare import HFTokenizer
 
     out, tmp = Path(out_dir), Path(f"{out_dir}.tmp")
     if out.exists():
-        raise ValueError(f"output {out_dir!r} already exists; remove it or choose another")
+        raise ValueError(f"output {out_dir!r} already exists")
     tok = hf_tokenizer(tokenizer)
     ours = HFTokenizer(str(Path(tok.name_or_path) / "tokenizer.json"))
     tokens, masks, n_long = [], [], 0
