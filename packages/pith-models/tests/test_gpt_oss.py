@@ -4,10 +4,14 @@ Shape legend: B batch, S sequence, T tokens, V vocabulary, E experts, K top-k, D
 """
 
 import dataclasses
+import json
 
 import pith_models
 import pytest
 import torch
+import transformers
+from hypothesis import given
+from hypothesis import strategies as st
 from pith_engine.executor import LocalExperts, forward
 from pith_models import gpt_oss
 from safetensors.torch import load_file, save_file
@@ -132,7 +136,7 @@ def test_gpt_oss_20b_builds_on_meta_with_the_parameter_count_of_transformers():
 
 
 def test_original_release_config_reads_as_the_20b_preset():
-    """openai/gpt-oss-20b's config.json (transformers 4.55 spelling), less its quantization_config."""
+    """openai/gpt-oss-20b's config.json (transformers 4.55 spelling); its MXFP4 quantization_config reads."""
     published = {
         "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
         "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
@@ -148,8 +152,10 @@ def test_original_release_config_reads_as_the_20b_preset():
         "vocab_size": 201088,
     }  # fmt: skip
     assert gpt_oss.Config.from_hf(published) == gpt_oss.GPT_OSS_20B
-    with pytest.raises(ValueError, match="quantization_config"):
-        gpt_oss.Config.from_hf({**published, "quantization_config": {"quant_method": "mxfp4"}})
+    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
+    assert gpt_oss.Config.from_hf({**published, "quantization_config": mxfp4}) == gpt_oss.GPT_OSS_20B
+    with pytest.raises(ValueError, match="quantization_config: quant_method 'fp8'"):
+        gpt_oss.Config.from_hf({**published, "quantization_config": {"quant_method": "fp8"}})
 
 
 BAD_HF_CONFIGS = [
@@ -186,3 +192,80 @@ def test_missing_or_misshapen_tensor_is_a_value_error_naming_it(tmp_path):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.bfloat16, 1e-2)])
 def test_staged_forward_and_backward_through_the_kernels_on_gpu(dtype, tol, kernels_match_reference_on_gpu):
     kernels_match_reference_on_gpu(*make(), dtype, tol)
+
+
+@given(
+    st.integers(1, 3),
+    st.integers(1, 5),
+    st.integers(1, 3),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([0, 100, 255]),
+)
+def test_mxfp4_dequantisation_is_transformers_bit_for_bit(E, O, G, seed, low):
+    """Every byte and exponent (the ends too: 2^-127 is subnormal in fp32, 2^128 overflows to inf), in
+    fp32 and as bf16."""
+    from pith_models.hf import dequantize_mxfp4
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (E, O, G, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(low, 256, (E, O, G), generator=gen).to(torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales)
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+        assert torch.equal(ours.to(dtype).view(bits), theirs.view(bits)), dtype
+
+
+def write_mxfp4(model, path, seed=0):
+    """model saved as GPT-OSS's release stores it: each expert weight as random MXFP4 `_blocks` and
+    `_scales` (exponents near 2^-3), the config with its quantization_config. -> the blocks and scales."""
+    pith_models.save_pretrained(model, path, dtype=torch.float32)
+    sd, gen, packed = load_file(path / "model.safetensors"), torch.Generator().manual_seed(seed), {}
+    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, I, O = sd.pop(k).shape
+        packed[k + "_blocks"] = torch.randint(0, 256, (E, O, I // 32, 16), generator=gen, dtype=torch.uint8)
+        packed[k + "_scales"] = torch.randint(121, 127, (E, O, I // 32), generator=gen).to(torch.uint8)
+    save_file({**sd, **packed}, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return packed
+
+
+def test_an_mxfp4_checkpoint_loads_dequantised_as_transformers_loads_it(tmp_path):
+    """GPT-OSS's released layout: pith's load holds transformers' dequantised experts bit for bit and
+    gives the logits of transformers' dequantised load."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    cfg = dataclasses.replace(CFG, intermediate_size=64)  # MXFP4 blocks are 32 wide: D and F multiples
+    packed = write_mxfp4(make(cfg)[0], tmp_path)
+    ours = pith_models.from_pretrained(tmp_path)
+    dequantize = transformers.Mxfp4Config(dequantize=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, quantization_config=dequantize
+    ).eval()
+    theirs = hf.state_dict()
+    for i in range(cfg.num_hidden_layers):
+        for hf_name, name in (("gate_up_proj", "w_gate_up"), ("down_proj", "w_down")):
+            k = f"model.layers.{i}.mlp.experts.{hf_name}"
+            bf16 = convert_moe_packed_tensors(
+                packed[k + "_blocks"], packed[k + "_scales"], dtype=torch.bfloat16
+            )
+            ours_EIO = ours.state_dict()[f"layers.{i}.mlp.experts.{name}"]
+            assert torch.equal(ours_EIO, theirs[k]) and torch.equal(ours_EIO.bfloat16(), bf16), k
+    ids_BS = make(cfg)[1]
+    with (
+        torch.no_grad()
+    ):  # fp32 summation order apart, as test_logits_match_transformers_on_import_and_export
+        ours_BSV, hf_BSV = ours.reference_forward(ids_BS), hf(ids_BS).logits
+    assert ((ours_BSV - hf_BSV).norm() / hf_BSV.norm()).item() <= 1e-5
+
+
+def test_an_mxfp4_tensor_without_its_scales_is_a_value_error(tmp_path):
+    cfg = dataclasses.replace(CFG, intermediate_size=64)
+    write_mxfp4(make(cfg)[0], tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    save_file({k: v for k, v in sd.items() if k != name}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="down_proj_blocks without its MXFP4 partner"):
+        pith_models.from_pretrained(tmp_path)

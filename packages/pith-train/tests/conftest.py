@@ -93,3 +93,65 @@ def micro_args(micro_hf, byte_data):
 @pytest.fixture(scope="session")
 def micro_config(micro_args):
     return lambda *overrides: load_config(None, [*micro_args, *overrides])
+
+
+# ChatML, as Qwen's templates write it: each turn <|im_start|>role\ncontent<|im_end|>\n.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory):
+    """A Hugging Face tokenizer directory made with the tokenizers library: the 256 bytes (byte-level, no
+    merges) and <|endoftext|>, <|im_start|>, <|im_end|> (259 ids, within the tiny models' 260), with a
+    chat template in tokenizer_config.json and <|im_end|> as its EOS, as Qwen3's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    path = tmp_path_factory.mktemp("chat_tokenizer")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(path / "tokenizer.json"))
+    special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE, **special}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "special_tokens_map.json").write_text(json.dumps(special))
+    return path
+
+
+def make_conversations(n: int, seed: int = 0) -> list[dict]:
+    """n conversations of 1 to 3 exchanges, some with a system turn, of varied lengths."""
+    import random
+
+    rng, words = (
+        random.Random(seed),
+        ["the", "a", "MoE", "expert", "router", "token", "loss", "mask", "turn", "chat", "model"],
+    )
+    out = []
+    for i in range(n):
+        msgs = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
+        for _ in range(rng.randint(1, 3)):
+            for role in ("user", "assistant"):
+                msgs.append({"role": role, "content": " ".join(rng.choices(words, k=rng.randint(2, 12)))})
+        out.append({"messages": msgs})
+    return out
+
+
+@pytest.fixture(scope="session")
+def conversations():
+    return make_conversations
+
+
+@pytest.fixture(scope="session")
+def chat_data(chat_tokenizer, tmp_path_factory):
+    """60 conversations (~10K tokens, ~30% of them the assistant's) prepared with --chat."""
+    from pith_train.chat import prepare_chat
+
+    root = tmp_path_factory.mktemp("chat_data")
+    (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in make_conversations(60)))
+    prepare_chat([str(root / "chats.jsonl")], str(root / "data"), str(chat_tokenizer), 4097, drop=False)
+    return root / "data"

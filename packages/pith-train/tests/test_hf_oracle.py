@@ -144,14 +144,12 @@ def train_transformers(model, loader: WindowLoader, micro_batch: int, clip: floa
     return losses, norms, total / count
 
 
-@pytest.mark.parametrize("micro_batch", [GLOBAL_BATCH, 2], ids=["1_micro_batch", "4_micro_batches"])
-@pytest.mark.parametrize("clip", [0.0, CLIP], ids=["no_clip", "clip"])
-def test_pretrain_steps_match_transformers_and_torch_adamw(
-    family_dir, byte_data, micro_batch, clip, tmp_path
-):
+def pretrain_and_oracle(family_dir, data, micro_batch: int, clip: float, tmp_path):
+    """Both sides' STEPS steps on `data` -> (pretrain's metrics rows and result, the oracle's losses,
+    gradient norms and validation loss)."""
     family, hf_dir = family_dir
     overrides = [
-        f"model.name={hf_dir}", f"data.path={byte_data}", f"data.seq_len={SEQ}",
+        f"model.name={hf_dir}", f"data.path={data}", f"data.seq_len={SEQ}",
         f"data.val_windows={VAL_WINDOWS}", "train.device=cpu", f"train.steps={STEPS}",
         f"train.global_batch={GLOBAL_BATCH}", f"train.micro_batch={micro_batch}", f"train.lr={LR}",
         "train.lbl_coef=0", "train.z_loss_coef=0", "train.bias_rate=0", "optim.schedule=cosine",
@@ -160,20 +158,43 @@ def test_pretrain_steps_match_transformers_and_torch_adamw(
         f"optim.eps={EPS}", f"optim.grad_clip={clip}", "checkpoint.every=0", "log.progress=false",
         "log.eval_every=0", "log.tensorboard=false",
     ]  # fmt: skip
+    overrides.append(f"data.tokenizer={PackedDataset(str(data)).meta['tokenizer']}")  # byte or chat's
     cfg = load_config(None, overrides)
     out = pretrain(cfg, tmp_path / "run")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
-    loader = WindowLoader(PackedDataset(str(byte_data)), SEQ, VAL_WINDOWS, cfg.train.seed)
+    loader = WindowLoader(PackedDataset(str(data)), SEQ, VAL_WINDOWS, cfg.train.seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
     )
-    losses, norms, val_loss = train_transformers(model, loader, micro_batch, clip)
-
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     torch.testing.assert_close([r["lr"] for r in rows], [lr_at(s) for s in range(STEPS)], rtol=1e-12, atol=0)
+    return rows, out, *train_transformers(model, loader, micro_batch, clip)
+
+
+@pytest.mark.parametrize("micro_batch", [GLOBAL_BATCH, 2], ids=["1_micro_batch", "4_micro_batches"])
+@pytest.mark.parametrize("clip", [0.0, CLIP], ids=["no_clip", "clip"])
+def test_pretrain_steps_match_transformers_and_torch_adamw(
+    family_dir, byte_data, micro_batch, clip, tmp_path
+):
+    rows, out, losses, norms, val_loss = pretrain_and_oracle(
+        family_dir, byte_data, micro_batch, clip, tmp_path
+    )
     if clip:
         assert min(norms) > clip, "the clipping setting must bind at every step"
+    torch.testing.assert_close([r["loss"] for r in rows], losses, rtol=RTOL, atol=0)
+    torch.testing.assert_close([r["grad_norm"] for r in rows], norms, rtol=NORM_RTOL, atol=0)
+    assert out["val_loss"] == pytest.approx(val_loss, rel=RTOL)
+
+
+@pytest.mark.parametrize("micro_batch", [GLOBAL_BATCH, 2], ids=["1_micro_batch", "4_micro_batches"])
+def test_sft_steps_on_masked_conversations_match_transformers(family_dir, chat_data, micro_batch, tmp_path):
+    """Fine-tuning: conversations (prepare-data --chat) whose labels are -100 outside the assistant's
+    tokens, which are ~30% of a window's and fewer or more in each micro-batch: both sides divide the
+    step's summed loss by the global batch's counted labels, so 1 and 4 micro-batches agree too."""
+    rows, out, losses, norms, val_loss = pretrain_and_oracle(
+        family_dir, chat_data, micro_batch, 0.0, tmp_path
+    )
     torch.testing.assert_close([r["loss"] for r in rows], losses, rtol=RTOL, atol=0)
     torch.testing.assert_close([r["grad_norm"] for r in rows], norms, rtol=NORM_RTOL, atol=0)
     assert out["val_loss"] == pytest.approx(val_loss, rel=RTOL)

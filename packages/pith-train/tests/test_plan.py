@@ -6,6 +6,7 @@ before anything is built, saying why (the presets against their cards: test_conf
 Shape legend: B sequences, S sequence length.
 """
 
+import json
 import os
 import resource
 import subprocess
@@ -191,3 +192,26 @@ def test_the_plan_of_two_bench_layers_is_within_10_percent_of_the_allocators_pea
 
     r = bench.run(layers=2, batch=2, compile=False, steps=2, warmup=2, back_to_back=False)
     assert 0.9 <= r["plan_gib"]["total"] / r["peak_allocated_gib"] <= 1.1, r["plan_gib"]  # H100: 0.993
+
+
+def test_plan_reads_a_hugging_face_directorys_config_json_only(tmp_path, capsys, monkeypatch):
+    """Fine-tuning a released checkpoint: model.name a Qwen3-30B-A3B-shaped Hugging Face directory, whose
+    model.safetensors here is junk and whose safetensors no reader may open: the plan is the preset's."""
+    import safetensors
+    from pith_models import hf
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"plan opened safetensors {args}")
+
+    for where in (safetensors, hf):
+        monkeypatch.setattr(where, "safe_open", refuse)
+    hf_dir = tmp_path / "Qwen3-30B-A3B"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(pith_models.MODELS["qwen3-30b-a3b"].to_hf()))
+    (hf_dir / "model.safetensors").write_bytes(b"not read")
+    preset = str(ROOT / "configs" / "qwen3-30b-a3b-8gpu.toml")
+    out = []
+    for name in ("qwen3-30b-a3b", str(hf_dir)):
+        main(["plan", preset, f"--model.name={name}", "--gpu-memory=79"])
+        out.append(capsys.readouterr().out.replace(str(hf_dir), "qwen3-30b-a3b"))
+    assert out[0] == out[1] and "fits" in out[1], out

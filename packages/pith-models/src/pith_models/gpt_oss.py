@@ -119,11 +119,9 @@ class Config:
         model_type = d.pop("model_type", cls.model_type)
         if model_type != cls.model_type:
             raise ValueError(f"expected model_type {cls.model_type!r}, got {model_type!r}")
-        if "quantization_config" in d:
-            raise ValueError(
-                "config field quantization_config: quantized (MXFP4) checkpoints are not supported; "
-                "load a dequantized (bf16) checkpoint"
-            )
+        quant = d.pop("quantization_config", {"quant_method": "mxfp4"}).get("quant_method")
+        if quant != "mxfp4":  # MXFP4 experts are dequantised as they are read (pith_models.hf)
+            raise ValueError(f"config field quantization_config: quant_method {quant!r}; only mxfp4 loads")
         d["rope_theta"], d["yarn"] = _rope_from_hf(d)
         d = config_kwargs_from_hf(d, cls, _FIXED, _IGNORED)
         return cls(**{**d, "layer_types": tuple(d.get("layer_types") or ())})

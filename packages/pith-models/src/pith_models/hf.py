@@ -21,6 +21,7 @@ Model-module convention (every family file follows it; this file relies on nothi
 - presets: TINY (tests) and the full-size configs.
 """
 
+import contextlib
 import itertools
 import json
 import os
@@ -67,17 +68,41 @@ def _files(path: Path) -> list[str]:
     raise ValueError(f"{path}: expected model.safetensors or model.safetensors.index.json, found neither")
 
 
+# e2m1 values by nibble, and by byte its (low, high) nibbles': MXFP4 as GPT-OSS releases its experts
+_FP4 = torch.tensor([0.0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+_FP4_PAIRS = torch.stack([_FP4.repeat(16), _FP4.repeat_interleave(16)], -1)
+
+
+def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
+    """uint8 [E, O, G, 16] and exponents + 127 [E, O, G] -> fp32 [E, G*32, O], transformers' values
+    (its ldexp is fp32 too). An expert at a time: an int index per byte of all is 4x the blocks."""
+    out = torch.empty(*scales.shape, 32)
+    for e in range(len(out)):
+        out[e] = torch.ldexp(_FP4_PAIRS[blocks[e].int()].flatten(-2), scales[e, ..., None].int() - 127)
+    return out.flatten(-2).transpose(1, 2)
+
+
 def read_safetensors(path: Path, rows: dict[str, range] | None = None) -> dict[str, Tensor]:
     """The tensors of model.safetensors (or of its index's shards) that `rows` names, only those rows
-    of dim 0 (nothing else is read); rows None: every tensor as a meta tensor, reading no data."""
+    of dim 0 (nothing else is read); rows None: every tensor as a meta tensor, reading no data. MXFP4
+    X_blocks and X_scales come as X, dequantised."""
     sd = {}
-    for f in _files(path):
-        with safe_open(path / f, framework="pt") as file:
-            for k in file.keys():  # noqa: SIM118 (a safe_open handle has no __iter__)
-                if rows is None:
-                    sd[k] = torch.empty(file.get_slice(k).get_shape(), device="meta")
-                elif k in rows:
-                    sd[k] = file.get_slice(k)[rows[k].start : rows[k].stop]
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(safe_open(path / f, framework="pt")) for f in _files(path)]
+        where = {k: file for file in files for k in file.keys()}  # noqa: SIM118 (no __iter__)
+        for k, file in where.items():
+            x, piece = k.removesuffix("_blocks").removesuffix("_scales"), file.get_slice(k)
+            if x != k and not {x + "_blocks", x + "_scales"} <= where.keys():
+                raise ValueError(f"{path}: {k} without its MXFP4 partner")
+            if k.endswith("_scales") and k != x:
+                continue
+            if rows is None:
+                shape = piece.get_shape()
+                sd[x] = torch.empty(shape if k == x else (shape[0], shape[2] * 32, shape[1]), device="meta")
+            elif x in rows:
+                r = slice(rows[x].start, rows[x].stop)
+                mx = k != x and dequantize_mxfp4(piece[r], where[x + "_scales"].get_slice(x + "_scales")[r])
+                sd[x] = piece[r] if k == x else mx
     return sd
 
 
@@ -176,22 +201,27 @@ def from_pretrained(
     for k, r in seen.items():
         lo, hi = torch.searchsorted(need, torch.tensor([first[k], first[k] + len(r)])).tolist()
         cut[k] = range(int(need[lo]) - first[k], int(need[hi - 1]) - first[k] + 1) if hi > lo else range(0)
-    sd = module.from_hf_state_dict(
-        read_safetensors(path, {k: seen[k][c.start : c.stop] for k, c in cut.items()}), cfg, held
-    )
-    got = module.from_hf_state_dict({k: ids[k][c.start : c.stop] for k, c in cut.items()}, cfg, held)
-    for name, p in model.named_parameters():
-        local = local_rows(p)[0]
-        if name in experts:
-            local.copy_(sd[name])
-            continue
-        have = got[name].flatten()
-        order = have.argsort()
-        at = order[torch.searchsorted(have[order], wanted[name])]
-        assert torch.equal(have[at], wanted[name]), name
-        local.copy_(sd[name][at])
-    for name, b in model.named_buffers():
-        b.copy_(sd[name])
+    # A layer at a time (the others as empty rows): a rank's peak is its shard plus one layer's slices
+    # and their conversion (measured: pith-models README), not plus its share read and converted.
+    layer = {k: k.split(".")[2] if k.startswith("model.layers.") else "" for k in seen}
+    for g in set(layer.values()):
+        part = {k: seen[k][c.start : c.stop] if layer[k] == g else range(0) for k, c in cut.items()}
+        sd = module.from_hf_state_dict(read_safetensors(path, part), cfg, held)
+        cut_ids = {k: ids[k][c.start : c.stop] if layer[k] == g else ids[k][:0] for k, c in cut.items()}
+        got = module.from_hf_state_dict(cut_ids, cfg, held)
+        for name, p in model.named_parameters():
+            local, have = local_rows(p)[0], got[name].flatten()
+            if name in experts and len(have):
+                local.copy_(sd[name])
+            if name in experts or not len(have):  # not this layer's
+                continue
+            order = have.argsort()
+            at = order[torch.searchsorted(have[order], wanted[name])]
+            assert torch.equal(have[at], wanted[name]), name
+            local.copy_(sd[name][at])
+        for name, b in model.named_buffers():
+            b.copy_(sd[name])
+        del sd, got
     return model
 
 

@@ -13,6 +13,17 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
     from pith_train.prepare import find_inputs, padded_vocab, prepare
 
     tokenizer, vocab = args.tokenizer or "byte", args.train_tokenizer
+    if args.chat:
+        from pith_train.chat import prepare_chat
+
+        drop = args.too_long == "drop"
+        meta = prepare_chat(find_inputs(args.inputs, args.glob), args.out, tokenizer, args.max_tokens, drop)
+        print(
+            f"{args.out}: {meta['num_docs']:,} conversations, {meta['num_tokens']:,} tokens"
+            f" ({meta['assistant_tokens']:,} the assistant's, which the loss counts); {meta['truncated']:,}"
+            f" truncated, {meta['dropped']:,} dropped as longer than {args.max_tokens:,} tokens"
+        )
+        return
     files = find_inputs(args.inputs, args.glob)
     meta = prepare(files, args.out, tokenizer, args.text_field, args.workers, train_vocab=vocab)
     print(f"{args.out}: {meta['num_tokens']:,} tokens in {meta['num_docs']:,} documents")
@@ -105,6 +116,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
     import torch
     from pith_engine import checkpoint
 
+    from pith_train.chat import TOKENIZER_FILES
     from pith_train.train import build_model
 
     src, dst = Path(args.src), Path(args.dst)
@@ -112,7 +124,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         raise ValueError(f"destination {args.dst!r} already exists")
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    carried = {n: (src / n).read_text() for n in ("tokenizer.json", "config.toml") if (src / n).is_file()}
+    carried = {n: (src / n).read_text() for n in (*TOKENIZER_FILES, "config.toml") if (src / n).is_file()}
     try:
         if (src / ".metadata").is_file():
             model = build_model(str(src), torch.device("cpu"), seed=0)
@@ -171,6 +183,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from pith_train.chat import hf_tokenizer
     from pith_train.inference import generate, run_tokenizer
     from pith_train.train import build_model
 
@@ -180,12 +193,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
         )
     path = Path(args.checkpoint)
     tok = run_tokenizer(path, args.tokenizer)
-    prompt = tok.encode_batch([args.prompt])[0].tolist()
-    if not prompt:
+    text = args.prompt
+    if args.chat:  # the template's user turn and generation prompt; the turn's end stops it
+        chat = hf_tokenizer(args.tokenizer or path)
+        text = chat.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        tok.eos_id = chat.eos_token_id
+    prompt = tok.encode_batch([text])[0].tolist()
+    if not args.prompt:
         raise ValueError("--prompt is empty")
     model = build_model(str(path), _device(args), seed=0).eval()
     new = generate(model, prompt, args.max_new_tokens, tok, args.top_p, args.temperature, args.seed)
-    print(args.prompt + tok.decode(new))
+    print(("" if args.chat else text) + tok.decode(new))
 
 
 def cmd_check_layout(args: argparse.Namespace) -> None:
@@ -295,6 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--text-field", default="text", help="the JSONL field or Parquet column holding the text")
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: one per CPU)")
+    p.add_argument("--chat", action="store_true", help='.jsonl {"messages": [...]} in the chat template')
+    p.add_argument("--max-tokens", type=int, default=4097, help="with --chat: the longest kept (seq_len + 1)")
+    p.add_argument("--too-long", choices=["truncate", "drop"], default="truncate", help="with --chat")
     p.set_defaults(run=cmd_prepare_data)
 
     p = sub.add_parser(
@@ -349,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     gen_p.add_argument("--top-p", type=float, help="sample from the top-p nucleus (default: greedy)")
     gen_p.add_argument("--temperature", type=float, default=1.0, help="with --top-p")
     gen_p.add_argument("--seed", type=int, default=0, help="with --top-p")
+    gen_p.add_argument("--chat", action="store_true", help="--prompt as a user turn of the chat template")
     gen_p.set_defaults(run=cmd_generate)
 
     p = sub.add_parser("convert", help="Hugging Face directory <-> Pith checkpoint")

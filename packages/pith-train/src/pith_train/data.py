@@ -37,6 +37,10 @@ class PackedDataset:
                 " another dataset; prepare the dataset again with `pith-train prepare-data`"
             )
         self.tokens = np.memmap(tokens_bin, dtype=dtype, mode="r", shape=(n,))
+        mask = Path(path) / "loss_mask.bin"  # prepare-data --chat's: 1 where a token's loss counts
+        self.loss_mask = np.memmap(mask, np.uint8, "r") if mask.is_file() else None
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(f"{mask}: not one byte per token; prepare the dataset again")
         self.doc_ends = np.fromfile(Path(path) / "doc_ends.bin", dtype=np.int64)
 
     def fingerprint(self) -> str:
@@ -67,12 +71,16 @@ class PackedDataset:
         return (len(self.tokens) - 1) // seq_len
 
 
-def windows(tokens: np.ndarray, seq_len: int, ids: np.ndarray, doc_ends: np.ndarray | None = None):
-    """-> (inputs, labels); with doc_ends (data.document_mask) labels -100 where a document starts, and
-    positions from each document's (or the window's) start."""
+def windows(tokens: np.ndarray, seq_len: int, ids: np.ndarray, doc_ends=None, loss_mask=None):
+    """-> (inputs, labels); a label -100 (ignored) where loss_mask (prepare-data --chat's) is 0; with
+    doc_ends (data.document_mask) also where a document starts, and positions from each document's (or
+    the window's) start."""
     rows = np.stack([tokens[i * seq_len : (i + 1) * seq_len + 1] for i in ids]).astype(np.int64)
     # Two tensors, not two views of one: a caller writing labels (val_batches' padding) leaves inputs.
     out = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+    if loss_mask is not None:
+        masks = np.stack([loss_mask[i * seq_len + 1 : (i + 1) * seq_len + 1] for i in ids])
+        out[1][torch.from_numpy(masks == 0)] = -100
     if doc_ends is None:
         return out
     first_BS = ids[:, None] * seq_len
@@ -88,7 +96,7 @@ class WindowLoader:
     (seed, cursor)."""
 
     def __init__(self, ds: PackedDataset, seq_len: int, val_windows: int, seed: int, val_ds=None, docs=False):
-        self.tokens, self.S, self.seed = ds.tokens, seq_len, seed
+        self.tokens, self.mask, self.S, self.seed = ds.tokens, ds.loss_mask, seq_len, seed
         val_from = val_ds or ds
         self.doc_ends, self.val_doc_ends = (ds.doc_ends, val_from.doc_ends) if docs else (None, None)
         total, val_total = ds.num_windows(seq_len), val_from.num_windows(seq_len)
@@ -100,7 +108,7 @@ class WindowLoader:
                     f"dataset {d.path} has {n} windows of data.seq_len={seq_len}, fewer than {need}"
                     f" ({what or 'data.val_windows'}): lower data.val_windows or data.seq_len"
                 )
-        self.val_tokens = val_from.tokens
+        self.val_tokens, self.val_mask = val_from.tokens, val_from.loss_mask
         # the middle window of each of val_windows parts: a corpus's tail is often one document
         self.val_ids = (2 * np.arange(val_windows) + 1) * val_total // (2 * val_windows)
         self.train_ids = np.setdiff1d(np.arange(total), self.val_ids) if held else np.arange(total)
@@ -115,7 +123,8 @@ class WindowLoader:
         return int(self.train_ids[self._order[i]])
 
     def _rows(self, ks: range) -> tuple[torch.Tensor, ...]:
-        return windows(self.tokens, self.S, np.array([self._train_id(k) for k in ks]), self.doc_ends)
+        ids = np.array([self._train_id(k) for k in ks])
+        return windows(self.tokens, self.S, ids, self.doc_ends, self.mask)
 
     def step_batch(
         self, cursor: int, global_batch: int, micro_batch: int, rank: int = 0, ranks: int = 1
@@ -131,7 +140,8 @@ class WindowLoader:
         n, per_round = len(self.val_ids), micro_batch * ranks
         for first in range(0, n, per_round):
             ids = np.arange(first + rank * micro_batch, first + (rank + 1) * micro_batch)
-            batch = windows(self.val_tokens, self.S, self.val_ids[np.minimum(ids, n - 1)], self.val_doc_ends)
+            val_ids = self.val_ids[np.minimum(ids, n - 1)]
+            batch = windows(self.val_tokens, self.S, val_ids, self.val_doc_ends, self.val_mask)
             batch[1][torch.from_numpy(ids >= n)] = ignore_index
             yield batch
 

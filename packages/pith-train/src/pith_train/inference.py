@@ -52,15 +52,14 @@ def dataset_loss(
     bar = tqdm(total=n, unit="window", disable=not sys.stderr.isatty())
     for first in range(0, n, batch):
         ids = np.arange(first, min(n, first + batch))
-        inputs_BS, labels_BS, *pos = (
-            t.to(device) for t in windows(ds.tokens, seq_len, ids, ds.doc_ends if docs else None)
-        )
+        rows = windows(ds.tokens, seq_len, ids, ds.doc_ends if docs else None, ds.loss_mask)
+        inputs_BS, labels_BS, *pos = (t.to(device) for t in rows)
         with _autocast(device):
             logits_BSV = model(inputs_BS, *pos)
         total += F.cross_entropy(
             logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="sum"
         ).item()
-        count += (labels_BS != -100).sum().item()
+        count += int((labels_BS != -100).sum())
         bar.update(len(ids))
         if bar.disable and (ids[-1] + 1) * 10 >= (lines + 1) * n:
             lines += 1

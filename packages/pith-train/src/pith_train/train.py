@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from pith_train import config as config_mod
 from pith_train import plan, rundir
+from pith_train.chat import TOKENIZER_FILES
 from pith_train.config import BLEND_BLOCK, Config, ModelConfig, model_config
 from pith_train.data import Blend, PackedDataset, WindowLoader
 from pith_train.metrics import MetricsLog, log_line, peak_flops, peak_memory_gib
@@ -228,6 +229,9 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
         }
         if cfg.data.tokenizer != "byte":  # the run's tokenizer travels with its weights (generate, convert)
             files["tokenizer.json"] = Path(cfg.data.tokenizer).read_text()
+            for name in TOKENIZER_FILES[1:]:  # its chat template and special tokens, where it has them
+                if (sibling := Path(cfg.data.tokenizer).with_name(name)).is_file():
+                    files[name] = sibling.read_text()
         path = checkpoint.save(ckpt_root / f"step_{step:06d}", model, optimizer, files, mesh)
         checkpoint.prune(ckpt_root, cfg.checkpoint.keep)
         return path

@@ -1,0 +1,82 @@
+"""`prepare-data --chat`: conversations in their tokenizer's chat template (transformers renders it),
+with loss_mask.bin, a uint8 per token: 1 on the assistant's."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+# They travel with the weights (checkpoints, convert).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def hf_tokenizer(path):
+    import transformers
+
+    d = Path(path).parent if Path(path).is_file() else Path(path)
+    tok = (d / "tokenizer.json").is_file() and transformers.AutoTokenizer.from_pretrained(d)
+    if not (tok and tok.chat_template):
+        raise ValueError(f"{path}: expected a tokenizer directory with tokenizer.json and a chat template")
+    return tok
+
+
+def render(tok, messages: list[dict]) -> tuple[list[int], np.ndarray]:
+    """ids and loss mask. An assistant turn's tokens (end of turn included): what the conversation up to
+    it renders to beyond the turns before it with the generation prompt. Prefixes, not `{% generation %}`:
+    Qwen3's, GPT-OSS's and DeepSeek's templates have no such tags."""
+
+    def ids(msgs, prompt=False):
+        return list(
+            tok.apply_chat_template(msgs, add_generation_prompt=prompt, return_dict=False) if msgs else []
+        )
+
+    whole = ids(messages)
+    mask = np.zeros(len(whole), np.uint8)
+    for i in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
+        start, upto = ids(messages[:i], True), ids(messages[: i + 1])
+        if whole[: len(upto)] != upto or upto[: len(start)] != start:
+            raise ValueError(f"the chat template renders turn {i} differently once later turns follow")
+        mask[len(start) : len(upto)] = 1
+    return whole, mask
+
+
+def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int, drop: bool) -> dict:
+    from pith_train.prepare import HFTokenizer
+
+    out, tmp = Path(out_dir), Path(f"{out_dir}.tmp")
+    if out.exists():
+        raise ValueError(f"output {out_dir!r} already exists")
+    tok = hf_tokenizer(tokenizer)
+    ours = HFTokenizer(str(Path(tok.name_or_path) / "tokenizer.json"))
+    tokens, masks, n_long = [], [], 0
+    for f in files:
+        for n, line in enumerate(Path(f).read_text(encoding="utf-8").splitlines(), 1):
+            messages = json.loads(line).get("messages") if line.strip() else None
+            if not isinstance(messages, list) or not all({"role", "content"} <= set(m) for m in messages):
+                raise ValueError(f'{f}:{n}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
+            ids, mask = render(tok, messages)
+            n_long += len(ids) > max_tokens
+            if len(ids) <= max_tokens or not drop:
+                tokens.append(np.asarray(ids[:max_tokens]))
+                masks.append(mask[:max_tokens])
+    if not tokens:
+        raise ValueError(f"{files}: no conversation of at most {max_tokens} tokens")
+    tmp.mkdir(parents=True)
+    dtype = np.uint16 if ours.vocab_size <= 1 << 16 else np.uint32
+    np.concatenate(tokens).astype(dtype).tofile(tmp / "tokens.bin")
+    np.concatenate(masks).tofile(tmp / "loss_mask.bin")
+    np.cumsum([len(t) for t in tokens]).astype(np.int64).tofile(tmp / "doc_ends.bin")
+    meta = {
+        "tokenizer": ours.name, "tokenizer_hash": ours.hash, "vocab_size": ours.vocab_size,
+        "eos_id": ours.eos_id, "dtype": np.dtype(dtype).name, "num_tokens": sum(map(len, tokens)),
+        "num_docs": len(tokens), "num_files": len(files), "assistant_tokens": int(sum(map(np.sum, masks))),
+        "truncated": 0 if drop else n_long, "dropped": n_long if drop else 0,
+    }  # fmt: skip
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    tmp.rename(out)
+    return meta

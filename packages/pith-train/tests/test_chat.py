@@ -1,0 +1,116 @@
+"""Conversations for fine-tuning (pith_train.chat, `prepare-data --chat`): the chat template's rendering
+and its assistant-token mask, the dataset's labels, and a chat model out of `convert`."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from pith_train.chat import prepare_chat, render
+from pith_train.cli import main
+from pith_train.data import PackedDataset, WindowLoader
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_the_mask_is_each_assistant_turn_end_of_turn_included(chat_tokenizer, conversations):
+    tok = transformers.AutoTokenizer.from_pretrained(chat_tokenizer)
+    for conv in conversations(12):
+        msgs = conv["messages"]
+        ids, mask = render(tok, msgs)
+        assert ids == tok.apply_chat_template(msgs, return_dict=False)  # transformers' rendering
+        edges = np.flatnonzero(np.diff(np.r_[0, mask, 0]))
+        spans = [tok.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
+        assert spans == [m["content"] + "<|im_end|>\n" for m in msgs if m["role"] == "assistant"]
+
+
+def test_prepare_data_chat_counts_truncated_and_dropped_conversations(
+    chat_tokenizer, conversations, tmp_path, capsys
+):
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(20)))
+    tok = transformers.AutoTokenizer.from_pretrained(chat_tokenizer)
+    lengths = [len(render(tok, c["messages"])[0]) for c in conversations(20)]
+    limit = sorted(lengths)[10]
+    longer = sum(n > limit for n in lengths)
+    for how in ("truncate", "drop"):
+        out = tmp_path / how
+        args = ["prepare-data", str(tmp_path / "c.jsonl"), "--out", str(out), "--chat"]
+        main([*args, "--tokenizer", str(chat_tokenizer), "--max-tokens", str(limit), "--too-long", how])
+        meta = json.loads((out / "meta.json").read_text())
+        kept = [min(n, limit) for n in lengths if how == "truncate" or n <= limit]
+        assert meta["num_tokens"] == sum(kept) and meta["num_docs"] == len(kept)
+        assert (meta["truncated"], meta["dropped"]) == ((longer, 0) if how == "truncate" else (0, longer))
+        assert f"{longer} {how[:-1] if how == 'drop' else how}" in capsys.readouterr().out.replace("ped", "")
+        assert (out / "loss_mask.bin").stat().st_size == meta["num_tokens"]
+    with pytest.raises(ValueError, match="bad.jsonl:2: expected"):
+        (tmp_path / "bad.jsonl").write_text('{"messages": []}\n{"text": "no"}\n')
+        prepare_chat([str(tmp_path / "bad.jsonl")], str(tmp_path / "bad"), str(chat_tokenizer), 99, False)
+
+
+def test_labels_are_ignored_where_the_mask_is_zero(chat_data):
+    ds = PackedDataset(str(chat_data))
+    loader = WindowLoader(ds, 32, 2, seed=0)
+    ((inputs_BS, labels_BS),) = loader.step_batch(0, 4, 4)
+    for b in range(4):
+        first = loader._train_id(b) * 32
+        tokens = np.asarray(ds.tokens[first : first + 33]).astype(np.int64)
+        mask = np.asarray(ds.loss_mask[first + 1 : first + 33])
+        assert torch.equal(inputs_BS[b], torch.from_numpy(tokens[:-1]))
+        assert torch.equal(labels_BS[b], torch.from_numpy(np.where(mask == 1, tokens[1:], -100)))
+    assert 0 < (labels_BS != -100).float().mean() < 0.8
+
+
+def test_conversations_to_a_chat_model_that_transformers_loads(
+    chat_tokenizer, conversations, tmp_path, capsys
+):
+    """The fine-tuning path end to end: conversation JSONL + a Hugging Face tokenizer directory ->
+    prepare-data --chat -> pretrain from a Hugging Face model directory made by transformers -> convert
+    -> transformers' AutoTokenizer.apply_chat_template and generate on the export, with no other files;
+    generate --chat renders the same prompt."""
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(30)))
+    main(["prepare-data", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "data"), "--chat",
+          "--tokenizer", str(chat_tokenizer), "--max-tokens", "150", "--too-long", "drop"])  # fmt: skip
+    assert "dropped" in capsys.readouterr().out
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=260, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    run = tmp_path / "run"
+    sft = str(ROOT / "configs" / "sft-qwen3-30b-a3b-8gpu.toml")
+    main(["pretrain", sft, f"--model.name={tmp_path / 'base'}",
+          f"--data.path={tmp_path / 'data'}", f"--data.tokenizer={chat_tokenizer / 'tokenizer.json'}",
+          "--data.seq_len=32", "--data.val_windows=2", "--train.steps=2", "--train.global_batch=4",
+          "--train.micro_batch=2", "--train.device=cpu", "--train.compile=false", "--train.ac=none",
+          "--parallel.dp=1", "--parallel.ep=1", "--checkpoint.every=2", "--log.progress=false",
+          "--log.tensorboard=false", "--run-dir", str(run)])  # fmt: skip
+    ckpt, export = run / "checkpoints" / "step_000002", tmp_path / "export"
+    main(["convert", str(ckpt), str(export)])
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    chat = [{"role": "user", "content": "the router"}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=4, do_sample=False)
+    assert (
+        tok.decode(ids["input_ids"][0]) == "<|im_start|>user\nthe router<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert out.shape[1] > ids["input_ids"].shape[1] and tok.eos_token == "<|im_end|>"
+    capsys.readouterr()
+    main(
+        [
+            "generate",
+            str(ckpt),
+            "--chat",
+            "--prompt",
+            "the router",
+            "--max-new-tokens",
+            "4",
+            "--device",
+            "cpu",
+        ]
+    )
+    assert capsys.readouterr().out.strip() == tok.decode(out[0, ids["input_ids"].shape[1] :]).strip()
