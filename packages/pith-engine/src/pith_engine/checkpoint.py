@@ -199,7 +199,7 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for name, text in (files or {}).items():
-            (tmp / name).write_text(text)
+            (tmp / name).write_text(text, encoding="utf-8")
     _barrier(mesh)
     state, _ = _state(model, optimizer, mesh)
     state["fp8_scale"] = _fp8_scales(model, mesh, kept_only=True)[0]
