@@ -15,10 +15,10 @@ import warnings
 import pith_models
 import pytest
 import torch
-from pith_engine import checkpoint
+from pith_engine import checkpoint, parallel
 from pith_engine.step import Stages, train_step
 from pith_models import qwen3_moe
-from pith_train import stopping, train
+from pith_train import rundir, stopping, train
 from pith_train.cli import main
 from pith_train.config import load_config, model_config
 from pith_train.optim import build_optimizer, lr_at
@@ -156,6 +156,15 @@ def test_lr_schedules():
     assert lr_at(10, wsd) == lr_at(79, wsd) == peak
     assert lr_at(99, wsd) == pytest.approx(peak * wsd.optim.min_lr_ratio)
     assert lr_at(80, wsd) < peak
+
+
+@pytest.mark.parametrize("warmup, steps", [(6, 6), (12, 6)])
+def test_a_warmup_that_never_reaches_the_peak_is_named_with_both_numbers(
+    micro_config, tmp_path, warmup, steps
+):
+    cfg, said = micro_config(f"--optim.warmup_steps={warmup}", f"--train.steps={steps}"), []
+    rundir.preflight(cfg, tmp_path, model_config(cfg.model), parallel.SINGLE, said.append)
+    assert any(f"optim.warmup_steps={warmup} >= train.steps={steps}" in s for s in said), said
 
 
 def _syncs_of_a_step(moe_layers: int) -> list[str]:

@@ -161,6 +161,12 @@ def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
             f"data.seq_len={cfg.data.seq_len} is more than the model's max_position_embeddings"
             f" ({model_cfg.max_position_embeddings}); lower data.seq_len"
         )
+    if (o := cfg.optim).warmup_steps >= cfg.train.steps:
+        warn(
+            f"warning: optim.warmup_steps={o.warmup_steps} >= train.steps={cfg.train.steps}: the learning"
+            f" rate peaks at {lr_at(cfg.train.steps - 1, cfg):.3g} in the last step (train.lr"
+            f" {cfg.train.lr:g}) and never decays"
+        )
     if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError(
             f"log.wandb={cfg.log.wandb!r}, but wandb is not installed: pip install wandb, or unset it"
