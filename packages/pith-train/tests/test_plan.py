@@ -191,3 +191,16 @@ def test_the_plan_of_two_bench_layers_is_within_10_percent_of_the_allocators_pea
 
     r = bench.run(layers=2, batch=2, compile=False, steps=2, warmup=2, back_to_back=False)
     assert 0.9 <= r["plan_gib"]["total"] / r["peak_allocated_gib"] <= 1.1, r["plan_gib"]  # H100: 0.993
+
+
+@pytest.mark.parametrize("command", ["plan", "pretrain"])
+def test_a_sequence_past_the_position_limit_is_refused_for_it_not_for_memory(command, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(
+            [command, "--data.seq_len=100000", "--train.device=cpu", "--run-dir", str(tmp_path / "run")][
+                : 3 + 2 * (command == "pretrain")
+            ]
+        )
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "data.seq_len=100000 is more than the model's max_position_embeddings" in err
+    assert not (tmp_path / "run").exists()

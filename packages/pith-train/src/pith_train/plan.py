@@ -187,9 +187,14 @@ def device_memory(device: torch.device, processes: int = 1) -> tuple[float, str]
 
 
 def valid(cfg: Config, m: Model, world: int | None = None) -> None:
-    p = cfg.parallel
+    """The causes (layout, schedule, position limit) before the consequence, memory."""
+    p, S, limit = cfg.parallel, cfg.data.seq_len, m.cfg.max_position_embeddings
+    if limit < S:
+        raise ValueError(
+            f"data.seq_len={S} is more than the model's max_position_embeddings ({limit}); lower data.seq_len"
+        )
     layout = Layout(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
-    check_layout(layout, world_size=world or layout.world, num_experts=m.E, seq_len=cfg.data.seq_len,
+    check_layout(layout, world_size=world or layout.world, num_experts=m.E, seq_len=S,
                  global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch)  # fmt: skip
     schedule.check(p.pp, cfg.micro_batches, len(m.layers))
 

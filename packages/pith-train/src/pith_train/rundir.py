@@ -156,11 +156,6 @@ def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
     """A launch's checks, before anything is built: -> the checkpoint to resume from (None: new run)."""
     ckpt_root = run_dir / "checkpoints"
     check_writable(ckpt_root)
-    if cfg.data.seq_len > model_cfg.max_position_embeddings:
-        raise ValueError(
-            f"data.seq_len={cfg.data.seq_len} is more than the model's max_position_embeddings"
-            f" ({model_cfg.max_position_embeddings}); lower data.seq_len"
-        )
     if (o := cfg.optim).warmup_steps >= cfg.train.steps:
         warn(
             f"warning: optim.warmup_steps={o.warmup_steps} >= train.steps={cfg.train.steps}: the learning"
