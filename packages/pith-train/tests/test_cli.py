@@ -298,6 +298,16 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
         (["generate", "{ckpt}", "--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["generate", "{tmp}", "--prompt", "x"], "no tokenizer.json and no run config"),
         (["eval", "{damaged}", "--data", "{data}", "--tokenizer", "byte"], "is damaged: manifest.json"),
+        (["eval", "{tmp}/nope", "--data", "{data}"], "nope does not exist"),
+        (["eval", "{tmp}/nope", "--data", "{data}", "--tokenizer", "byte"], "nope does not exist"),
+        (["generate", "{tmp}/nope", "--prompt", "x"], "nope does not exist"),
+        (["eval", "{ckpt}", "--data", "{data}", "--batch", "0"], "--batch must be >= 1, got 0"),
+        (["eval", "{ckpt}", "--data", "{data}", "--max-windows", "-1"], "--max-windows must be >= 0, got -1"),
+        (["eval", "{ckpt}", "--data", "{data}", "--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+        (["generate", "{ckpt}", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["schedule", "--pp", "0", "--micro-batches", "4"], "--pp must be >= 1, got 0"),
+        (["check-layout", "--nproc", "2"], "--nproc 2: the layout pp*dp*cp*ep is 1"),
+        (["check-layout", "--nproc", "1", "--steps", "0"], "--steps must be >= 1, got 0"),
     ],
 )
 def test_inference_commands_fail_with_one_line(trained, byte_data, micro_hf, tmp_path, capsys, argv, message):

@@ -143,8 +143,6 @@ def cmd_convert(args: argparse.Namespace) -> None:
 def _device(args: argparse.Namespace):
     from pith_train.train import pick_device
 
-    if args.cpu_threads < 0:
-        raise ValueError(f"--cpu-threads must be >= 0 (0: torch's default), got {args.cpu_threads}")
     return pick_device(args.device, "--device", args.cpu_threads)
 
 
@@ -226,7 +224,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     cfg = load_config(*_config_and_overrides(args.rest))
     p = cfg.parallel
     if args.gpus is not None:  # the data ranks that fill N GPUs
-        if args.gpus < 1 or args.gpus % (p.pp * p.cp * p.ep):
+        if args.gpus % (p.pp * p.cp * p.ep):
             raise ValueError(f"--gpus {args.gpus}: expected a multiple of pp*cp*ep = {p.pp * p.cp * p.ep}")
         p.dp = args.gpus // (p.pp * p.cp * p.ep)
         validate(cfg)
@@ -268,6 +266,13 @@ def cmd_schedule(args: argparse.Namespace) -> None:
         from pith_train.metrics import plot_schedule
 
         print(f"wrote {plot_schedule(args.pp, args.micro_batches, args.png)}")
+
+
+# The least value of each integer option, whichever command has it (0 for --cpu-threads: torch's default;
+# for --max-windows: every window)
+LEAST = dict.fromkeys(["batch", "seq_len", "steps", "nproc", "pp", "micro_batches", "max_new_tokens"], 1)
+LEAST |= dict.fromkeys(["gpus", "layers", "workers", "nproc_per_node", "dp", "cp", "ep", "micro_batch"], 1)
+LEAST |= dict.fromkeys(["cpu_threads", "max_windows", "warmup", "profile", "train_tokenizer"], 0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -399,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.rest = unknown  # pretrain, check-layout, plan: the config file and the overrides
     try:
+        for key, least in LEAST.items():
+            if (value := getattr(args, key, None)) is not None and value < least:
+                raise ValueError(f"--{key.replace('_', '-')} must be >= {least}, got {value}")
         args.run(args)
     except (ValueError, FloatingPointError, OSError) as e:  # bad input, a diverged run, a full disk
         print(f"pith-train {args.command}: error: {e}", file=sys.stderr)
