@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -20,7 +21,7 @@ from pith_engine.step import Stages, train_step
 from pith_models import qwen3_moe
 from pith_train import rundir, stopping, train
 from pith_train.cli import main
-from pith_train.config import load_config, model_config
+from pith_train.config import load_config, model_config, to_toml
 from pith_train.optim import build_optimizer, lr_at
 from pith_train.optim import build_optimizer as train_build
 from pith_train.train import flops_per_token, fp8_size_problems, parallel_layout, pretrain, step_settings
@@ -366,6 +367,20 @@ def test_a_finished_cosine_run_extends_as_a_new_run_from_its_weights_and_optimiz
     assert sorted(_losses(tmp_path / "more")) == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="init_from='nope' is not a Pith checkpoint"):
         pretrain(micro_config("--checkpoint.init_from=nope"), tmp_path / "bad")
+
+
+@pytest.mark.parametrize("with_run_config", [False, True])
+def test_init_from_weights_only_says_so_and_names_model_name(
+    micro_config, micro_hf, tmp_path, with_run_config
+):
+    hf = tmp_path / "hf"
+    shutil.copytree(micro_hf, hf)
+    if with_run_config:  # an exported run's: convert carries it back
+        (hf / "config.toml").write_text(to_toml(micro_config()))
+    main(["convert", str(hf), str(tmp_path / "ckpt")])
+    with pytest.raises(ValueError, match=f"weights only .*: use --model.name={tmp_path / 'ckpt'}"):
+        pretrain(micro_config(f"--checkpoint.init_from={tmp_path / 'ckpt'}"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_wsd_run_extends_before_its_decay_and_micro_batch_may_change(micro_config, tmp_path):

@@ -137,8 +137,10 @@ def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
     if wrong := checkpoint.problem(ckpt, mesh):
         raise ValueError(f"checkpoint.init_from={str(ckpt)!r} is damaged: {wrong}")
     _model_check(ckpt, cfg, model_hf, "start from")
-    if not (ckpt / "config.toml").is_file():  # convert's: weights alone
-        raise ValueError(f"{ckpt} holds weights without a run's optimizer state: use --model.name={ckpt}")
+    if not (ckpt / "trainer.json").is_file():  # convert's (a config.toml carried along or not)
+        raise ValueError(
+            f"{ckpt} is weights only (no optimizer state or data position): use --model.name={ckpt}"
+        )
     trained, saved = read_json(ckpt / "trainer.json"), config_mod.load_config(str(ckpt / "config.toml"))
     if saved.optim.name != cfg.optim.name:
         raise ValueError(
