@@ -297,6 +297,7 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
         (["generate", "{tmp}", "--prompt", "x"], "no tokenizer.json and no run config"),
         (["eval", "{damaged}", "--data", "{data}", "--tokenizer", "byte"], "is damaged: manifest.json"),
         (["eval", "{tmp}/nope", "--data", "{data}"], "nope does not exist"),
+        (["eval", "{ckpt}", "--data", "{bad}"], "holds token id 300, more than the model's 260"),
         (["eval", "{tmp}/nope", "--data", "{data}", "--tokenizer", "byte"], "nope does not exist"),
         (["generate", "{tmp}/nope", "--prompt", "x"], "nope does not exist"),
         (["eval", "{ckpt}", "--data", "{data}", "--batch", "0"], "--batch must be >= 1, got 0"),
@@ -308,11 +309,14 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
         (["check-layout", "--nproc", "1", "--steps", "0"], "--steps must be >= 1, got 0"),
     ],
 )
-def test_inference_commands_fail_with_one_line(trained, byte_data, micro_hf, tmp_path, capsys, argv, message):
+def test_inference_commands_fail_with_one_line(
+    trained, byte_data, bad_data, micro_hf, tmp_path, capsys, argv, message
+):
     damaged = tmp_path / "damaged"
     shutil.copytree(trained, damaged)
     (damaged / "manifest.json").unlink()
     names = {"tmp": tmp_path, "ckpt": trained, "damaged": damaged, "data": byte_data, "hf": micro_hf}
+    names["bad"] = bad_data
     with pytest.raises(SystemExit) as e:
         main([a.format(**names) for a in argv])
     err = capsys.readouterr().err

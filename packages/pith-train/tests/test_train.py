@@ -22,6 +22,7 @@ from pith_models import qwen3_moe
 from pith_train import rundir, stopping, train
 from pith_train.cli import main
 from pith_train.config import load_config, model_config, to_toml
+from pith_train.data import WindowLoader
 from pith_train.optim import build_optimizer, lr_at
 from pith_train.optim import build_optimizer as train_build
 from pith_train.train import flops_per_token, fp8_size_problems, parallel_layout, pretrain, step_settings
@@ -134,6 +135,32 @@ def test_bad_inputs_stop_before_any_compute(micro_args, tmp_path, overrides, mes
         pretrain(cfg, run)
     assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
     assert not (run / "data").exists()  # the built-in corpus was not prepared either
+
+
+@pytest.mark.parametrize("key", ["data.path", "data.val_path"])
+def test_a_token_id_past_the_model_vocabulary_is_refused_at_start(
+    micro_config, byte_data, bad_data, tmp_path, key
+):
+    bad = bad_data  # the micro model's vocabulary is 260
+    val = [f"--data.val_path={byte_data}"] * (key == "data.path")
+    with pytest.raises(ValueError, match=f"dataset {bad} holds token id 300, more than the model's 260: .*--model.vocab_size=320"):
+        pretrain(micro_config(f"--{key}={bad}", *val), tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_data_error_mid_run_saves_the_steps_trained(micro_config, tmp_path, monkeypatch):
+    real = WindowLoader.step_batch
+
+    def third_step_bad(self, cursor, *args):  # the file changed under the run after two steps
+        micro = real(self, cursor, *args)
+        if cursor == 8:
+            micro[0][0][0, 0] = 300
+        return micro
+
+    monkeypatch.setattr(WindowLoader, "step_batch", third_step_bad)
+    with pytest.raises(ValueError, match="token id 300 .* in step 3's windows; saved step 2"):
+        pretrain(micro_config("--checkpoint.every=0"), tmp_path)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")] == ["step_000002"]
 
 
 def test_flops_per_token_counts_active_weights_and_attention(micro_hf):

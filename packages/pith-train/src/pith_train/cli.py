@@ -149,6 +149,7 @@ def _device(args: argparse.Namespace):
 def cmd_eval(args: argparse.Namespace) -> None:
     import math
 
+    from pith_train.config import model_config
     from pith_train.data import PackedDataset
     from pith_train.inference import dataset_loss, run_config, run_tokenizer
     from pith_train.train import build_model
@@ -159,8 +160,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     seq_len = args.seq_len or (cfg and cfg.data.seq_len)
     if not seq_len:
         raise ValueError(f"{path} has no run config (config.toml) giving the window length: pass --seq-len")
+    ds.check_vocab(model_config(str(path)).vocab_size)  # before the weights load
     model = build_model(str(path), _device(args), seed=0).eval()
-    ds.check_vocab(model.cfg.vocab_size)
     loss, tokens = dataset_loss(model, ds, seq_len, args.batch, args.max_windows)
     print(
         f"loss {loss:.4f} perplexity {math.exp(loss):.3f}"

@@ -28,7 +28,7 @@ from pith_train.data import PackedDataset, WindowLoader
 from pith_train.metrics import MetricsLog, log_line, peak_flops, peak_memory_gib
 from pith_train.optim import build_optimizer, lr_at
 from pith_train.prepare import load_tokenizer, prepare, stdlib_corpus
-from pith_train.stopping import Interrupted, StopOnSignal
+from pith_train.stopping import Interrupted, StopOnSignal, agreed
 
 
 def parallel_layout(cfg: Config, device: torch.device) -> parallel.Mesh:
@@ -172,7 +172,8 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
     ds, val_ds = open_data(cfg, run_dir, main)
-    ds.check_vocab(model_cfg.vocab_size)
+    for d in (ds, val_ds or ds):
+        d.check_vocab(V := model_cfg.vocab_size)
     if device.type == "cuda" and (bad := fp8_size_problems(cfg, model_cfg)):
         raise ValueError(
             f"train.fp8 / train.fp8_lm_head on CUDA need multiples of 16, got {', '.join(bad)}: pad the"
@@ -227,6 +228,12 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
         while step < last:
             start = time.perf_counter()
             micro = loader.step_batch(cursor, G, cfg.train.micro_batch, *data_slice)
+            if (top := agreed(max(int(x.max()) for batch in micro for x in batch), device)) >= V:
+                saved = save(step) if step else "nothing trained"  # the file changed: check_vocab passed
+                raise ValueError(
+                    f"data.path {ds.path}: token id {top} >= the model's vocabulary {V} in step {step + 1}'s"
+                    f" windows; saved step {step} ({saved})"
+                )
             lr = lr_at(step, cfg)
             try:
                 loss, aux_loss, grad_norm, load = step_values(
