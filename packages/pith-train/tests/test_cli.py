@@ -374,3 +374,15 @@ def test_prepare_data_trains_a_bpe_tokenizer_that_round_trips_and_a_model_trains
         logits = model.reference_forward(inputs)
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
     assert out["val_loss"] == pytest.approx(float(want), rel=1e-4)
+
+
+def test_a_refusal_under_nproc_per_node_is_printed_once_and_every_rank_exits(
+    micro_args, tmp_path, subprocess_env
+):
+    args = [*micro_args, "--parallel.dp=2", "--train.micro_batch=1", f"--data.path={tmp_path}/missing"]
+    argv = [sys.executable, "-m", "pith_train", "pretrain", "--nproc-per-node", "2", *args]
+    out = subprocess.run([*argv, "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                         env=subprocess_env, timeout=300)  # fmt: skip
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert out.returncode == 1 and len(errors) == 1, out.stderr
+    assert errors[0] == f"pith-train pretrain: error: data.path '{tmp_path}/missing' does not exist"

@@ -143,7 +143,10 @@ def test_a_token_id_past_the_model_vocabulary_is_refused_at_start(
 ):
     bad = bad_data  # the micro model's vocabulary is 260
     val = [f"--data.val_path={byte_data}"] * (key == "data.path")
-    with pytest.raises(ValueError, match=f"dataset {bad} holds token id 300, more than the model's 260: .*--model.vocab_size=320"):
+    with pytest.raises(
+        ValueError,
+        match=f"dataset {bad} holds token id 300, more than the model's 260: .*--model.vocab_size=320",
+    ):
         pretrain(micro_config(f"--{key}={bad}", *val), tmp_path / "run")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

@@ -410,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= {least}, got {value}")
         args.run(args)
     except (ValueError, FloatingPointError, OSError) as e:  # bad input, a diverged run, a full disk
-        print(f"pith-train {args.command}: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks alike; rank 0 says it
+            print(f"pith-train {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and stops on its own)
         print(f"pith-train {args.command}: interrupted", file=sys.stderr)
