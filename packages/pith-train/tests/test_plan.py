@@ -204,3 +204,27 @@ def test_a_sequence_past_the_position_limit_is_refused_for_it_not_for_memory(com
     err = capsys.readouterr().err
     assert e.value.code == 1 and "data.seq_len=100000 is more than the model's max_position_embeddings" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_8_gpu_preset_on_one_gpu_is_planned_and_the_fixes_name_more_gpus(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", str(ROOT / "configs" / "qwen3-30b-a3b-8gpu.toml"), "--gpus=1", "--gpu-memory=79"])
+    out = capsys.readouterr().out
+    assert e.value.code == 1 and "does not fit" in out and "pp 1 x dp 1 x cp 1 x ep 1" in out, out
+    assert "fits with --parallel.dp=8 (8 GPUs)" in out, out  # the global batch kept
+
+
+def test_a_tiny_model_that_cannot_fit_blames_the_fixed_overhead(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--train.device=cuda", "--gpu-memory=0.5"])
+    out = capsys.readouterr().out
+    assert e.value.code == 1 and "the fixed 1 GiB a process holds" in out, out
+    monkeypatch.setattr(plan, "device_memory", lambda *a: (0.5 * plan.GIB, "a small card"))
+    with pytest.raises(ValueError, match="the fixed 1 GiB a process holds .* alone is more than") as e:
+        plan.check(
+            load_config(None, ["--train.device=cpu"]),
+            pith_models.MODELS["tiny-moe"],
+            torch.device("cpu"),
+            "X",
+        )
+    assert "a smaller model" not in str(e.value)

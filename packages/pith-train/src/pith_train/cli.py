@@ -225,8 +225,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
     cfg = load_config(*_config_and_overrides(args.rest))
     p = cfg.parallel
     if args.gpus is not None:  # the data ranks that fill N GPUs
-        if args.gpus % (p.pp * p.cp * p.ep):
-            raise ValueError(f"--gpus {args.gpus}: expected a multiple of pp*cp*ep = {p.pp * p.cp * p.ep}")
+        if args.gpus % (p.pp * p.cp * p.ep):  # plan the layout that fits, and say what more GPUs allow
+            print(
+                f"--gpus {args.gpus} is not a multiple of pp*cp*ep = {p.pp * p.cp * p.ep}: planning dp alone"
+            )
+            p.pp = p.cp = p.ep = 1
         p.dp = args.gpus // (p.pp * p.cp * p.ep)
         validate(cfg)
     if args.gpu_memory is not None and args.gpu_memory <= 0:

@@ -201,8 +201,8 @@ def valid(cfg: Config, m: Model, world: int | None = None) -> None:
 
 def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[tuple[str, Plan]]:
     """The nearest change that fits of each kind: a stronger `ac`, a smaller micro-batch, pipeline
-    stages, more data ranks; the last two also with ac full. More ranks take more cards, or share a
-    machine's `capacity`."""
+    stages, more data ranks (dp and ep; the global batch kept, else scaled); the last two also with ac
+    full. More ranks take more cards, or share a machine's `capacity`."""
     t, p, out = cfg.train, cfg.parallel, []
     ac, full = ("none", "selective", "full"), ({}, {"train.ac": "full"})
     mbs = [t.micro_batch >> i for i in range(t.micro_batch.bit_length())]  # it and its halves
@@ -210,8 +210,8 @@ def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[t
         [{"train.ac": a} for a in ac[ac.index(t.ac) + 1 :]],
         [{"train.micro_batch": mb} for mb in mbs[1:]],
         [{"parallel.pp": p.pp * n, **f, "train.micro_batch": mb} for n in (2, 4) for f in full for mb in mbs],
-        [{"parallel.dp": p.dp * n, "train.global_batch": t.global_batch * n, **f} for n in (2, 4, 8, 16, 32)
-         for f in full],
+        [{"parallel.dp": p.dp * n // e, "parallel.ep": p.ep * e, "train.global_batch": t.global_batch * g,
+          **f} for n in (2, 4, 8, 16, 32) for e in (1, 2, 4, 8) if e <= n for g in (1, n) for f in full],
     ):  # fmt: skip
         for change in kind:
             c, new = copy.deepcopy(cfg), []
@@ -253,12 +253,23 @@ def check(cfg: Config, model_cfg, device: torch.device, launch: str) -> Plan:
     if (out := plan(cfg, m, device.type == "cuda", capacity)).fits:
         return out
     fixes = changes(cfg, m, device.type == "cuda", capacity)[:3]
-    fix = " or ".join(f"{text} ({x.needs / GIB:.1f} GiB)" for text, x in fixes) or "a smaller model"
+    fix = " or ".join(f"{text} ({x.needs / GIB:.1f} GiB)" for text, x in fixes) or stuck(out)
     raise ValueError(
         f"plan: a rank of this run needs {out.needs / GIB:.1f} GiB (largest terms, GiB: "
         + ", ".join(f"{k} {v:.1f}" for k, v in terms(out)[:3])
         + f") and {what} is {capacity / GIB:.1f} GiB; it fits with {fix} (`pith-train plan` lists the terms)"
     )
+
+
+def stuck(out: Plan) -> str:
+    """What to change when no change of the config fits."""
+    if out.capacity < CONTEXT or out.total * SLACK < CONTEXT:
+        more = "alone is more than" if out.capacity < CONTEXT else "is most of what it needs of"
+        return (
+            f"more memory: the fixed {CONTEXT / GIB:g} GiB a process holds (the CUDA context and libraries;"
+            f" on CPU Python and torch) {more} the {out.capacity / GIB:.1f} GiB"
+        )
+    return "a smaller model (no change of ac, micro-batch, pp, dp or ep fits)"
 
 
 def report(cfg: Config, m: Model, out: Plan, what: str, fixes: list[tuple[str, Plan]]) -> str:
@@ -276,4 +287,5 @@ def report(cfg: Config, m: Model, out: Plan, what: str, fixes: list[tuple[str, P
         else f"{'fits by' if out.fits else 'does not fit: short by'} {gap:.1f} GiB of {what}"
         f" ({out.capacity / GIB:.1f} GiB)",
         *(f"  fits with {text}: needs {x.needs / GIB:.1f} GiB" for text, x in fixes),
+        *[f"  fits with {stuck(out)}"] * (not (out.fits or fixes)),
     ])  # fmt: skip
