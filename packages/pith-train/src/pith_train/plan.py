@@ -123,11 +123,16 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
     rows = 1 if t.fp8 else b  # the dispatched rows: e4m3 under FP8 (pith_ops.FP8Rows)
     u = p.ep * (1 - (1 - 1 / p.ep) ** K)  # EP ranks a token is sent to (uniform routing, deduplicated)
 
+    # The CPU's attention (attention_kernels.attention_reference): fp32 scores B x H x S x S; under CP
+    # the ring's blocks add up to B x H x S x S / cp. Its forward keeps two (the masked scores for
+    # logsumexp, the probabilities for the PV matmul); its backward holds three more at once.
+    att = 4 * c.num_attention_heads * T * cfg.data.seq_len * (not cuda)
+
     def acts(x: Layer) -> float:  # one micro-batch's: each stage's inputs and outputs (executor.Tape)
         # and what its ops save, less what `ac` recomputes
         a = b * T * D  # the layer's output, the next one's input
-        if t.ac != "full":  # stage 1: each projection's input and output (~), the router's fp32 input
-            a += b * T * x.io + (4 - b) * T * D * bool(x.F)
+        if t.ac != "full":  # stage 1: each projection's input and output (~), the router's fp32 input,
+            a += b * T * x.io + (4 - b) * T * D * bool(x.F) + 2 * att  # the CPU's attention scores
         if not x.F:
             return a
         # the residual and the routed input; fp32 router logits and probs, int64 ids, fp32 weights; the
@@ -152,7 +157,9 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
     recompute = b * T * K * 3 * big.F * (t.ac != "none") + b * T * big.io * (t.ac == "full")
     wgrads = 4 * big.dense * (dense_ranks == 1) + (2 if b == 2 and not muon else 4) * big.experts / p.ep * (
         expert_ranks == 1)  # fmt: skip
-    work = max(rows_work, b * T * K * (2 * D + 3 * big.F) + recompute + wgrads)
+    work = max(
+        rows_work, b * T * K * (2 * D + 3 * big.F) + recompute + wgrads, (3 + 2 * (t.ac == "full")) * att
+    )
     unit = big.dense + big.experts / p.ep * (expert_ranks > 1)
     comm = (2 * whole if p.pp > 1 else 2 * root + FSDP_UNIT * unit) * (dense_ranks > 1)  # pp>1: all gathered
     comm += 2 * b * T * D * (p.cp > 1)  # ring attention: the key/value blocks in flight (~D wide)
