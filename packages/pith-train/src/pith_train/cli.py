@@ -225,7 +225,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     cfg = load_config(*_config_and_overrides(args.rest))
     p = cfg.parallel
     if args.gpus is not None:  # the data ranks that fill N GPUs
-        if args.gpus % (p.pp * p.cp * p.ep):  # plan the layout that fits, and say what more GPUs allow
+        if args.gpus % (p.pp * p.cp * p.ep):  # changes() then names the GPUs the layout needs
             print(
                 f"--gpus {args.gpus} is not a multiple of pp*cp*ep = {p.pp * p.cp * p.ep}: planning dp alone"
             )
@@ -272,8 +272,7 @@ def cmd_schedule(args: argparse.Namespace) -> None:
         print(f"wrote {plot_schedule(args.pp, args.micro_batches, args.png)}")
 
 
-# The least value of each integer option, whichever command has it (0 for --cpu-threads: torch's default;
-# for --max-windows: every window)
+# Each integer option's least value, whichever command has it
 LEAST = dict.fromkeys(["batch", "seq_len", "steps", "nproc", "pp", "micro_batches", "max_new_tokens"], 1)
 LEAST |= dict.fromkeys(["gpus", "layers", "workers", "nproc_per_node", "dp", "cp", "ep", "micro_batch"], 1)
 LEAST |= dict.fromkeys(["cpu_threads", "max_windows", "warmup", "profile", "train_tokenizer"], 0)

@@ -335,8 +335,7 @@ def to_toml(cfg: Config) -> str:
         lines.append(f"[{section.name}]")
         values = dataclasses.asdict(getattr(cfg, section.name))
         values.update(values.pop("overrides", {}))  # [model]: the preset's fields it sets, as keys
-        for key, value in values.items():  # JSON's strings (raw Unicode but DEL), numbers (finite:
-            # validate), arrays and booleans are TOML's
+        for key, value in values.items():  # JSON's values are TOML's (DEL escaped; floats finite)
             text = json.dumps("none" if value is None else value, ensure_ascii=False)
             lines.append(f"{key} = " + text.replace("\x7f", "\\u007f"))
         lines.append("")

@@ -46,8 +46,7 @@ class PackedDataset:
             )
 
     def check_vocab(self, model_vocab: int) -> None:
-        """Its tokenizer's vocabulary and its largest token id (meta.json's, else read once: ~1 s per
-        GB of tokens, where one bad id met mid-run would stop the run) within the model's."""
+        """The vocabulary and the largest id (meta.json's, else read: ~1 s/GB) within the model's."""
         vocab, top = self.meta["vocab_size"], self.meta.get("max_token_id")
         if vocab > model_vocab:
             what = f"vocab size {vocab} (tokenizer {self.meta['tokenizer']})"

@@ -27,8 +27,7 @@ def check_layout(
     same = [f"--train.steps={steps}", f"--optim.eps={eps}", "--checkpoint.every=0", "--log.eval_every=0"]
     same += ["--log.progress=false", "--log.tensorboard=false", "--log.every=0"]
     single = ["--parallel.pp=1", "--parallel.dp=1", "--parallel.cp=1", "--parallel.ep=1"]
-    # Like with like: the load-balancing loss groups a micro-batch's sequences over every data rank, so
-    # one process takes them all in one micro-batch (dp=2 at micro-batch 2: 3.1e-5 apart by step 3)
+    # The load-balancing loss groups a micro-batch over the data ranks: one process takes them all
     single.append(f"--train.micro_batch={cfg.train.micro_batch * cfg.data_ranks}")
     base = [*([config] if config else []), *overrides, *same]
     with tempfile.TemporaryDirectory(prefix="pith-check-layout-") as tmp:

@@ -123,16 +123,14 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
     rows = 1 if t.fp8 else b  # the dispatched rows: e4m3 under FP8 (pith_ops.FP8Rows)
     u = p.ep * (1 - (1 - 1 / p.ep) ** K)  # EP ranks a token is sent to (uniform routing, deduplicated)
 
-    # The CPU's attention (attention_kernels.attention_reference): fp32 scores B x H x S x S; under CP
-    # the ring's blocks add up to B x H x S x S / cp. Its forward keeps two (the masked scores for
-    # logsumexp, the probabilities for the PV matmul); its backward holds three more at once.
+    # CPU attention (attention_reference): fp32 B x H x S x S (/ cp under CP), 2 kept, ~3 in the backward
     att = 4 * c.num_attention_heads * T * cfg.data.seq_len * (not cuda)
 
     def acts(x: Layer) -> float:  # one micro-batch's: each stage's inputs and outputs (executor.Tape)
         # and what its ops save, less what `ac` recomputes
         a = b * T * D  # the layer's output, the next one's input
-        if t.ac != "full":  # stage 1: each projection's input and output (~), the router's fp32 input,
-            a += b * T * x.io + (4 - b) * T * D * bool(x.F) + 2 * att  # the CPU's attention scores
+        if t.ac != "full":  # stage 1: each projection's input and output (~), the router's fp32 input
+            a += b * T * x.io + (4 - b) * T * D * bool(x.F) + 2 * att
         if not x.F:
             return a
         # the residual and the routed input; fp32 router logits and probs, int64 ids, fp32 weights; the
@@ -194,7 +192,6 @@ def device_memory(device: torch.device, processes: int = 1) -> tuple[float, str]
 
 
 def valid(cfg: Config, m: Model, world: int | None = None) -> None:
-    """The causes (layout, schedule, position limit) before the consequence, memory."""
     p, S, limit = cfg.parallel, cfg.data.seq_len, m.cfg.max_position_embeddings
     if limit < S:
         raise ValueError(
@@ -208,8 +205,8 @@ def valid(cfg: Config, m: Model, world: int | None = None) -> None:
 
 def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[tuple[str, Plan]]:
     """The nearest change that fits of each kind: a stronger `ac`, a smaller micro-batch, pipeline
-    stages, more data ranks (dp and ep; the global batch kept, else scaled); the last two also with ac
-    full. More ranks take more cards, or share a machine's `capacity`."""
+    stages, more data ranks (dp, ep); the last two also with ac full. More ranks take more cards, or
+    share a machine's `capacity`."""
     t, p, out = cfg.train, cfg.parallel, []
     ac, full = ("none", "selective", "full"), ({}, {"train.ac": "full"})
     mbs = [t.micro_batch >> i for i in range(t.micro_batch.bit_length())]  # it and its halves
@@ -269,7 +266,6 @@ def check(cfg: Config, model_cfg, device: torch.device, launch: str) -> Plan:
 
 
 def stuck(out: Plan) -> str:
-    """What to change when no change of the config fits."""
     if out.capacity < CONTEXT or out.total * SLACK < CONTEXT:
         more = "alone is more than" if out.capacity < CONTEXT else "is most of what it needs of"
         return (
