@@ -255,17 +255,12 @@ def validate(cfg: Config) -> None:
         model = model_config(cfg.model)
         cfg.model.overrides = {k: getattr(model, k) for k in cfg.model.overrides}
     t, o, p = cfg.train, cfg.optim, cfg.parallel
-    for section in dataclasses.fields(cfg):  # what to_toml cannot write: inf, nan, lone surrogates
+    for section in dataclasses.fields(cfg):  # TOML has no inf or nan
         values = dataclasses.asdict(getattr(cfg, section.name))
         for key, value in {**values, **values.pop("overrides", {})}.items():
             for v in value if isinstance(value, tuple) else [value]:
                 if isinstance(v, float) and not math.isfinite(v):
                     raise ValueError(f"{section.name}.{key} must be finite, got {v}")
-                if isinstance(v, str) and not v.isascii():
-                    try:
-                        v.encode()
-                    except UnicodeEncodeError as e:
-                        raise ValueError(f"{section.name}.{key}: not valid Unicode ({e})") from None
     at_least = {  # key: (value, the least allowed)
         "train.steps": (t.steps, 1),
         "train.global_batch": (t.global_batch, 1),

@@ -266,13 +266,11 @@ def check(cfg: Config, model_cfg, device: torch.device, launch: str) -> Plan:
 
 
 def stuck(out: Plan) -> str:
-    if out.capacity < CONTEXT or out.total * SLACK < CONTEXT:
-        more = "alone is more than" if out.capacity < CONTEXT else "is most of what it needs of"
+    if out.total * SLACK < CONTEXT:  # the run's own terms are not what does not fit
         return (
-            f"more memory: the fixed {CONTEXT / GIB:g} GiB a process holds (the CUDA context and libraries;"
-            f" on CPU Python and torch) {more} the {out.capacity / GIB:.1f} GiB"
+            f"more memory: the fixed {CONTEXT / GIB:g} GiB a process holds (context, libraries) is most of it"
         )
-    return "a smaller model (no change of ac, micro-batch, pp, dp or ep fits)"
+    return "a smaller model"
 
 
 def report(cfg: Config, m: Model, out: Plan, what: str, fixes: list[tuple[str, Plan]]) -> str:

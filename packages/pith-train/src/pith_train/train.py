@@ -208,7 +208,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     )
     log_every = cfg.log.every or (0 if terminal else 1)
     if main:
-        mfu = f"peak {peak:.3g} FLOP/s ({peak_source})" if peak else f"no MFU: no datasheet peak of {device}"
+        mfu = f"peak {peak:.3g} FLOP/s ({peak_source})" if peak else "no MFU (no known peak)"
         bar.write(f"{cfg.model.name} on {device}, from step {step}; {mfu}")
 
     def save(step: int) -> Path:
