@@ -28,6 +28,7 @@ from pith_engine.step import (  # the one place the skills import the trainer's 
     step_values,
     train_step,
 )
+from pith_train import plan
 from pith_train.config import Config as TrainConfig
 from pith_train.optim import build_optimizer
 from pith_train.train import model_config, step_settings
@@ -85,8 +86,11 @@ def loads_weights(args: argparse.Namespace) -> bool:
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> nn.Module:
-    """The fp32 model of args: the directory's weights (loads_weights) or random ones (seeded)."""
-    cfg = model_cfg(args)
+    """The fp32 model of args: the directory's weights (loads_weights) or random ones (seeded), once
+    pith-train's plan says a training step of it fits `device` (as pretrain checks before it builds)."""
+    cfg, run = model_cfg(args), train_config(args)
+    run.train.ac = getattr(args, "ac", "none")
+    plan.check(run, cfg, device, "the skill")
     if loads_weights(args):
         return pith_models.from_pretrained(args.model, device=str(device))
     return pith_models.build(cfg, device, args.seed)

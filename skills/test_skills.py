@@ -84,6 +84,23 @@ def test_validate_correctness_refuses_a_bad_config():
         load("validate-correctness/validate.py").main(["qwen3-moe-tiny", "--set", "head_dim=15"])
 
 
+def test_a_skill_checks_the_plan_before_it_builds(monkeypatch):
+    import pith_models
+    from pith_train import plan
+
+    real = pith_models.build
+
+    def build(cfg, *args, **kwargs):  # on meta (the plan's) when no device is given
+        assert not args, "the model was built before the plan was checked"
+        return real(cfg)
+
+    monkeypatch.setattr(pith_models, "build", build)
+    monkeypatch.setattr(plan, "device_memory", lambda *a: (24 * plan.GIB, "a 24 GiB machine"))
+    argv = ["qwen3-30b-a3b", "--set", "num_hidden_layers=2", "--no-hf"]  # SKILL.md's example: 20.6 GB
+    with pytest.raises(ValueError, match="plan: a rank of this run needs .* a 24 GiB machine is 24.0 GiB"):
+        load("validate-correctness/validate.py").main(argv)
+
+
 def test_add_a_model_check_passes_on_a_model_family(runs):
     lines = passed(runs, "check")
     assert sum(line.lstrip().startswith("ok") for line in lines) >= 20

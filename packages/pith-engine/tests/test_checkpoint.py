@@ -149,6 +149,16 @@ def test_only_complete_checkpoints_count_and_prune_keeps_the_newest(tmp_path):
         checkpoint.load(tmp_path, model)
 
 
+def test_prune_removes_damaged_checkpoints_older_than_the_kept_ones(tmp_path):
+    for name in ("step_000001.damaged", "step_000002", "step_000003.damaged", "step_000004", "step_000005"):
+        (tmp_path / name).mkdir()
+    checkpoint.prune(tmp_path, keep=2)  # a damaged one newer than the oldest kept stays, to be looked at
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004", "step_000005"]
+    (tmp_path / "step_000006.damaged").mkdir()
+    checkpoint.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004", "step_000005", "step_000006.damaged"]
+
+
 def _flip_a_byte(f) -> None:
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF

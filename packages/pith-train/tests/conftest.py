@@ -8,8 +8,10 @@ which is orders of magnitude slower; subprocesses get an environment without TRI
 
 import json
 import os
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pith_models
 import pytest
 import torch
@@ -66,6 +68,18 @@ def byte_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("data") / "bytes"
     prepare(stdlib_corpus()[:3], str(out), "byte", progress=False, workers=1)
     return out
+
+
+@pytest.fixture(scope="session")
+def bad_data(byte_data, tmp_path_factory):
+    """byte_data with its middle token 300, past the micro model's vocabulary (meta.json unchanged)."""
+    bad = tmp_path_factory.mktemp("data") / "bad"
+    shutil.copytree(byte_data, bad)
+    meta = json.loads((bad / "meta.json").read_text())
+    tokens = np.memmap(bad / "tokens.bin", dtype=meta["dtype"], mode="r+")
+    tokens[len(tokens) // 2] = 300
+    tokens.flush()
+    return bad
 
 
 @pytest.fixture(scope="session")

@@ -120,9 +120,7 @@ def test_default_command_trains_tiny_moe_on_the_builtin_corpus(default_run):
     assert meta["tokenizer"] == "byte" and meta["num_files"] > 100
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, DEFAULT_STEPS + 1)) and "val_loss" in rows[-1]
-    assert {"loss", "lr", "tokens_per_s", "mfu", "grad_norm", "aux", "expert_load_max_over_mean"} <= set(
-        rows[0]
-    )
+    assert {"loss", "lr", "tokens_per_s", "grad_norm", "aux", "expert_load_max_over_mean"} <= set(rows[0])
     assert (run / "checkpoints" / f"step_{DEFAULT_STEPS:06d}" / ".metadata").is_file()
     assert 'name = "tiny-moe"' in (run / "config.toml").read_text()
 
@@ -298,13 +296,27 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
         (["generate", "{ckpt}", "--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["generate", "{tmp}", "--prompt", "x"], "no tokenizer.json and no run config"),
         (["eval", "{damaged}", "--data", "{data}", "--tokenizer", "byte"], "is damaged: manifest.json"),
+        (["eval", "{tmp}/nope", "--data", "{data}"], "nope does not exist"),
+        (["eval", "{ckpt}", "--data", "{bad}"], "holds token id 300, more than the model's 260"),
+        (["eval", "{tmp}/nope", "--data", "{data}", "--tokenizer", "byte"], "nope does not exist"),
+        (["generate", "{tmp}/nope", "--prompt", "x"], "nope does not exist"),
+        (["eval", "{ckpt}", "--data", "{data}", "--batch", "0"], "--batch must be >= 1, got 0"),
+        (["eval", "{ckpt}", "--data", "{data}", "--max-windows", "-1"], "--max-windows must be >= 0, got -1"),
+        (["eval", "{ckpt}", "--data", "{data}", "--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+        (["generate", "{ckpt}", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["schedule", "--pp", "0", "--micro-batches", "4"], "--pp must be >= 1, got 0"),
+        (["check-layout", "--nproc", "2"], "--nproc 2: the layout pp*dp*cp*ep is 1"),
+        (["check-layout", "--nproc", "1", "--steps", "0"], "--steps must be >= 1, got 0"),
     ],
 )
-def test_inference_commands_fail_with_one_line(trained, byte_data, micro_hf, tmp_path, capsys, argv, message):
+def test_inference_commands_fail_with_one_line(
+    trained, byte_data, bad_data, micro_hf, tmp_path, capsys, argv, message
+):
     damaged = tmp_path / "damaged"
     shutil.copytree(trained, damaged)
     (damaged / "manifest.json").unlink()
     names = {"tmp": tmp_path, "ckpt": trained, "damaged": damaged, "data": byte_data, "hf": micro_hf}
+    names["bad"] = bad_data
     with pytest.raises(SystemExit) as e:
         main([a.format(**names) for a in argv])
     err = capsys.readouterr().err
@@ -362,3 +374,15 @@ def test_prepare_data_trains_a_bpe_tokenizer_that_round_trips_and_a_model_trains
         logits = model.reference_forward(inputs)
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
     assert out["val_loss"] == pytest.approx(float(want), rel=1e-4)
+
+
+def test_a_refusal_under_nproc_per_node_is_printed_once_and_every_rank_exits(
+    micro_args, tmp_path, subprocess_env
+):
+    args = [*micro_args, "--parallel.dp=2", "--train.micro_batch=1", f"--data.path={tmp_path}/missing"]
+    argv = [sys.executable, "-m", "pith_train", "pretrain", "--nproc-per-node", "2", *args]
+    out = subprocess.run([*argv, "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                         env=subprocess_env, timeout=300)  # fmt: skip
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert out.returncode == 1 and len(errors) == 1, out.stderr
+    assert errors[0] == f"pith-train pretrain: error: data.path '{tmp_path}/missing' does not exist"

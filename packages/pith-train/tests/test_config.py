@@ -1,5 +1,12 @@
+import dataclasses
+import tempfile
+import tomllib
+from pathlib import Path
+
 import pytest
-from pith_train.config import Config, load_config, to_toml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pith_train.config import Config, load_config, to_toml, validate
 
 
 def test_defaults_toml_and_overrides_resolve_in_order(tmp_path):
@@ -83,3 +90,75 @@ def test_data_lists_are_toml_arrays_or_comma_separated_and_one_path_is_a_string_
     assert (load_config(str(path)).data.path, load_config(str(path)).data.val_path) == (["one"], [])
     (tmp_path / "back.toml").write_text(to_toml(cfg))
     assert load_config(str(tmp_path / "back.toml")) == cfg
+
+
+def _floats() -> list[str]:
+    """Every float key of the config, as section.key."""
+    return [
+        f"{s.name}.{f.name}"
+        for s in dataclasses.fields(Config)
+        for f in dataclasses.fields(s.type)
+        if f.type is float
+    ]
+
+
+@pytest.mark.parametrize("key", _floats())
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1"])
+def test_every_float_key_is_range_checked(key, value):
+    with pytest.raises(ValueError, match=f"{key} must be"):
+        load_config(None, [f"--{key}={value}"])
+
+
+def test_a_non_finite_model_override_is_refused():
+    with pytest.raises(ValueError, match="model.rope_theta must be finite"):
+        load_config(None, ["--model.name=qwen3-moe-tiny", "--model.rope_theta=inf"])
+
+
+def test_non_bmp_and_control_characters_are_written_as_valid_toml(tmp_path):
+    cfg = load_config(None, ["--log.wandb=proj-\U0001f680", "--data.path=a\x7fb\x01\n\"'\\c"])
+    (tmp_path / "c.toml").write_text(to_toml(cfg), encoding="utf-8")
+    assert load_config(str(tmp_path / "c.toml")) == cfg
+
+
+# The enumerated strings validate accepts, so draws reach them; any other text is refused or written.
+WORDS = ["none", "selective", "full", "cosine", "wsd", "adamw", "muon", "bfloat16", "float32"]
+WORDS += ["auto", "cpu", "cuda", "byte", "tiny-moe", "qwen3-moe-tiny"]
+KINDS = {
+    int: st.integers(0, 64) | st.integers(-(2**63), 2**63 - 1),
+    float: st.floats(0, 1) | st.floats(),
+    bool: st.booleans(),
+    str: st.sampled_from(WORDS) | st.text(),
+}
+
+
+@st.composite
+def configs(draw) -> Config:
+    cfg, fields = (
+        Config(),
+        [(s.name, f) for s in dataclasses.fields(Config) for f in dataclasses.fields(s.type)],
+    )
+    for section, f in draw(st.lists(st.sampled_from(fields), max_size=3)):  # a few: most draws validate
+        if f.name != "overrides":
+            setattr(getattr(cfg, section), f.name, draw(KINDS[f.type]))
+    if draw(st.booleans()):  # a preset's fields: a float, an int, a tuple (gpt-oss's layer_types)
+        cfg.model.name = draw(st.sampled_from(["qwen3-moe-tiny", "gpt-oss-tiny"]))
+        cfg.model.overrides = {"rope_theta": draw(KINDS[float]), "num_hidden_layers": draw(st.integers(1, 4))}
+    return cfg
+
+
+@settings(max_examples=300)
+@given(configs())
+def test_every_config_field_round_trips_through_toml_or_is_refused(cfg):
+    try:
+        validate(cfg)
+    except ValueError:
+        return
+    assert tomllib.loads(text := to_toml(cfg)) is not None
+    assert load_config_text(text) == cfg
+
+
+def load_config_text(text: str) -> Config:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "c.toml")
+        path.write_text(text, encoding="utf-8")
+        return load_config(str(path))

@@ -33,15 +33,15 @@ SHAPES = {name: plan.model_shape(pith_models.MODELS[name]) for name in ("qwen3-m
 
 def kept_bytes(name: str, B: int, S: int, ac: str) -> float:
     """Bytes the trainer's forward of one micro-batch keeps for its backward: the Tape's segment inputs
-    and outputs and the tensors its ops save, distinct storages, less the parameters and the reference
-    attention's S x S scores (the flash kernels on CUDA keep none)."""
+    and outputs and the tensors its ops save, distinct storages, less the parameters; the CPU attention's
+    fp32 S x S scores included (the plan counts them on CPU only: the flash kernels on CUDA keep none)."""
     model = pith_models.build(name, "cpu")
     run = _Run(Stages(model, parallel.SINGLE, ac=ac), [(torch.ones(B, S, dtype=torch.long),) * 2 + (None,)],
                torch.tensor(B * S), Aux(), True)  # fmt: skip
     seen = {}
 
     def keep(t):
-        if t.layout == torch.strided and any(t.stride()) and t.shape[-2:] != (S, S):
+        if t.layout == torch.strided and any(t.stride()):
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
@@ -56,8 +56,7 @@ def kept_bytes(name: str, B: int, S: int, ac: str) -> float:
 
 @pytest.mark.parametrize("name", ["tiny-moe", "qwen3-moe-tiny", "deepseek-v2-tiny", "gpt-oss-tiny"])
 def test_planned_activations_are_within_10_percent_of_what_the_trainer_keeps(name):
-    # S = 40: no dimension of these models, so the S x S filter takes only attention scores.
-    B, S = 2, 40
+    B, S = 2, 40  # and S = 512 below, where the S x S scores dominate
     for ac in ("none", "selective", "full"):
         cfg = load_config(None, [f"model.name={name}", f"data.seq_len={S}", f"train.micro_batch={B}",
                                  f"train.global_batch={B}", f"train.ac={ac}"])  # fmt: skip
@@ -215,3 +214,48 @@ def test_plan_reads_a_hugging_face_directorys_config_json_only(tmp_path, capsys,
         main(["plan", preset, f"--model.name={name}", "--gpu-memory=79"])
         out.append(capsys.readouterr().out.replace(str(hf_dir), "qwen3-30b-a3b"))
     assert out[0] == out[1] and "fits" in out[1], out
+
+
+@pytest.mark.parametrize("command", ["plan", "pretrain"])
+def test_a_sequence_past_the_position_limit_is_refused_for_it_not_for_memory(command, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(
+            [command, "--data.seq_len=100000", "--train.device=cpu", "--run-dir", str(tmp_path / "run")][
+                : 3 + 2 * (command == "pretrain")
+            ]
+        )
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "data.seq_len=100000 is more than the model's max_position_embeddings" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_8_gpu_preset_on_one_gpu_is_planned_and_the_fixes_name_more_gpus(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", str(ROOT / "configs" / "qwen3-30b-a3b-8gpu.toml"), "--gpus=1", "--gpu-memory=79"])
+    out = capsys.readouterr().out
+    assert e.value.code == 1 and "does not fit" in out and "pp 1 x dp 1 x cp 1 x ep 1" in out, out
+    assert "fits with --parallel.dp=8 (8 GPUs)" in out, out  # the global batch kept
+
+
+def test_a_tiny_model_that_cannot_fit_blames_the_fixed_overhead(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--train.device=cuda", "--gpu-memory=0.5"])
+    out = capsys.readouterr().out
+    assert e.value.code == 1 and "the fixed 1 GiB a process holds (context, libraries) is most" in out, out
+    monkeypatch.setattr(plan, "device_memory", lambda *a: (0.5 * plan.GIB, "a small card"))
+    with pytest.raises(ValueError, match="the fixed 1 GiB a process holds") as e:
+        plan.check(
+            load_config(None, ["--train.device=cpu"]),
+            pith_models.MODELS["tiny-moe"],
+            torch.device("cpu"),
+            "X",
+        )
+    assert "a smaller model" not in str(e.value)
+
+
+def test_planned_cpu_activations_hold_the_attention_scores_where_they_dominate():
+    B, S = 2, 512  # tiny-moe: the fp32 scores 2 x 4 heads x 512 x 512, two kept per layer: 16 of 19 MiB
+    cfg = load_config(None, [f"data.seq_len={S}", f"train.micro_batch={B}", f"train.global_batch={B}"])
+    start = plan.rank_plan(cfg, plan.model_shape(pith_models.MODELS["tiny-moe"]), 0, cuda=False)[0]
+    measured = kept_bytes("tiny-moe", B, S, "none")
+    assert 0.9 <= start.terms["activations"] / measured <= 1.1, (start.terms["activations"], measured)

@@ -134,10 +134,14 @@ def test_check_layout_trains_both_ways_and_reports_agreement(micro_args, subproc
     for name, value in subprocess_env.items():  # for the torchrun workers
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # 4 steps (the command's default): the load-balancing loss groups a micro-batch's sequences over
+    # the data ranks (2 x 2 here), so the one-process run must take micro-batches of 4, not 2
     args = [a for a in micro_args if not a.startswith("--train.steps")]
-    assert check_layout(None, [*args, "--parallel.dp=2", "--train.device=cpu"], 2, 2, 1e-3, 1e-5)
+    assert check_layout(None, [*args, "--parallel.dp=2", "--train.device=cpu"], 2, 4, 1e-3, 1e-5), (
+        capsys.readouterr().out
+    )
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
-    assert len(rows) == 2 and all(float(r[3]) <= 1e-5 for r in rows), out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"], ["4"])]
+    assert len(rows) == 4 and all(float(r[3]) <= 1e-5 for r in rows), out
     assert "layout pp=1 dp=2 cp=1 ep=1 on 2 processes, Adam eps 0.001" in out
     assert "agrees: largest relative difference" in out

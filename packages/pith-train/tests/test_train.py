@@ -16,12 +16,13 @@ import warnings
 import pith_models
 import pytest
 import torch
-from pith_engine import checkpoint
+from pith_engine import checkpoint, parallel
 from pith_engine.step import Stages, train_step
 from pith_models import qwen3_moe
-from pith_train import stopping, train
+from pith_train import rundir, stopping, train
 from pith_train.cli import main
-from pith_train.config import load_config, model_config
+from pith_train.config import load_config, model_config, to_toml
+from pith_train.data import WindowLoader
 from pith_train.optim import build_optimizer, lr_at
 from pith_train.optim import build_optimizer as train_build
 from pith_train.prepare import prepare, stdlib_corpus
@@ -137,6 +138,35 @@ def test_bad_inputs_stop_before_any_compute(micro_args, tmp_path, overrides, mes
     assert not (run / "data").exists()  # the built-in corpus was not prepared either
 
 
+@pytest.mark.parametrize("key", ["data.path", "data.val_path"])
+def test_a_token_id_past_the_model_vocabulary_is_refused_at_start(
+    micro_config, byte_data, bad_data, tmp_path, key
+):
+    bad = bad_data  # the micro model's vocabulary is 260
+    val = [f"--data.val_path={byte_data}"] * (key == "data.path")
+    with pytest.raises(
+        ValueError,
+        match=f"dataset {bad} holds token id 300, more than the model's 260: .*--model.vocab_size=320",
+    ):
+        pretrain(micro_config(f"--{key}={bad}", *val), tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_data_error_mid_run_saves_the_steps_trained(micro_config, tmp_path, monkeypatch):
+    real = WindowLoader.step_batch
+
+    def third_step_bad(self, cursor, *args):  # the file changed under the run after two steps
+        micro = real(self, cursor, *args)
+        if cursor == 8:
+            micro[0][0][0, 0] = 300
+        return micro
+
+    monkeypatch.setattr(WindowLoader, "step_batch", third_step_bad)
+    with pytest.raises(ValueError, match="token id 300 .* in step 3's windows; saved step 2"):
+        pretrain(micro_config("--checkpoint.every=0"), tmp_path)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")] == ["step_000002"]
+
+
 def test_flops_per_token_counts_active_weights_and_attention(micro_hf):
     model = pith_models.from_pretrained(micro_hf)
     D, F, E, K, L, H, G, Dh = 32, 16, 4, 2, 2, 2, 1, 16
@@ -144,6 +174,13 @@ def test_flops_per_token_counts_active_weights_and_attention(micro_hf):
     per_layer = attn_w + D * E + K * 3 * D * F  # router, K of E SwiGLU experts
     n_active = L * per_layer + 260 * D  # + lm_head (the embedding lookup is free)
     assert flops_per_token(model, 32) == 6 * n_active + 6 * L * 32 * H * (Dh + Dh)
+
+
+def test_no_mfu_is_logged_where_no_peak_flops_are_known(micro_config, tmp_path, capsys):
+    pretrain(micro_config("--train.steps=1", "--log.every=1", "--log.tensorboard=false"), tmp_path)
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "mfu" not in row and "tokens_per_s" in row  # a measured CPU matmul gave MFU above 100%
+    assert " mfu " not in capsys.readouterr().err
 
 
 def test_lr_schedules():
@@ -158,6 +195,15 @@ def test_lr_schedules():
     assert lr_at(10, wsd) == lr_at(79, wsd) == peak
     assert lr_at(99, wsd) == pytest.approx(peak * wsd.optim.min_lr_ratio)
     assert lr_at(80, wsd) < peak
+
+
+@pytest.mark.parametrize("warmup, steps", [(6, 6), (12, 6)])
+def test_a_warmup_that_never_reaches_the_peak_is_named_with_both_numbers(
+    micro_config, tmp_path, warmup, steps
+):
+    cfg, said = micro_config(f"--optim.warmup_steps={warmup}", f"--train.steps={steps}"), []
+    rundir.preflight(cfg, tmp_path, model_config(cfg.model), parallel.SINGLE, said.append)
+    assert any(f"optim.warmup_steps={warmup} >= train.steps={steps}" in s for s in said), said
 
 
 def _syncs_of_a_step(moe_layers: int) -> list[str]:
@@ -384,6 +430,20 @@ def test_a_finished_cosine_run_extends_as_a_new_run_from_its_weights_and_optimiz
         pretrain(micro_config("--checkpoint.init_from=nope"), tmp_path / "bad")
 
 
+@pytest.mark.parametrize("with_run_config", [False, True])
+def test_init_from_weights_only_says_so_and_names_model_name(
+    micro_config, micro_hf, tmp_path, with_run_config
+):
+    hf = tmp_path / "hf"
+    shutil.copytree(micro_hf, hf)
+    if with_run_config:  # an exported run's: convert carries it back
+        (hf / "config.toml").write_text(to_toml(micro_config()))
+    main(["convert", str(hf), str(tmp_path / "ckpt")])
+    with pytest.raises(ValueError, match=f"weights only .*: use --model.name={tmp_path / 'ckpt'}"):
+        pretrain(micro_config(f"--checkpoint.init_from={tmp_path / 'ckpt'}"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_wsd_run_extends_before_its_decay_and_micro_batch_may_change(micro_config, tmp_path):
     wsd = ["--optim.schedule=wsd", "--optim.decay_fraction=0.25"]
     pretrain(micro_config(*wsd, "--train.steps=8"), tmp_path, stop_at=4)
@@ -456,7 +516,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_with_a_resume_hint(
     lines = [line for line in err.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["1/6", "2/6", "3/6"]
     assert re.fullmatch(
-        r"step 3/6 loss \d+\.\d{4} lr \S+ grad_norm \S+ tokens_per_s \d+ mfu \S+ load \S+ memory_gib \S+",
+        r"step 3/6 loss \d+\.\d{4} lr \S+ grad_norm \S+ tokens_per_s \d+ load \S+ memory_gib \S+",
         lines[2],
     )
     assert float(lines[0].split()[3]) == pytest.approx(reference[1], abs=1e-4)

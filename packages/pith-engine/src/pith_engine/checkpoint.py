@@ -199,7 +199,7 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for name, text in (files or {}).items():
-            (tmp / name).write_text(text)
+            (tmp / name).write_text(text, encoding="utf-8")
     _barrier(mesh)
     state, _ = _state(model, optimizer, mesh)
     state["fp8_scale"] = _fp8_scales(model, mesh, kept_only=True)[0]
@@ -279,11 +279,15 @@ def tidy(root: Path) -> None:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` checkpoints under root; tidy what a killed save left. Rank 0 only."""
+    """Keep the newest `keep` checkpoints under root, and the NAME.damaged ones newer than the oldest
+    kept (to be looked at); tidy what a killed save left. Rank 0 only."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     tidy(root)
-    for old in checkpoints(root)[:-keep]:
+    found = checkpoints(root)
+    step = lambda p: int(STEP_DIR.fullmatch(p.name.removesuffix(".damaged"))[1])
+    oldest = step(found[-keep]) if len(found) >= keep else 0
+    for old in [*found[:-keep], *(p for p in Path(root).glob("*.damaged") if step(p) < oldest)]:
         shutil.rmtree(old)
 
 

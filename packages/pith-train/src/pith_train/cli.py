@@ -154,14 +154,13 @@ def cmd_convert(args: argparse.Namespace) -> None:
 def _device(args: argparse.Namespace):
     from pith_train.train import pick_device
 
-    if args.cpu_threads < 0:
-        raise ValueError(f"--cpu-threads must be >= 0 (0: torch's default), got {args.cpu_threads}")
     return pick_device(args.device, "--device", args.cpu_threads)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     import math
 
+    from pith_train.config import model_config
     from pith_train.data import PackedDataset
     from pith_train.inference import dataset_loss, run_config, run_tokenizer
     from pith_train.train import build_model
@@ -172,8 +171,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     seq_len = args.seq_len or (cfg and cfg.data.seq_len)
     if not seq_len:
         raise ValueError(f"{path} has no run config (config.toml) giving the window length: pass --seq-len")
+    ds.check_vocab(model_config(str(path)).vocab_size)  # before the weights load
     model = build_model(str(path), _device(args), seed=0).eval()
-    ds.check_vocab(model.cfg.vocab_size)
     docs = bool(cfg and cfg.data.document_mask) if args.document_mask is None else args.document_mask
     loss, tokens = dataset_loss(model, ds, seq_len, args.batch, args.max_windows, docs)
     print(
@@ -246,8 +245,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
     cfg = load_config(*_config_and_overrides(args.rest))
     p = cfg.parallel
     if args.gpus is not None:  # the data ranks that fill N GPUs
-        if args.gpus < 1 or args.gpus % (p.pp * p.cp * p.ep):
-            raise ValueError(f"--gpus {args.gpus}: expected a multiple of pp*cp*ep = {p.pp * p.cp * p.ep}")
+        if args.gpus % (p.pp * p.cp * p.ep):  # changes() then names the GPUs the layout needs
+            print(
+                f"--gpus {args.gpus} is not a multiple of pp*cp*ep = {p.pp * p.cp * p.ep}: planning dp alone"
+            )
+            p.pp = p.cp = p.ep = 1
         p.dp = args.gpus // (p.pp * p.cp * p.ep)
         validate(cfg)
     if args.gpu_memory is not None and args.gpu_memory <= 0:
@@ -292,6 +294,12 @@ def cmd_schedule(args: argparse.Namespace) -> None:
         from pith_train.metrics import plot_schedule
 
         print(f"wrote {plot_schedule(args.pp, args.micro_batches, args.png)}")
+
+
+# Each integer option's least value, whichever command has it
+LEAST = dict.fromkeys(["batch", "seq_len", "steps", "nproc", "pp", "micro_batches", "max_new_tokens"], 1)
+LEAST |= dict.fromkeys(["gpus", "layers", "workers", "nproc_per_node", "dp", "cp", "ep", "micro_batch"], 1)
+LEAST |= dict.fromkeys(["cpu_threads", "max_windows", "warmup", "profile", "train_tokenizer"], 0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -442,9 +450,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.rest = unknown  # pretrain, check-layout, plan: the config file and the overrides
     try:
+        for key, least in LEAST.items():
+            if (value := getattr(args, key, None)) is not None and value < least:
+                raise ValueError(f"--{key.replace('_', '-')} must be >= {least}, got {value}")
         args.run(args)
     except (ValueError, FloatingPointError, OSError) as e:  # bad input, a diverged run, a full disk
-        print(f"pith-train {args.command}: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks alike; rank 0 says it
+            print(f"pith-train {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and stops on its own)
         print(f"pith-train {args.command}: interrupted", file=sys.stderr)

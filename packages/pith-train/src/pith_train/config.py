@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import math
 import tomllib
 import types
 import typing
@@ -266,6 +267,12 @@ def validate(cfg: Config) -> None:
         model = model_config(cfg.model)
         cfg.model.overrides = {k: getattr(model, k) for k in cfg.model.overrides}
     t, o, p = cfg.train, cfg.optim, cfg.parallel
+    for section in dataclasses.fields(cfg):  # TOML has no inf or nan
+        values = dataclasses.asdict(getattr(cfg, section.name))
+        for key, value in {**values, **values.pop("overrides", {})}.items():
+            for v in value if isinstance(value, tuple) else [value]:
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ValueError(f"{section.name}.{key} must be finite, got {v}")
     at_least = {  # key: (value, the least allowed)
         "train.steps": (t.steps, 1),
         "train.global_batch": (t.global_batch, 1),
@@ -319,6 +326,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"train.device: expected auto, cpu or cuda, got {t.device!r}")
     ranges = {  # key: (value, allowed, what the fix is)
         "train.lr": (t.lr, t.lr > 0, "> 0"),
+        "train.lbl_coef": (t.lbl_coef, t.lbl_coef >= 0, ">= 0 (0 turns it off)"),
+        "train.z_loss_coef": (t.z_loss_coef, t.z_loss_coef >= 0, ">= 0 (0 turns it off)"),
+        "train.bias_rate": (t.bias_rate, t.bias_rate >= 0, ">= 0 (0 turns it off)"),
         "optim.warmup_steps": (o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
         "optim.grad_clip": (o.grad_clip, o.grad_clip >= 0, ">= 0 (0 turns clipping off)"),
         "optim.beta1": (o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
@@ -341,7 +351,8 @@ def to_toml(cfg: Config) -> str:
         lines.append(f"[{section.name}]")
         values = dataclasses.asdict(getattr(cfg, section.name))
         values.update(values.pop("overrides", {}))  # [model]: the preset's fields it sets, as keys
-        for key, value in values.items():  # JSON's strings, numbers, arrays and booleans are TOML's
-            lines.append(f"{key} = {json.dumps('none' if value is None else value)}")
+        for key, value in values.items():  # JSON's values are TOML's (DEL escaped; floats finite)
+            text = json.dumps("none" if value is None else value, ensure_ascii=False)
+            lines.append(f"{key} = " + text.replace("\x7f", "\\u007f"))
         lines.append("")
     return "\n".join(lines)

@@ -59,16 +59,25 @@ class PackedDataset:
             )
 
     def check_vocab(self, model_vocab: int) -> None:
-        vocab = self.meta["vocab_size"]
+        """The vocabulary and the largest id (meta.json's, else read: ~1 s/GB) within the model's."""
+        vocab, top = self.meta["vocab_size"], self.meta.get("max_token_id")
         if vocab > model_vocab:
-            raise ValueError(
-                f"dataset {self.path} has vocab size {vocab} (tokenizer {self.meta['tokenizer']}), more than"
-                f" the model's {model_vocab}: train with --model.vocab_size={padded_vocab(vocab)} (the"
-                " dataset's, rounded up to a multiple of 64)"
-            )
+            what = f"vocab size {vocab} (tokenizer {self.meta['tokenizer']})"
+        elif (top := top if top is not None else max_id(self.tokens)) >= model_vocab:
+            what, vocab = f"holds token id {top}", top + 1
+        else:
+            return
+        raise ValueError(
+            f"dataset {self.path} {what}, more than the model's {model_vocab}: train with"
+            f" --model.vocab_size={padded_vocab(vocab)} (rounded up to a multiple of 64)"
+        )
 
     def num_windows(self, seq_len: int) -> int:
         return (len(self.tokens) - 1) // seq_len
+
+
+def max_id(tokens: np.ndarray, chunk: int = 1 << 26) -> int:
+    return max((int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
 
 
 def windows(tokens: np.ndarray, seq_len: int, ids: np.ndarray, doc_ends=None, loss_mask=None):

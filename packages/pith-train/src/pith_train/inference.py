@@ -23,6 +23,8 @@ def run_config(path: Path) -> Config | None:
 
 def run_tokenizer(path: Path, spec: str | None = None) -> ByteTokenizer | HFTokenizer:
     """`spec` if given; else the checkpoint's tokenizer.json, or the byte tokenizer its run used."""
+    if not path.exists():
+        raise ValueError(f"{path} does not exist")
     if spec:
         return load_tokenizer(spec)
     if (path / "tokenizer.json").is_file():

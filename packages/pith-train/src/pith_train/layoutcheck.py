@@ -20,9 +20,15 @@ def check_layout(
 ) -> bool:
     """Prints a table of per-step losses; True when every step agrees within rtol."""
     cfg = load_config(config, overrides)  # ValueError here, before any process starts
+    if nproc != (world := cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.ep):
+        raise ValueError(
+            f"--nproc {nproc}: the layout pp*dp*cp*ep is {world}; give a layout of {nproc} ranks"
+        )
     same = [f"--train.steps={steps}", f"--optim.eps={eps}", "--checkpoint.every=0", "--log.eval_every=0"]
     same += ["--log.progress=false", "--log.tensorboard=false", "--log.every=0"]
     single = ["--parallel.pp=1", "--parallel.dp=1", "--parallel.cp=1", "--parallel.ep=1"]
+    # The load-balancing loss groups a micro-batch over the data ranks: one process takes them all
+    single.append(f"--train.micro_batch={cfg.train.micro_batch * cfg.data_ranks}")
     base = [*([config] if config else []), *overrides, *same]
     with tempfile.TemporaryDirectory(prefix="pith-check-layout-") as tmp:
         one, many = Path(tmp) / "one", Path(tmp) / "layout"

@@ -45,10 +45,10 @@ def peak_memory_gib(device: torch.device) -> float:
 def log_line(record: dict, total_steps: int) -> str:
     """`step N/TOTAL` then `name value` pairs, with metrics.jsonl's names."""
     r = record
-    load = max(r["expert_load_max_over_mean"], default=1.0)
+    load, mfu = max(r["expert_load_max_over_mean"], default=1.0), r.get("mfu")  # mfu: a known peak's
     line = (
         f"step {r['step']}/{total_steps} loss {r['loss']:.4f} lr {r['lr']:.3e} grad_norm {r['grad_norm']:.4f}"
-        f" tokens_per_s {r['tokens_per_s']:.0f} mfu {r['mfu']:.4f} load {load:.2f}"
+        f" tokens_per_s {r['tokens_per_s']:.0f}" + (f" mfu {mfu:.4f}" if mfu else "") + f" load {load:.2f}"
         f" memory_gib {r['memory_gib']:.2f}"
     )  # fmt: skip
     return line + (f" val_loss {r['val_loss']:.4f}" if "val_loss" in r else "")

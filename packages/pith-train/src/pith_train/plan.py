@@ -123,11 +123,14 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
     rows = 1 if t.fp8 else b  # the dispatched rows: e4m3 under FP8 (pith_ops.FP8Rows)
     u = p.ep * (1 - (1 - 1 / p.ep) ** K)  # EP ranks a token is sent to (uniform routing, deduplicated)
 
+    # CPU attention (attention_reference): fp32 B x H x S x S (/ cp under CP), 2 kept, ~3 in the backward
+    att = 4 * c.num_attention_heads * T * cfg.data.seq_len * (not cuda)
+
     def acts(x: Layer) -> float:  # one micro-batch's: each stage's inputs and outputs (executor.Tape)
         # and what its ops save, less what `ac` recomputes
         a = b * T * D  # the layer's output, the next one's input
         if t.ac != "full":  # stage 1: each projection's input and output (~), the router's fp32 input
-            a += b * T * x.io + (4 - b) * T * D * bool(x.F)
+            a += b * T * x.io + (4 - b) * T * D * bool(x.F) + 2 * att
         if not x.F:
             return a
         # the residual and the routed input; fp32 router logits and probs, int64 ids, fp32 weights; the
@@ -152,7 +155,9 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
     recompute = b * T * K * 3 * big.F * (t.ac != "none") + b * T * big.io * (t.ac == "full")
     wgrads = 4 * big.dense * (dense_ranks == 1) + (2 if b == 2 and not muon else 4) * big.experts / p.ep * (
         expert_ranks == 1)  # fmt: skip
-    work = max(rows_work, b * T * K * (2 * D + 3 * big.F) + recompute + wgrads)
+    work = max(
+        rows_work, b * T * K * (2 * D + 3 * big.F) + recompute + wgrads, (3 + 2 * (t.ac == "full")) * att
+    )
     unit = big.dense + big.experts / p.ep * (expert_ranks > 1)
     comm = (2 * whole if p.pp > 1 else 2 * root + FSDP_UNIT * unit) * (dense_ranks > 1)  # pp>1: all gathered
     comm += 2 * b * T * D * (p.cp > 1)  # ring attention: the key/value blocks in flight (~D wide)
@@ -187,17 +192,21 @@ def device_memory(device: torch.device, processes: int = 1) -> tuple[float, str]
 
 
 def valid(cfg: Config, m: Model, world: int | None = None) -> None:
-    p = cfg.parallel
+    p, S, limit = cfg.parallel, cfg.data.seq_len, m.cfg.max_position_embeddings
+    if limit < S:
+        raise ValueError(
+            f"data.seq_len={S} is more than the model's max_position_embeddings ({limit}); lower data.seq_len"
+        )
     layout = Layout(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
-    check_layout(layout, world_size=world or layout.world, num_experts=m.E, seq_len=cfg.data.seq_len,
+    check_layout(layout, world_size=world or layout.world, num_experts=m.E, seq_len=S,
                  global_batch=cfg.train.global_batch, micro_batch=cfg.train.micro_batch)  # fmt: skip
     schedule.check(p.pp, cfg.micro_batches, len(m.layers))
 
 
 def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[tuple[str, Plan]]:
     """The nearest change that fits of each kind: a stronger `ac`, a smaller micro-batch, pipeline
-    stages, more data ranks; the last two also with ac full. More ranks take more cards, or share a
-    machine's `capacity`."""
+    stages, more data ranks (dp, ep); the last two also with ac full. More ranks take more cards, or
+    share a machine's `capacity`."""
     t, p, out = cfg.train, cfg.parallel, []
     ac, full = ("none", "selective", "full"), ({}, {"train.ac": "full"})
     mbs = [t.micro_batch >> i for i in range(t.micro_batch.bit_length())]  # it and its halves
@@ -205,8 +214,8 @@ def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[t
         [{"train.ac": a} for a in ac[ac.index(t.ac) + 1 :]],
         [{"train.micro_batch": mb} for mb in mbs[1:]],
         [{"parallel.pp": p.pp * n, **f, "train.micro_batch": mb} for n in (2, 4) for f in full for mb in mbs],
-        [{"parallel.dp": p.dp * n, "train.global_batch": t.global_batch * n, **f} for n in (2, 4, 8, 16, 32)
-         for f in full],
+        [{"parallel.dp": p.dp * n // e, "parallel.ep": p.ep * e, "train.global_batch": t.global_batch * g,
+          **f} for n in (2, 4, 8, 16, 32) for e in (1, 2, 4, 8) if e <= n for g in (1, n) for f in full],
     ):  # fmt: skip
         for change in kind:
             c, new = copy.deepcopy(cfg), []
@@ -248,12 +257,20 @@ def check(cfg: Config, model_cfg, device: torch.device, launch: str) -> Plan:
     if (out := plan(cfg, m, device.type == "cuda", capacity)).fits:
         return out
     fixes = changes(cfg, m, device.type == "cuda", capacity)[:3]
-    fix = " or ".join(f"{text} ({x.needs / GIB:.1f} GiB)" for text, x in fixes) or "a smaller model"
+    fix = " or ".join(f"{text} ({x.needs / GIB:.1f} GiB)" for text, x in fixes) or stuck(out)
     raise ValueError(
         f"plan: a rank of this run needs {out.needs / GIB:.1f} GiB (largest terms, GiB: "
         + ", ".join(f"{k} {v:.1f}" for k, v in terms(out)[:3])
         + f") and {what} is {capacity / GIB:.1f} GiB; it fits with {fix} (`pith-train plan` lists the terms)"
     )
+
+
+def stuck(out: Plan) -> str:
+    if out.total * SLACK < CONTEXT:  # the run's own terms are not what does not fit
+        return (
+            f"more memory: the fixed {CONTEXT / GIB:g} GiB a process holds (context, libraries) is most of it"
+        )
+    return "a smaller model"
 
 
 def report(cfg: Config, m: Model, out: Plan, what: str, fixes: list[tuple[str, Plan]]) -> str:
@@ -271,4 +288,5 @@ def report(cfg: Config, m: Model, out: Plan, what: str, fixes: list[tuple[str, P
         else f"{'fits by' if out.fits else 'does not fit: short by'} {gap:.1f} GiB of {what}"
         f" ({out.capacity / GIB:.1f} GiB)",
         *(f"  fits with {text}: needs {x.needs / GIB:.1f} GiB" for text, x in fixes),
+        *[f"  fits with {stuck(out)}"] * (not (out.fits or fixes)),
     ])  # fmt: skip

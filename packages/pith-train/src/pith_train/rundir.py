@@ -161,8 +161,10 @@ def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
     if wrong := checkpoint.problem(ckpt, mesh):
         raise ValueError(f"checkpoint.init_from={str(ckpt)!r} is damaged: {wrong}")
     _model_check(ckpt, cfg, model_hf, "start from")
-    if not (ckpt / "config.toml").is_file():  # convert's: weights alone
-        raise ValueError(f"{ckpt} holds weights without a run's optimizer state: use --model.name={ckpt}")
+    if not (ckpt / "trainer.json").is_file():  # convert's (a config.toml carried along or not)
+        raise ValueError(
+            f"{ckpt} is weights only (no optimizer state or data position): use --model.name={ckpt}"
+        )
     _, trained, changed = _saved(ckpt, cfg)
     cursor = 0 if changed else trained["cursor"]
     warn(
@@ -176,10 +178,11 @@ def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
     """A launch's checks, before anything is built: -> the checkpoint to resume from (None: new run)."""
     ckpt_root = run_dir / "checkpoints"
     check_writable(ckpt_root)
-    if cfg.data.seq_len > model_cfg.max_position_embeddings:
-        raise ValueError(
-            f"data.seq_len={cfg.data.seq_len} is more than the model's max_position_embeddings"
-            f" ({model_cfg.max_position_embeddings}); lower data.seq_len"
+    if (o := cfg.optim).warmup_steps >= cfg.train.steps:
+        warn(
+            f"warning: optim.warmup_steps={o.warmup_steps} >= train.steps={cfg.train.steps}: the learning"
+            f" rate peaks at {lr_at(cfg.train.steps - 1, cfg):.3g} in the last step (train.lr"
+            f" {cfg.train.lr:g}) and never decays"
         )
     if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError(
@@ -198,5 +201,5 @@ def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
 
 def write_config(run_dir: Path, cfg: Config) -> None:
     tmp = run_dir / "config.toml.tmp"
-    tmp.write_text(config_mod.to_toml(cfg))
+    tmp.write_text(config_mod.to_toml(cfg), encoding="utf-8")
     os.replace(tmp, run_dir / "config.toml")

@@ -52,11 +52,16 @@ class StopOnSignal:
 
     def requested(self, device: torch.device) -> int:
         """The signal any rank received (0: none): one all-reduce a step, so all stop after the same."""
-        if not dist.is_initialized():
-            return self.signum
-        flag = torch.tensor(self.signum, device=device)
-        dist.all_reduce(flag, dist.ReduceOp.MAX)
-        return int(flag)
+        return agreed(self.signum, device)
+
+
+def agreed(value: int, device: torch.device) -> int:
+    """The largest `value` of any rank, so that all act alike."""
+    if not dist.is_initialized():
+        return value
+    flag = torch.tensor(value, device=device)
+    dist.all_reduce(flag, dist.ReduceOp.MAX)
+    return int(flag)
 
 
 def resume_command(argv: list[str]) -> str:
