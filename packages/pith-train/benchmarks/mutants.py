@@ -33,9 +33,12 @@ STEP, PARALLEL = (
     "packages/pith-engine/src/pith_engine/step.py",
     "packages/pith-engine/src/pith_engine/parallel.py",
 )
-TRAIN = "packages/pith-train/src/pith_train/train.py"
+TRAIN, EXPERTS = (
+    "packages/pith-train/src/pith_train/train.py",
+    "packages/pith-engine/src/pith_engine/expert_parallel.py",
+)
 # Layouts (pp,dp,cp,ep) the multi-process draw is pinned to, by the axis a mutant breaks.
-DATA, CP, PP, EP_FSDP = "1,2,1,1", "1,1,2,1", "2,1,1,1", "1,2,1,2"
+DATA, CP, PP, EP = "1,2,1,1", "1,1,2,1", "2,1,1,1", "1,1,1,2"
 # The one-process draws pinned to a bias update with micro-batches merged in the plain run.
 BIAS = "--train.lbl_coef=0.0 --train.bias_rate=1e-2"
 
@@ -73,8 +76,8 @@ MUTANTS = [
         "label_tokens = sum((y != IGNORE_INDEX).sum() for _, y, _ in micro)", DATA,
     ),
     Mutant(
-        "sums_over_pp_always", "all_reduce_sum over pipeline ranks unasked (cross-entropy / pp)", PARALLEL,
-        "if pp and mesh.pp_group is not None:", "if mesh.pp_group is not None:", PP,
+        "ce_tokens_over_pp", "cross-entropy label tokens summed over pipeline ranks too (/ pp)", STEP,
+        "for _, y, _ in micro), mesh)", "for _, y, _ in micro), mesh, True)", PP,
     ),
     Mutant(
         "loss_aux_metric_not_over_pp", "the step's loss and aux sums not summed over pipeline ranks", STEP,
@@ -138,11 +141,11 @@ MUTANTS = [
         "fsdp_grad_mean", "FSDP's default gradient division (a mean over dp x cp x ep, not a sum)", PARALLEL,
         "            m.set_gradient_divide_factor(1.0)\n", "", CP,
     ),
-    Mutant(
-        "expert_grad_x_ep", "expert gradients x the expert-parallel degree (experts under FSDP)", PARALLEL,
-        "m.set_gradient_divide_factor(1.0)",
-        "m.set_gradient_divide_factor(1 / mesh.layout.ep if m in _expert_modules(model) else 1.0)", EP_FSDP,
-        "--train.fp8=true",  # where a 2e-3 loss tolerance missed it (a 3e-4 effect through Adam)
+    Mutant(  # y * R - y * (R - 1): the same rows forward (exactly), R times their gradient backward
+        "expert_grad_x_ep", "expert rows' gradient x the expert-parallel degree", EXPERTS,
+        "seg(pith_ops.moe_unpermute, y_ND,",
+        "seg(pith_ops.moe_unpermute, y_ND * self.ranks - y_ND.detach() * (self.ranks - 1),",
+        EP, "--train.fp8=true",  # where a 2e-3 loss tolerance missed it (a 3e-4 effect through Adam)
     ),
     Mutant(
         "aux_layers_per_pp_rank", "aux losses averaged over this pipeline rank's MoE layers", TRAIN,
