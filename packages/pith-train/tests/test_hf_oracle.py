@@ -3,9 +3,9 @@
 YaRN), each made by `transformers` with random weights and saved with save_pretrained, `pretrain`
 (loading that directory) and the transformers model trained by torch.optim.AdamW on the same windows
 (fp32, CPU) give the same per-step losses to a relative 1e-5, the same gradient norms, and the same
-validation loss after the last update; with 1 and 4 micro-batches, without clipping and with a
-max_norm below every step's gradient norm. Aux losses and the expert-bias update are off (the
-transformers models have no such terms in their loss).
+validation loss after the last update, and the same aux losses per step; with 1 and 4 micro-batches,
+without clipping and with a max_norm below every step's gradient norm. The expert-bias update is off
+(the transformers models route without a bias).
 
 What the oracle is: the transformers model's forward and autograd backward; the loss written here
 from its logits (summed token cross-entropy over the step's label tokens); gradient accumulation by
@@ -15,6 +15,17 @@ the data windows come from Pith (pith_train.data.WindowLoader, so both sides see
 So this pins the forward, the backward, the loss normalisation (every window's labels all count, so
 not how a batch with ignored labels is weighed), accumulation, clipping, the optimizer with its
 weight-decay groups and the learning-rate schedule.
+
+The aux losses, from the transformers routers' logits (output_router_logits), each micro-batch's
+term divided by the micro-batch count (their mean over the step), averaged over the MoE layers:
+- load balancing from transformers' own `load_balancing_loss_func` for Qwen3-MoE and GPT-OSS (one
+  function in both): it counts top-k choices per token, not per (token, k) entry, so it is K times
+  Pith's E * sum_e f_e * P_e; and given several layers it pools them (the product of the layers'
+  means), so it is called per layer. Both families select the top-k of the softmax (GPT-OSS: of the
+  logits, the same order), as Pith does. DeepSeek-V2 has no such function in transformers and
+  selects group-limited, so it trains without load balancing here.
+- z-loss (no family's transformers model has one) written here: the mean of logsumexp(logits)^2.
+With 4 micro-batches these see an aux loss, or its gradient, not divided by the micro-batch count.
 
 optim.eps is 1e-3, as in test_equivalence.py: with the default 1e-8, Adam's first update moves every
 weight by about lr whatever its gradient's size, so one whose gradient is at fp32's noise floor
@@ -33,6 +44,8 @@ import transformers
 from pith_train.config import load_config
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.train import pretrain
+from transformers.models.gpt_oss import modeling_gpt_oss
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 STEPS, GLOBAL_BATCH, SEQ, VAL_WINDOWS = 4, 8, 32, 4
 LR, WARMUP, MIN_LR_RATIO, WEIGHT_DECAY, BETAS, EPS = 1e-2, 2, 0.1, 1.0, (0.9, 0.95), 1e-3
@@ -44,6 +57,8 @@ NORM_RTOL = 1e-4
 # Below every step's gradient norm (2.2 to 6.3; asserted), so clipping scales every update: the
 # losses of steps 2 to 4 then differ from unclipped training's by 1% to 5%.
 CLIP = 1.0
+# Aux losses of a size whose gradients move the losses: 0.1 * ~1.0 (load balancing), 1e-2 * ~4 (z).
+LBL_COEF, Z_LOSS_COEF = 0.1, 1e-2
 
 # transformers' configs of the three families: 2 layers, byte vocabulary (257 ids) padded to 260.
 COMMON = dict(vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -107,26 +122,38 @@ def family_dir(request, tmp_path_factory):
     return request.param, path
 
 
-def train_transformers(model, loader: WindowLoader, micro_batch: int, clip: float):
-    """STEPS steps of the oracle -> (loss per step, gradient norm per step, validation loss after)."""
+def aux_loss(router_logits: tuple, family: str, micro_batches: int) -> torch.Tensor:
+    """One micro-batch's share of the step's aux losses (module docstring)."""
+    cfg, lbl = CONFIGS[family], 0.0
+    E, K = router_logits[0].shape[-1], cfg.num_experts_per_tok
+    if family != "deepseek_v2":
+        hf = {"qwen3_moe": modeling_qwen3_moe, "gpt_oss": modeling_gpt_oss}[family].load_balancing_loss_func
+        lbl = sum(hf((x,), E, K) / K for x in router_logits)
+    z = sum(torch.logsumexp(x.float(), -1).pow(2).mean() for x in router_logits)
+    return (LBL_COEF * lbl + Z_LOSS_COEF * z) / len(router_logits) / micro_batches
+
+
+def train_transformers(model, loader: WindowLoader, micro_batch: int, clip: float, family: str):
+    """STEPS steps of the oracle -> (loss, gradient norm and aux loss per step, validation loss after)."""
     groups = [
         {"params": [p for n, p in model.named_parameters() if decays(n, p)], "weight_decay": WEIGHT_DECAY},
         {"params": [p for n, p in model.named_parameters() if not decays(n, p)], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
     model.train()
-    losses, norms = [], []
+    losses, norms, auxes = [], [], []
     for step in range(STEPS):
         micro = loader.step_batch(step * GLOBAL_BATCH, GLOBAL_BATCH, micro_batch)
         label_tokens = sum((labels_BS != -100).sum() for _, labels_BS in micro)
-        loss = 0.0
+        loss = aux = 0.0
         for inputs_BS, labels_BS in micro:
-            logits_BSV = model(input_ids=inputs_BS).logits
+            out = model(input_ids=inputs_BS, output_router_logits=True)
             ce = (
-                F.cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), reduction="sum") / label_tokens
+                F.cross_entropy(out.logits.flatten(0, 1), labels_BS.flatten(), reduction="sum") / label_tokens
             )
-            ce.backward()
-            loss += ce.item()
+            share = aux_loss(out.router_logits, family, len(micro))
+            (ce + share).backward()
+            loss, aux = loss + ce.item(), aux + share.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
@@ -134,6 +161,7 @@ def train_transformers(model, loader: WindowLoader, micro_batch: int, clip: floa
         optimizer.zero_grad()
         losses.append(loss)
         norms.append(norm.item())
+        auxes.append(aux)
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
@@ -141,7 +169,7 @@ def train_transformers(model, loader: WindowLoader, micro_batch: int, clip: floa
             logits_BSV = model(input_ids=inputs_BS).logits
             total += F.cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), reduction="sum").item()
             count += (labels_BS != -100).sum().item()
-    return losses, norms, total / count
+    return losses, norms, auxes, total / count
 
 
 def pretrain_and_oracle(family_dir, data, micro_batch: int, clip: float, tmp_path):
@@ -152,7 +180,8 @@ def pretrain_and_oracle(family_dir, data, micro_batch: int, clip: float, tmp_pat
         f"model.name={hf_dir}", f"data.path={data}", f"data.seq_len={SEQ}",
         f"data.val_windows={VAL_WINDOWS}", "train.device=cpu", f"train.steps={STEPS}",
         f"train.global_batch={GLOBAL_BATCH}", f"train.micro_batch={micro_batch}", f"train.lr={LR}",
-        "train.lbl_coef=0", "train.z_loss_coef=0", "train.bias_rate=0", "optim.schedule=cosine",
+        f"train.lbl_coef={LBL_COEF * (family != 'deepseek_v2')}", f"train.z_loss_coef={Z_LOSS_COEF}",
+        "train.bias_rate=0", "optim.schedule=cosine",
         f"optim.warmup_steps={WARMUP}", f"optim.min_lr_ratio={MIN_LR_RATIO}",
         f"optim.weight_decay={WEIGHT_DECAY}", f"optim.beta1={BETAS[0]}", f"optim.beta2={BETAS[1]}",
         f"optim.eps={EPS}", f"optim.grad_clip={clip}", "checkpoint.every=0", "log.progress=false",
@@ -169,7 +198,7 @@ def pretrain_and_oracle(family_dir, data, micro_batch: int, clip: float, tmp_pat
     )
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     torch.testing.assert_close([r["lr"] for r in rows], [lr_at(s) for s in range(STEPS)], rtol=1e-12, atol=0)
-    return rows, out, *train_transformers(model, loader, micro_batch, clip)
+    return rows, out, *train_transformers(model, loader, micro_batch, clip, family)
 
 
 @pytest.mark.parametrize("micro_batch", [GLOBAL_BATCH, 2], ids=["1_micro_batch", "4_micro_batches"])
@@ -177,13 +206,14 @@ def pretrain_and_oracle(family_dir, data, micro_batch: int, clip: float, tmp_pat
 def test_pretrain_steps_match_transformers_and_torch_adamw(
     family_dir, byte_data, micro_batch, clip, tmp_path
 ):
-    rows, out, losses, norms, val_loss = pretrain_and_oracle(
+    rows, out, losses, norms, auxes, val_loss = pretrain_and_oracle(
         family_dir, byte_data, micro_batch, clip, tmp_path
     )
     if clip:
         assert min(norms) > clip, "the clipping setting must bind at every step"
     torch.testing.assert_close([r["loss"] for r in rows], losses, rtol=RTOL, atol=0)
     torch.testing.assert_close([r["grad_norm"] for r in rows], norms, rtol=NORM_RTOL, atol=0)
+    torch.testing.assert_close([r["aux"] for r in rows], auxes, rtol=RTOL, atol=0)
     assert out["val_loss"] == pytest.approx(val_loss, rel=RTOL)
 
 
@@ -192,9 +222,10 @@ def test_sft_steps_on_masked_conversations_match_transformers(family_dir, chat_d
     """Fine-tuning: conversations (prepare-data --chat) whose labels are -100 outside the assistant's
     tokens, which are ~30% of a window's and fewer or more in each micro-batch: both sides divide the
     step's summed loss by the global batch's counted labels, so 1 and 4 micro-batches agree too."""
-    rows, out, losses, norms, val_loss = pretrain_and_oracle(
+    rows, out, losses, norms, auxes, val_loss = pretrain_and_oracle(
         family_dir, chat_data, micro_batch, 0.0, tmp_path
     )
     torch.testing.assert_close([r["loss"] for r in rows], losses, rtol=RTOL, atol=0)
     torch.testing.assert_close([r["grad_norm"] for r in rows], norms, rtol=NORM_RTOL, atol=0)
+    torch.testing.assert_close([r["aux"] for r in rows], auxes, rtol=RTOL, atol=0)
     assert out["val_loss"] == pytest.approx(val_loss, rel=RTOL)
