@@ -24,8 +24,7 @@ Steps = Generator[None, None, Any]  # stage pieces; each yield: an exchange was 
 
 
 class Segments(Protocol):
-    """How stage pieces run: `seg(fn, *args, owner=...)` a compute piece, `seg.exchange(...)` an
-    all-to-all."""
+    """How stage pieces run: a compute piece, or an all-to-all."""
 
     def __call__(self, fn, *args, owner: nn.Module | None = None): ...
 
@@ -57,7 +56,7 @@ def drain(steps: Steps):
 
 def interleave(first: Steps, second: Steps, trace: list | None = None, tags=("first", "second")) -> None:
     """Run two generators of steps, switching sides at each yield: every exchange of one overlaps the
-    other's compute. trace collects (tag, "issue") at each yield and (tag, "wait") at each resume."""
+    other's compute. trace: (tag, "issue") at each yield, (tag, "wait") at each resume."""
     sides, i = [(first, tags[0]), (second, tags[1])], 0
     issued = set()
     while sides:
@@ -90,7 +89,7 @@ DIRECT = Direct()
 
 class LocalExperts:
     def __init__(self, align: int = 1):
-        self.align = align  # per-expert row padding the grouped GEMM prefers
+        self.align = align
 
     def dispatch(self, r: Routing, seg: Segments = DIRECT, fp8: bool = False) -> Steps:
         yield from ()
@@ -263,13 +262,13 @@ def run_layer(
     seg: Segments = DIRECT,
     module: nn.Module | None = None,
 ) -> Steps:
-    """The five stages of one layer as steps; module: the layer's nn.Module (its FSDP unit) when
-    `layer` wraps its stage functions (step.Stages). -> (h_BSD, routing or None)."""
+    """-> (h_BSD, routing or None); module: the layer's nn.Module when `layer` wraps its stage
+    functions (step.Stages)."""
     s1 = seg(layer.stage1, h_BSD, pos, owner=module or layer)
     r = s1.routing
     if r is None:
         return s1.h_BSD, None
-    fp8 = layer.experts is not None and layer.experts.fp8  # experts in FP8: their rows are sent in FP8
+    fp8 = layer.experts is not None and layer.experts.fp8  # then their rows are sent in FP8
     x_ND, group_ends_E, handle = yield from comm.dispatch(r, seg, fp8)
     y_ND = seg(layer.stage3, x_ND, group_ends_E, owner=layer.experts if isinstance(seg, Tape) else None)
     y_ND, slots_TK, weights_TK = yield from comm.combine(y_ND, handle, seg)

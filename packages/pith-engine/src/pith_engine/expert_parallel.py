@@ -27,8 +27,8 @@ from pith_engine.executor import DIRECT, Pending, Segments, Steps
 class Plan(NamedTuple):
     """Split sizes of one MoE layer's exchanges, on the host (the layer's one host sync)."""
 
-    send_rows: list[int]  # rows this rank sends to each EP rank (dispatch; received back in combine)
-    recv_rows: list[int]  # rows it receives from each
+    send_rows: list[int]  # to each EP rank (dispatch; received back in combine)
+    recv_rows: list[int]
     recv_pairs: int  # (received row, local expert) pairs: the grouped rows before padding
 
 
@@ -41,9 +41,9 @@ class Counts(NamedTuple):
 
 
 class _Handle(NamedTuple):
-    slots_MK: Tensor  # receiver: grouped row of each (received row, k), -1 where not a local expert
-    weights_MK: Tensor  # receiver: combine weights of those entries (used where slots_MK >= 0), with grad
-    slots_TR: Tensor  # source: returned row of (token, rank), -1 where nothing went to that rank
+    slots_MK: Tensor  # receiver: grouped row of each (received row, k), -1: not a local expert
+    weights_MK: Tensor  # receiver, with grad
+    slots_TR: Tensor  # source: returned row of (token, rank), -1: nothing went to that rank
     send_rows: list[int]
     recv_rows: list[int]
 
@@ -92,8 +92,7 @@ class ExpertParallel:
         return x_SD, meta_S2K, slots_TR
 
     def receive(self, x_MD, meta_M2K: Tensor, E: int, p: Plan) -> tuple:
-        """-> (x_ND rows grouped by local expert, group_ends_E, slots_MK, weights_MK) of the received
-        rows and their metadata (E: experts in all)."""
+        """-> (x_ND rows grouped by local expert, group_ends_E, slots_MK, weights_MK)."""
         # Expand the received rows over this rank's experts; other experts' entries get slot -1, which
         # moe_unpermute skips (and gives a zero weight gradient).
         K, El = meta_M2K.shape[1] // 2, E // self.ranks

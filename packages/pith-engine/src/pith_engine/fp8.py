@@ -39,12 +39,11 @@ class GatheredFP8(Tensor):
 
 
 class FP8Switch:
-    """A module whose GEMMs run in FP8 while `fp8` is set (use_fp8), and whose weight gradients go to
-    `wgrad_queue` when one is set."""
+    """A module whose GEMMs run in FP8 while `fp8` is set, its weight gradients to `wgrad_queue`."""
 
     fp8: bool = False
-    wgrad_queue = None  # a pith_engine.wgrad.WeightGradQueue: set_wgrad_queue
-    weight_ndim = 3  # its FP8 weights' ndim: an experts module's [E, in, out] (a Linear's: 2)
+    wgrad_queue = None  # pith_engine.wgrad.set_wgrad_queue
+    weight_ndim = 3  # an experts module's [E, in, out] (a Linear's: 2)
 
     @staticmethod
     def fp8_weight(w: Tensor, quantize: Callable[[Tensor], tuple]) -> tuple:
@@ -71,9 +70,8 @@ class FP8Switch:
 
 
 def use_fp8(model: nn.Module, enabled: bool = True, lm_head: bool = False) -> None:
-    """Run every projection and expert GEMM of `model` in FP8 (train.fp8; the recipe: the pith-ops
-    README); lm_head (fused in the loss) by its own switch (train.fp8_lm_head). Embeddings, norms,
-    routers and attention stay in higher precision."""
+    """Every projection and expert GEMM of `model` in FP8 (the recipe: the pith-ops README); lm_head
+    by its own switch."""
     for name, m in model.named_modules():
         if isinstance(m, FP8Switch):
             m.fp8 = lm_head if name == "lm_head" else enabled

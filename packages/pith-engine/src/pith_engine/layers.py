@@ -1,7 +1,5 @@
-"""Building blocks the model files share: RMSNorm, the projections (Linear) and the experts'
-grouped GEMM (expert_gemm) with the FP8 switch and the weight-gradient delay, the fp32 router, the
-reference loop over experts, RoPE tables, the frame of a model and the seeded initialiser.
-Parameter names are the checkpoints' and the engine's: renaming one here renames it in every model.
+"""Building blocks the model files share. Parameter names are the checkpoints' and the engine's:
+renaming one here renames it in every model.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D hidden, E experts (those a module holds), K
 top-k, N rows grouped by expert, R rotary pairs, V vocabulary.
@@ -140,7 +138,7 @@ class Router(nn.Linear):
 
 
 class YarnParams(Protocol):
-    """The YaRN fields the frequency blend reads (each model's Yarn config has them, commented)."""
+    """The YaRN fields the frequency blend reads."""
 
     factor: float
     original_max_position_embeddings: int
@@ -185,9 +183,9 @@ def rotary_positions(
 
 
 class DecoderModel(nn.Module):
-    """The frame of a pith_engine.contract.MoEModel (embedding, layers, final norm, lm_head); a model
-    file subclasses it with `make_layer(i)` and defines `positions`. layer_ids: the global indices of
-    the layers to build, keyed by str(index), so a pipeline rank's model keeps the whole one's names."""
+    """The frame of a pith_engine.contract.MoEModel; a model file subclasses it with `make_layer(i)`
+    and defines `positions`. layer_ids: the layers to build, keyed by str(index), so a pipeline rank's
+    model keeps the whole one's names."""
 
     def __init__(self, cfg, make_layer: Callable[[int], nn.Module], layer_ids: Iterable[int] | None = None):
         super().__init__()
@@ -210,7 +208,7 @@ class DecoderModel(nn.Module):
         return self.norm(h_BSD)
 
     def forward(self, input_ids_BS: Tensor, position_ids_BS: Tensor | None = None) -> Tensor:
-        """-> logits [B, S, V] through the staged path (every expert local): what the trainer runs."""
+        """-> logits [B, S, V] through the staged path, every expert local."""
         h_BSD, _ = executor.forward(self, input_ids_BS, executor.LocalExperts(), position_ids_BS)
         return self.lm_head(h_BSD)
 

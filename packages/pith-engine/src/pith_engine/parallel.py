@@ -29,10 +29,10 @@ from pith_engine.expert_parallel import ExpertParallel
 
 @dataclass(frozen=True)
 class Layout:
-    pp: int = 1  # pipeline ranks (DualPipeV: 2 chunks of layers each, pith_engine.schedule)
-    dp: int = 1  # data-parallel (FSDP) ranks
-    cp: int = 1  # context-parallel ranks: share sequences, split them along time
-    ep: int = 1  # expert-parallel ranks: take different sequences, hold different experts
+    pp: int = 1  # DualPipeV: 2 chunks of layers each
+    dp: int = 1  # FSDP
+    cp: int = 1  # share sequences, split them along time
+    ep: int = 1  # take different sequences, hold different experts
 
     @property
     def world(self) -> int:
@@ -92,8 +92,7 @@ SINGLE = Mesh(Layout(), torch.device("cpu"))  # a single process: no groups
 
 
 def build_mesh(layout: Layout, device: torch.device) -> Mesh:
-    """The mesh for `layout`, starting the process group from torchrun's env if needed (nccl on CUDA,
-    gloo on CPU). Without torchrun one process needs none; under it even one takes that path."""
+    """Starts the process group from torchrun's env if needed; without torchrun one process needs none."""
     if layout.world == 1 and not dist.is_initialized() and "RANK" not in os.environ:
         return Mesh(layout, device)
     if not dist.is_initialized():
@@ -152,8 +151,7 @@ def expert_param_names(model: nn.Module) -> set[str]:
 
 def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = None) -> nn.Module:
     """In place: keep this pipeline rank's layers (the embedding, final norm and lm_head on rank 0
-    only) and this EP rank's experts, then FSDP2 (param_dtype for compute, fp32 reduction). The model
-    holds every expert, best on the meta device."""
+    only) and this EP rank's experts, then FSDP2 (fp32 reduction). Best on the meta device."""
     pp = mesh.layout.pp
     if pp > 1:
         spans = schedule.split_layers(len(held_layers(model)), pp)
@@ -231,7 +229,7 @@ def local_rows(t: Tensor) -> tuple[Tensor, range]:
 
 
 def all_reduce_sum(t: Tensor, mesh: Mesh, pp: bool = False) -> Tensor:
-    """In place: the sum over all dp x cp x ep ranks, and over the pipeline ranks too if `pp`."""
+    """In place: the sum over all dp x cp x ep ranks (and pp ranks if `pp`)."""
     if mesh.reduce_group is not None:
         dist.all_reduce(t, group=mesh.reduce_group)
     if pp and mesh.pp_group is not None:
@@ -241,8 +239,7 @@ def all_reduce_sum(t: Tensor, mesh: Mesh, pp: bool = False) -> Tensor:
 
 @torch.no_grad()
 def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
-    """The global gradient norm (fp32), with no host sync: every gradient element lives on exactly one
-    rank, so the squared norms of the local shards sum to the global one."""
+    """The global gradient norm (fp32), with no host sync: each gradient element lives on one rank."""
     local = _local_grads(params)
     # One fused read of the gradients per dtype (a per-tensor pow/sum loop also writes a temporary the
     # size of each: ~10 ms more per step on the pith-train bench's 3B fp32 gradients).
@@ -259,7 +256,7 @@ def _local_grads(params: list[nn.Parameter]) -> list[Tensor]:
 
 
 def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
-    """The factor scaling gradients of norm `norm` to at most max_norm (1 when max_norm <= 0)."""
+    """1 when max_norm <= 0."""
     return (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
 
 

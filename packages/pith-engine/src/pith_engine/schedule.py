@@ -25,16 +25,16 @@ from typing import NamedTuple
 
 
 class Op(enum.Enum):
-    F = "F"  # forward of a chunk on a micro-batch
-    B = "B"  # full backward: input gradients, then weight gradients
-    I = "I"  # input-gradient backward; its weight-gradient work waits for a W
-    W = "W"  # the weight-gradient work of an earlier I
+    F = "F"
+    B = "B"  # input gradients, then weight gradients
+    I = "I"  # input gradients; the weight-gradient work waits for a W
+    W = "W"
 
 
 class Action(NamedTuple):
     op: Op
-    chunk: int  # global chunk index, 0 .. 2pp-1 (0 under pp=1)
-    micro: int  # micro-batch index
+    chunk: int  # 0 .. 2pp-1 (0 under pp=1)
+    micro: int
 
 
 class Overlap(NamedTuple):
@@ -50,9 +50,9 @@ class P2P(NamedTuple):
 
     send: bool
     op: Op  # F or B
-    chunk: int  # the chunk whose forward output / input gradient this is
+    chunk: int
     micro: int
-    peer: int  # the pipeline rank at the other end
+    peer: int
 
 
 def num_chunks(pp: int) -> int:
@@ -162,8 +162,7 @@ def _parts(item: Action | Overlap) -> tuple[Action, ...]:
 
 
 def _simulate(pp: int, lists: list[list[Action | Overlap]], costs) -> list[list[tuple[float, float]]]:
-    """(start, end) of every compute action when each takes its cost and waits for what it receives
-    (transfers take no time)."""
+    """(start, end) of every compute action; transfers take no time."""
     ready = {}  # (F or B, chunk, micro) -> when its result exists
     pos, clock = [0] * pp, [0.0] * pp
     times = [[] for _ in range(pp)]

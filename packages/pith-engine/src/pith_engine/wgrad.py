@@ -90,9 +90,8 @@ class _DeferWgrad(torch.autograd.Function):
 def defer_wgrad(
     queue: WeightGradQueue | None, forward: Callable, split: tuple, x: Tensor, *weights: Tensor
 ) -> Tensor:
-    """forward(x, *weights), its weight gradients deferrable to `queue` through `split`
-    (_DeferWgrad). Without a queue, or under torch.compile (its backward cannot run Python): the
-    plain call."""
+    """forward(x, *weights), its weight gradients deferrable to `queue` (_DeferWgrad); under
+    torch.compile (its backward cannot run Python) the plain call."""
     if torch.compiler.is_compiling() or queue is None:
         return forward(x, *weights)
     return _DeferWgrad.apply(queue, split, x, *weights)
