@@ -28,13 +28,9 @@ from pith_engine.ring_attention import ring_attention
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
     # enable_gqa only when the head counts differ: backends without GQA support may refuse the flag
+    qkv = (t.transpose(1, 2) for t in (q, k, v))
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        is_causal=True,
-        scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
+        *qkv, is_causal=True, scale=scale, enable_gqa=q.shape[2] != k.shape[2]
     )
     return out.transpose(1, 2)
 

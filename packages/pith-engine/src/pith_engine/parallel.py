@@ -1,10 +1,9 @@
 """The device mesh, the layout checks, FSDP2 wrapping and the few collectives a training step needs.
 
-Mesh axes, outer to inner: pp, dp, cp, ep; data ranks are dp x ep. FSDP2 shards expert weights over
-dp x cp and every other weight over dp x cp x ep, gradients SUMMED (each rank's loss is normalised by
-the global label-token count). FSDP's hooks run on module calls: `stage1`, `prologue` and `epilogue`
-are registered as FSDP forward methods, stage 3 calls `layer.experts`, stage 5 must use no parameters
-of its own. The design and its measurements: the pith-engine README, "Parallelism".
+FSDP2 shards expert weights over dp x cp and every other weight over dp x cp x ep, gradients SUMMED.
+FSDP's hooks run on module calls: `stage1`, `prologue` and `epilogue` are registered as FSDP forward
+methods, stage 3 calls `layer.experts`, stage 5 must use no parameters of its own. The design and its
+measurements: the pith-engine README, "Parallelism".
 
 Shape legend: E experts, El experts per EP rank.
 """
@@ -84,7 +83,7 @@ class Mesh:
 
     @property
     def data_rank(self) -> int:
-        """Which of the dp*ep data shards this rank reads (its CP peers read the same)."""
+        """Which of the dp*ep data shards this rank reads."""
         return self.dp_rank * self.layout.ep + self.ep_rank
 
 
@@ -111,10 +110,7 @@ def build_mesh(layout: Layout, device: torch.device) -> Mesh:
     return Mesh(
         layout,
         device,
-        pp_rank=mesh.get_local_rank("pp"),
-        dp_rank=mesh.get_local_rank("dp"),
-        cp_rank=mesh.get_local_rank("cp"),
-        ep_rank=mesh.get_local_rank("ep"),
+        **{f"{axis}_rank": mesh.get_local_rank(axis) for axis in ("pp", "dp", "cp", "ep")},
         pp_group=mesh.get_group("pp") if layout.pp > 1 else None,
         cp_group=mesh.get_group("cp") if layout.cp > 1 else None,
         ep_group=mesh.get_group("ep"),
@@ -175,10 +171,8 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     # an in-place op on it would drop a hook, but the Tape hands each stage output on detached.
     warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor")
     # cast_forward_inputs off: Positions carries fp32 rotary tables that must stay fp32.
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    fp32 = MixedPrecisionPolicy(
-        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
-    )
+    mp = MixedPrecisionPolicy(param_dtype, torch.float32, cast_forward_inputs=False)
+    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32, cast_forward_inputs=False)
     layers = list(held_layers(model).values())
     plain = (
         {p for m in _expert_modules(model) for p in m.parameters()} if mesh.expert_mesh.size() == 1 else set()

@@ -104,7 +104,7 @@ class Stages:
             self.num_experts = int(E)
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.overlap, self.queue = overlap, WeightGradQueue() if wgrad else None
-        self.trace: list | None = None  # a list: (tag, stage piece) as they run (tests)
+        self.trace: list | None = None  # tests: (tag, stage piece) as they run
         self.graph = StepGraph(_schedule_work) if cuda_graph else None
         set_wgrad_queue(model, self.queue)
 
@@ -179,14 +179,13 @@ class _Run:
     def __init__(self, stages: Stages, micro: list, label_tokens, aux: Aux, grad: bool):
         self.stages, self.micro, self.label_tokens, self.aux = stages, micro, label_tokens, aux
         self.grad = grad
-        self.data: dict[tuple[Op, int, int], Tensor] = {}  # (F: output / B: input grad, chunk, micro)
+        self.data: dict[tuple[Op, int, int], Tensor] = {}  # (F output / B input grad, chunk, micro)
         self.tapes: dict[tuple[int, int], tuple[Tape, Tensor | None, Tensor | None]] = {}
         device = stages.mesh.device
         self.sums = torch.zeros(3, device=device)  # cross-entropy sum, aux share, label tokens
-        self.counts: dict[int, Tensor] = {}  # MoE layer -> expert counts [E] (micro-batches, data ranks)
+        self.counts: dict[int, Tensor] = {}  # MoE layer -> expert counts [E]
         # One micro-batch of every data rank: the aux terms' token count.
-        ids_BS = micro[0][0]
-        self.tokens = ids_BS.numel() * stages.mesh.layout.data_ranks * stages.mesh.layout.cp
+        self.tokens = micro[0][0].numel() * stages.mesh.layout.data_ranks * stages.mesh.layout.cp
 
     def run(self, actions: list) -> None:
         i = 0
@@ -340,8 +339,7 @@ def train_step(
 
 
 def _schedule_work(stages: Stages, micro: list, aux: Aux) -> tuple[Tensor, dict[int, Tensor], Tensor]:
-    """The step's forward and backward work -> (cross-entropy and aux sums [2], expert counts per MoE
-    layer, label tokens of the global batch)."""
+    """-> (cross-entropy and aux sums [2], expert counts per MoE layer, global label tokens)."""
     mesh = stages.mesh
     label_tokens = parallel.all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y, *_ in micro), mesh)
     # Reduced once, in each unit's last backward segment (Tape(final=True)): its unsharded fp32

@@ -39,11 +39,7 @@ from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from pith_models.hf_convert import (
-    config_kwargs_from_hf,
-    from_hf_swiglu_state_dict,
-    to_hf_swiglu_state_dict,
-)
+from pith_models.hf_convert import config_kwargs_from_hf, from_hf_swiglu_state_dict, to_hf_swiglu_state_dict
 
 
 @dataclass(frozen=True)

@@ -401,7 +401,7 @@ COMPARE_FLOOR = 0.97
 
 def record(r: dict, write: bool) -> tuple[bool, str]:
     """-> (r's throughputs >= COMPARE_FLOOR x benchmarks/<card>.json's record of its settings, a report);
-    write: r becomes that record (commit: $PITH_COMMIT)."""
+    write: r becomes that record."""
     w, b2b = r["workload"], r["step_ms_back_to_back"]
     key = {**r["settings"], "layout": r["layout"], "layers": w["model"]["num_hidden_layers"]}
     key.update(seq_len=w["seq_len"], batch=w["batch"], data=w["data"])

@@ -92,8 +92,8 @@ def _exchange(send: list[Tensor], recv_sizes: list[int], group) -> list[Tensor]:
 
 
 def _orthogonalise_spread(shapes: list[torch.Size], u_local: list[Tensor], mesh, dtype) -> list[Tensor]:
-    """This rank's rows of NS5 of each row-sharded matrix (global `shapes`, local rows `u_local`): each
-    goes whole to one owner rank (greedy by NS cost) and its rows of O come back, two all-to-alls."""
+    """This rank's rows of NS5 of each row-sharded matrix: each goes whole to one owner rank (greedy by
+    NS cost) and its rows of O come back, two all-to-alls."""
     group, W, me, n = mesh.get_group(), mesh.size(), mesh.get_local_rank(), len(shapes)
     owner = _owners(shapes, W)
     rows = [_rows(s[0], W) for s in shapes]
@@ -132,8 +132,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: Tensor | None = None):
-        """`grad_scale` (the clip coefficient [1]) scales every gradient; where it is not finite the step
-        changes nothing, with no host sync."""
+        """`grad_scale` [1] scales every gradient; not finite, the step changes nothing (no host sync)."""
         todo = []  # (param, its group, this rank's U)
         ok = None if grad_scale is None else torch.isfinite(grad_scale)
         for group in self.param_groups:
@@ -174,8 +173,7 @@ class Muon(torch.optim.Optimizer):
 
 
 class Chain:
-    """Optimizers stepped as one; DCP's optimizer state dicts take an iterable of them, keyed by
-    parameter name as for one."""
+    """Optimizers stepped as one (DCP's optimizer state dicts take an iterable of them)."""
 
     def __init__(self, *optimizers: torch.optim.Optimizer):
         self.optimizers = optimizers
