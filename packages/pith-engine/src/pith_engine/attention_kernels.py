@@ -42,6 +42,11 @@ def attention_reference(
     return out, lse
 
 
+def flex_fits(q: Tensor, v: Tensor) -> bool:
+    # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
+    return q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16
+
+
 def band_visible(dist: Tensor, window: int | None) -> Tensor:
     return (dist >= 0) & (dist < window) if window is not None else dist >= 0
 

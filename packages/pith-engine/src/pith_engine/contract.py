@@ -11,7 +11,7 @@ micro-batch's compute while another's all-to-all is in flight:
 
 Under EP the engine may hand stage 5 other slots/weights than the router's (one pre-weighted row per
 destination rank); a slot < 0 contributes nothing. Models see process groups only through
-`Positions.cp_group`, which they pass on to `pith_engine.attention.attention` unchanged.
+`Positions.cp_group` (the pith-engine README, "The contract").
 
 Shape legend: B batch, S sequence (local to this rank under CP), T = B*S tokens, D model dim,
 K router top-k, E experts, N rows grouped by expert (>= T*K when padded), V vocabulary,
@@ -63,13 +63,11 @@ class DecoderLayer(Protocol):
         """Expert MLPs over rows grouped by local expert (group_ends: int32 cumulative row ends; rows
         past the last end are padding). With `experts.fp8` set, x_ND is a pith_ops.FP8Rows
         (pith_engine.layers.expert_gemm takes it)."""
-        ...
 
     def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor: ...
 
     def reference_forward(self, h_BSD: Tensor, pos: Positions) -> Tensor:
         """The whole layer in plain PyTorch, no staging or fused kernels: the specification."""
-        ...
 
 
 class MoEModel(Protocol):
@@ -84,7 +82,6 @@ class MoEModel(Protocol):
 
     def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
         """Logits [B, S, V] in plain PyTorch (positions 0..S-1, no parallelism)."""
-        ...
 
 
 def default_position_ids(input_ids_BS: Tensor) -> Tensor:

@@ -30,7 +30,6 @@ class Segments(Protocol):
 
     def exchange(self, tensors: list[Tensor], out_splits: list[int], in_splits: list[int], group) -> Steps:
         """Issue the all-to-all of `tensors`, yield, -> the received tensors."""
-        ...
 
 
 class ExpertComm(Protocol):
@@ -39,11 +38,9 @@ class ExpertComm(Protocol):
     def dispatch(self, r: Routing, seg: Segments, fp8: bool = False) -> Steps:
         """Stage 2: -> (x_ND rows grouped by local expert, group_ends_E int32, handle for combine);
         fp8: the rows quantised once per token and moved in e4m3, x_ND a pith_ops.FP8Rows."""
-        ...
 
     def combine(self, y_ND: Tensor, handle: Any, seg: Segments) -> Steps:
         """Stage 4: -> (rows, slots_TK, weights_TK) for stage 5's weighted sum."""
-        ...
 
 
 def drain(steps: Steps):
@@ -113,10 +110,7 @@ class Pending:
         self, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup, stand_in=False
     ):
         if stand_in:
-            self.out, self.work = (
-                torch.zeros((), dtype=x.dtype, device=x.device).expand(sum(out_splits), *x.shape[1:]),
-                None,
-            )
+            self.out, self.work = x.new_zeros(()).expand(sum(out_splits), *x.shape[1:]), None
             return
         self.out = x.new_empty(sum(out_splits), *x.shape[1:])
         self.x = x.contiguous()  # kept alive until the exchange is done

@@ -48,9 +48,8 @@ class _Handle(NamedTuple):
 
 
 class ExpertParallel:
-    """Stages 2 and 4 across an EP group, as generators yielding at each exchange in flight: counts
-    (issued) -> plan (the host sync) -> send_layout -> rows and metadata (issued) -> receive; combine:
-    partial rows -> back (issued)."""
+    """Stages 2 and 4 across an EP group: dispatch = counts (issued), plan (the host sync),
+    send_layout, rows and metadata (issued), receive; combine = partial rows back (issued)."""
 
     def __init__(self, group: ProcessGroup, align: int = 1):
         self.group, self.ranks, self.align = group, dist.get_world_size(group), align

@@ -80,8 +80,8 @@ def expert_gemm(
     queue: WeightGradQueue | None = None,
     x8: tuple = (None, None),
 ) -> Tensor:
-    """The experts' grouped GEMM, its weight gradient deferrable to `queue`: in FP8 from the weight's
-    FP8 copies (x8: the rows' FP8 copy if the pass writing them made one), else in the rows' dtype."""
+    """The experts' grouped GEMM, its weight gradient deferrable to `queue`; in FP8 when fp8 (x8: the
+    rows' FP8 copy if the pass writing them made one), else in the rows' dtype."""
     if isinstance(x_ND, pith_ops.FP8Rows):
         if not fp8:  # its x is a stand-in: zeros
             raise ValueError(
@@ -116,8 +116,7 @@ def expert_gemm(
 def routed_reference(
     x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, E: int, expert: Callable[[int, Tensor], Tensor]
 ) -> Tensor:
-    """Stages 2 to 5 unstaged: expert(e, rows) over each expert's tokens in a loop, summed in fp32
-    (fp64 for a float64 model)."""
+    """Stages 2 to 5 unstaged, summed in fp32 (fp64 for a float64 model)."""
     out_TD = torch.zeros_like(x_TD, dtype=torch.promote_types(weights_TK.dtype, torch.float32))
     for e in range(E):
         t, k = (expert_ids_TK == e).nonzero(as_tuple=True)
@@ -148,8 +147,7 @@ class YarnParams(Protocol):
 
 
 def rope_inv_freq(theta: float, dim: int, device: torch.device, yarn: YarnParams | None = None) -> Tensor:
-    """RoPE's inverse frequencies [R = dim/2] in fp64, with YaRN's blend of the original and the
-    interpolated (divided by factor) frequencies when given."""
+    """RoPE's inverse frequencies [R = dim/2] in fp64, YaRN's blend when given."""
     inv_freq_R = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim)
     if yarn is None:
         return inv_freq_R
@@ -230,8 +228,8 @@ def init_normal(
     model: nn.Module, seed: int, std: float, zero: tuple[str, ...] = (), mesh: Mesh = SINGLE
 ) -> None:
     """Norm weights 1, parameters named ending in `zero` 0, expert_bias 0, others N(0, std). Each tensor
-    of the canonical checkpoint layout (a parameter, or one expert `name.<e>`) draws from a generator
-    seeded by (seed, its name): every layout holds the same global weights; a rank draws what it holds."""
+    of the checkpoint layout (a parameter, or one expert `name.<e>`) draws from a generator seeded by
+    (seed, its name): every layout holds the same global weights."""
     if next(model.parameters()).device.type == "meta":
         raise ValueError("the model is on the meta device: materialise it (model.to_empty(device=...)) first")
     experts = expert_param_names(model)

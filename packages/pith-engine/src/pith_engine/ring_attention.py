@@ -32,6 +32,7 @@ from pith_engine.attention_kernels import (
     band_visible,
     compiled_create_block_mask,
     flex_attention_lse,
+    flex_fits,
 )
 from pith_engine.contract import Positions
 
@@ -84,8 +85,7 @@ def ring_schedule(
 
 def _block_attention(q, k, v, pos_q_BS, pos_k_BS, doc_q_BS, doc_k_BS, scale, window):
     """-> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32 or fp64)."""
-    # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
-    if not (q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16):
+    if not flex_fits(q, v):
         docs = (doc_q_BS, doc_k_BS)
         return attention_reference(q, k, v, pos_q_BS, pos_k_BS, scale=scale, window=window, docs=docs)
 

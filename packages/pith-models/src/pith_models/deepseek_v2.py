@@ -188,7 +188,7 @@ def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
 
 
 def rope_frequencies(cfg: Config, device: torch.device) -> tuple[Tensor, float]:
-    """-> (inverse frequencies [R] fp64, factor multiplying cos and sin), YaRN applied when set."""
+    """-> (inverse frequencies [R] fp64, factor multiplying cos and sin)."""
     y = cfg.yarn
     inv_freq_R = rope_inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim, device, y)
     if y is None:
@@ -286,7 +286,7 @@ class MoE(nn.Module):
         self.gate = Router(D, E, bias=False)
         self.experts = Experts(E, D, F)
         self.shared_experts = MLP(D, cfg.n_shared_experts * F)
-        # Aux-loss-free balancing: added to the scores for top-k selection only.
+        # Aux-loss-free balancing: for top-k selection only.
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
 
     def route(self, x_TD: Tensor) -> Routing:

@@ -34,8 +34,8 @@ def newton_schulz(u_EMN: Tensor, dtype: torch.dtype = torch.bfloat16, steps: int
 
 
 def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters Muon takes: 2-D weights and stacked [E, ., .] expert weights, less the embedding,
-    lm_head and routers (the nn.Linear children of the module holding a layer's experts)."""
+    """2-D weights and stacked [E, ., .] expert weights, less the embedding, lm_head and routers (the
+    nn.Linear children of the module holding a layer's experts)."""
     experts = [layer.experts for layer in model.layers.values() if layer.experts is not None]
     owners = [m for m in model.modules() if any(c is e for c in m.children() for e in experts)]
     routers = [c for m in owners for c in m.children() if isinstance(c, nn.Linear)]
