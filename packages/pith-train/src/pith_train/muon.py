@@ -4,7 +4,6 @@ step (Moonlight, arXiv:2502.16982, Nesterov form):
     W <- W * (1 - lr * wd) - lr * 0.2 * sqrt(max(M, N)) * O
 NS5: X = U / (||U||_F + 1e-7), wide (transposed when M > N), then 5 steps X <- a X + (b A + c A^2) X,
 A = X X^T, in bf16. O's RMS is ~1 / sqrt(max(M, N)): the scale gives AdamW's typical RMS of ~0.2.
-Under FSDP2 every matrix is orthogonalised whole, once: the update is one process's.
 
 Shape legend: M rows, N columns, E matrices in a batch.
 """
