@@ -21,6 +21,7 @@ from pith_engine.attention_kernels import (
     band_visible,
     compiled_create_block_mask,
     flex_attention_lse,
+    flex_fits,
 )
 from pith_engine.contract import Positions
 from pith_engine.ring_attention import ring_attention
@@ -28,13 +29,9 @@ from pith_engine.ring_attention import ring_attention
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
     # enable_gqa only when the head counts differ: backends without GQA support may refuse the flag
+    qkv = (t.transpose(1, 2) for t in (q, k, v))
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        is_causal=True,
-        scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
+        *qkv, is_causal=True, scale=scale, enable_gqa=q.shape[2] != k.shape[2]
     )
     return out.transpose(1, 2)
 
@@ -86,8 +83,7 @@ def attention(
     fast, doc = q.is_cuda and not reference, pos.doc_BS
     if fast and window is None and sinks_H is None and doc is None:
         return sdpa_attention(q, k, v, scale=scale)
-    # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
-    if fast and min(q.shape[-1], v.shape[-1]) >= 16:
+    if fast and flex_fits(q, v):
         return flex_attention(q, k, v, doc, scale=scale, window=window, sinks_H=sinks_H)
     p, docs = pos.position_ids_BS, None if doc is None else (doc, doc)
     return attention_reference(q, k, v, p, p, scale=scale, window=window, sinks_H=sinks_H, docs=docs)[0]

@@ -22,16 +22,14 @@ def attention_reference(
     sinks_H: Tensor | None = None,
     docs: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Plain-PyTorch attention in fp32 (fp64 for fp64 inputs) -> (out [B, Sq, Hq, Dv] in q's dtype,
-    lse [B, Hq, Sq]: the log-sum-exp of the masked scores, sinks excluded, by which ring attention
-    merges partial results). A query that sees no key gets out 0, lse -inf. docs: (query, key)
-    document ids, or None."""
+    """In fp32 (fp64 for fp64 inputs) -> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] of the
+    masked scores, sinks excluded). A query that sees no key gets out 0, lse -inf. docs: (query, key)
+    document ids."""
     B, Sq, Hq, _ = q.shape
     Hk = k.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf = (t.to(compute).transpose(1, 2) for t in (q, k, v))
-    kf = kf.repeat_interleave(Hq // Hk, dim=1)
-    vf = vf.repeat_interleave(Hq // Hk, dim=1)
+    kf, vf = (t.repeat_interleave(Hq // Hk, dim=1) for t in (kf, vf))
     scores = (qf @ kf.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
     visible = band_visible(pos_q_BS[:, None, :, None] - pos_k_BS[:, None, None, :], window)
     if docs is not None:
@@ -42,6 +40,11 @@ def attention_reference(
     probs = torch.exp(scores - denom.nan_to_num(neginf=0.0)[..., None])
     out = (probs @ vf).transpose(1, 2).to(q.dtype)
     return out, lse
+
+
+def flex_fits(q: Tensor, v: Tensor) -> bool:
+    # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
+    return q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16
 
 
 def band_visible(dist: Tensor, window: int | None) -> Tensor:
@@ -69,14 +72,11 @@ def _compiled_flex_attention():
 
 
 def flex_attention_lse(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -> tuple[Tensor, Tensor]:
-    """Compiled flex_attention of [B, S, H, D] tensors under block_mask (GQA allowed) ->
-    (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32)."""
+    """-> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32)."""
     from torch.nn.attention.flex_attention import AuxRequest  # here: flex's import is slow, CUDA-only
 
     out_BHSD, aux = _compiled_flex_attention()(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
+        *(t.transpose(1, 2) for t in (q, k, v)),
         block_mask=block_mask,
         scale=scale,
         enable_gqa=True,

@@ -11,7 +11,7 @@ micro-batch's compute while another's all-to-all is in flight:
 
 Under EP the engine may hand stage 5 other slots/weights than the router's (one pre-weighted row per
 destination rank); a slot < 0 contributes nothing. Models see process groups only through
-`Positions.cp_group`, which they pass on to `pith_engine.attention.attention` unchanged.
+`Positions.cp_group` (the pith-engine README, "The contract").
 
 Shape legend: B batch, S sequence (local to this rank under CP), T = B*S tokens, D model dim,
 K router top-k, E experts, N rows grouped by expert (>= T*K when padded), V vocabulary,
@@ -30,23 +30,23 @@ class Positions(NamedTuple):
     (attention's CUDA fast paths use the index-based triangle); under CP zigzag halves of such a run."""
 
     position_ids_BS: Tensor  # global positions of the local tokens (zigzag order under CP)
-    cos_BSR: Tensor  # rotary cos table for those positions, fp32 (model-specific scaling applied)
-    sin_BSR: Tensor  # rotary sin table, fp32
-    cp_group: ProcessGroup | None  # ring-attention group under context parallelism, else None
+    cos_BSR: Tensor  # fp32, model-specific scaling applied
+    sin_BSR: Tensor
+    cp_group: ProcessGroup | None
     doc_BS: Tensor | None = None  # document ids: attention stays within each
 
 
 class Routing(NamedTuple):
-    x_TD: Tensor  # expert input rows (normed hidden states), one per token
-    expert_ids_TK: Tensor  # int64 global expert ids chosen for each token
-    weights_TK: Tensor  # fp32 combine weights, normalisation and scaling already applied
-    probs_TE: Tensor  # fp32 router probabilities over all experts (load-balancing loss; has grad)
-    logits_TE: Tensor  # router logits (z-loss)
+    x_TD: Tensor  # expert input rows, one per token
+    expert_ids_TK: Tensor  # int64 global expert ids
+    weights_TK: Tensor  # fp32 combine weights, normalisation and scaling applied
+    probs_TE: Tensor  # fp32 (load-balancing loss; has grad)
+    logits_TE: Tensor  # (z-loss)
 
 
 class Stage1Out(NamedTuple):
-    h_BSD: Tensor  # residual stream after attention, plus shared experts (dense layer: its output)
-    routing: Routing | None  # None for a dense layer: stages 2-5 are skipped
+    h_BSD: Tensor  # after attention, plus shared experts (dense layer: its output)
+    routing: Routing | None  # None: a dense layer, stages 2-5 skipped
 
 
 class DecoderLayer(Protocol):
@@ -63,28 +63,25 @@ class DecoderLayer(Protocol):
         """Expert MLPs over rows grouped by local expert (group_ends: int32 cumulative row ends; rows
         past the last end are padding). With `experts.fp8` set, x_ND is a pith_ops.FP8Rows
         (pith_engine.layers.expert_gemm takes it)."""
-        ...
 
     def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor: ...
 
     def reference_forward(self, h_BSD: Tensor, pos: Positions) -> Tensor:
         """The whole layer in plain PyTorch, no staging or fused kernels: the specification."""
-        ...
 
 
 class MoEModel(Protocol):
     layers: nn.ModuleDict  # DecoderLayers keyed by str(global layer index), in order (maybe a subset)
     lm_head: nn.Linear  # weight [V, D]; the loss fuses it (pith_ops.linear_cross_entropy)
 
-    def prologue(self, input_ids_BS: Tensor) -> Tensor: ...  # token embedding -> h_BSD
+    def prologue(self, input_ids_BS: Tensor) -> Tensor: ...
 
     def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions: ...
 
-    def epilogue(self, h_BSD: Tensor) -> Tensor: ...  # final norm -> h_BSD, ready for lm_head
+    def epilogue(self, h_BSD: Tensor) -> Tensor: ...  # final norm
 
     def reference_forward(self, input_ids_BS: Tensor) -> Tensor:
         """Logits [B, S, V] in plain PyTorch (positions 0..S-1, no parallelism)."""
-        ...
 
 
 def default_position_ids(input_ids_BS: Tensor) -> Tensor:

@@ -8,16 +8,14 @@ from torch import Tensor, nn
 
 
 class StepGraph:
-    """The schedule's work of train_step (`work`) as one CUDA graph: eager at the first call, captured
-    at the second, replayed after, so the host launches one graph instead of thousands of kernels and
-    a step whose launches outrun its kernels (FP8's) runs at the GPU's pace. A replay is the step: it
-    has no host sync (tested) and the same addresses every step (inputs copied in, gradients set back
-    on the parameters, kept weight copies rewritten in place by the optimizer). The eager call runs on
-    the capture stream, so compilation and autotuning happen outside the capture. One CUDA process,
-    one shape of micro-batches, one Aux, and weights written only by the optimizer: ValueError else."""
+    """train_step's schedule work (`work`) as one CUDA graph: eager at the first call, captured at the
+    second, replayed after, so a step whose launches outrun its kernels (FP8's) runs at the GPU's pace.
+    A replay has no host sync (tested) and the same addresses every step. The eager call runs on the
+    capture stream, so compilation and autotuning happen outside the capture. One CUDA process, one
+    shape of micro-batches, one Aux, and weights written only by the optimizer: ValueError else."""
 
     def __init__(self, work: Callable):
-        self.work = work  # (stages, micro, aux) -> the step's work's outputs: step._schedule_work
+        self.work = work  # step._schedule_work
         self.graph: torch.cuda.CUDAGraph | None = None
         self.stream: torch.cuda.Stream | None = None
         self.inputs: list[Tensor] = []

@@ -24,14 +24,12 @@ Steps = Generator[None, None, Any]  # stage pieces; each yield: an exchange was 
 
 
 class Segments(Protocol):
-    """How stage pieces run: `seg(fn, *args, owner=...)` a compute piece, `seg.exchange(...)` an
-    all-to-all."""
+    """How stage pieces run: a compute piece, or an all-to-all."""
 
     def __call__(self, fn, *args, owner: nn.Module | None = None): ...
 
     def exchange(self, tensors: list[Tensor], out_splits: list[int], in_splits: list[int], group) -> Steps:
         """Issue the all-to-all of `tensors`, yield, -> the received tensors."""
-        ...
 
 
 class ExpertComm(Protocol):
@@ -40,11 +38,9 @@ class ExpertComm(Protocol):
     def dispatch(self, r: Routing, seg: Segments, fp8: bool = False) -> Steps:
         """Stage 2: -> (x_ND rows grouped by local expert, group_ends_E int32, handle for combine);
         fp8: the rows quantised once per token and moved in e4m3, x_ND a pith_ops.FP8Rows."""
-        ...
 
     def combine(self, y_ND: Tensor, handle: Any, seg: Segments) -> Steps:
         """Stage 4: -> (rows, slots_TK, weights_TK) for stage 5's weighted sum."""
-        ...
 
 
 def drain(steps: Steps):
@@ -57,7 +53,7 @@ def drain(steps: Steps):
 
 def interleave(first: Steps, second: Steps, trace: list | None = None, tags=("first", "second")) -> None:
     """Run two generators of steps, switching sides at each yield: every exchange of one overlaps the
-    other's compute. trace collects (tag, "issue") at each yield and (tag, "wait") at each resume."""
+    other's compute. trace: (tag, "issue") at each yield, (tag, "wait") at each resume."""
     sides, i = [(first, tags[0]), (second, tags[1])], 0
     issued = set()
     while sides:
@@ -90,7 +86,7 @@ DIRECT = Direct()
 
 class LocalExperts:
     def __init__(self, align: int = 1):
-        self.align = align  # per-expert row padding the grouped GEMM prefers
+        self.align = align
 
     def dispatch(self, r: Routing, seg: Segments = DIRECT, fp8: bool = False) -> Steps:
         yield from ()
@@ -114,10 +110,7 @@ class Pending:
         self, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup, stand_in=False
     ):
         if stand_in:
-            self.out, self.work = (
-                torch.zeros((), dtype=x.dtype, device=x.device).expand(sum(out_splits), *x.shape[1:]),
-                None,
-            )
+            self.out, self.work = x.new_zeros(()).expand(sum(out_splits), *x.shape[1:]), None
             return
         self.out = x.new_empty(sum(out_splits), *x.shape[1:])
         self.x = x.contiguous()  # kept alive until the exchange is done
@@ -263,13 +256,13 @@ def run_layer(
     seg: Segments = DIRECT,
     module: nn.Module | None = None,
 ) -> Steps:
-    """The five stages of one layer as steps; module: the layer's nn.Module (its FSDP unit) when
-    `layer` wraps its stage functions (step.Stages). -> (h_BSD, routing or None)."""
+    """-> (h_BSD, routing or None); module: the layer's nn.Module when `layer` wraps its stage
+    functions (step.Stages)."""
     s1 = seg(layer.stage1, h_BSD, pos, owner=module or layer)
     r = s1.routing
     if r is None:
         return s1.h_BSD, None
-    fp8 = layer.experts is not None and layer.experts.fp8  # experts in FP8: their rows are sent in FP8
+    fp8 = layer.experts is not None and layer.experts.fp8  # then their rows are sent in FP8
     x_ND, group_ends_E, handle = yield from comm.dispatch(r, seg, fp8)
     y_ND = seg(layer.stage3, x_ND, group_ends_E, owner=layer.experts if isinstance(seg, Tape) else None)
     y_ND, slots_TK, weights_TK = yield from comm.combine(y_ND, handle, seg)

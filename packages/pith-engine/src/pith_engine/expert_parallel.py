@@ -3,10 +3,9 @@
 EP rank r of R holds the global experts [r*El, (r+1)*El). Dispatch sends each token once to every
 rank holding any of its top-k experts, with its combine weights and global expert ids (so their
 gradient flows back through the exchange); the receiver expands the rows over its local experts.
-Combine sends back, per received row, the weighted sum over its experts; stage 5 on the source adds
-its <= R returned rows with weight 1. One host sync per MoE layer, in dispatch (all_to_all_single
-needs its split sizes on the host); 4 all-to-alls forward, 3 backward (5 forward with FP8 rows, half
-bf16's bytes). More: the pith-engine README, "Parallelism".
+Combine sends back, per received row, the weighted sum over its experts. One host sync per MoE
+layer, in dispatch (all_to_all_single needs its split sizes on the host); with FP8 rows 5 all-to-alls
+forward, not 4, of half bf16's bytes. More: the pith-engine README, "Parallelism".
 
 Shape legend: T local tokens, K top-k, D model dim, R EP ranks, El experts per rank, S rows sent
 (one per (token, destination)), M rows received, N grouped rows.
@@ -27,8 +26,8 @@ from pith_engine.executor import DIRECT, Pending, Segments, Steps
 class Plan(NamedTuple):
     """Split sizes of one MoE layer's exchanges, on the host (the layer's one host sync)."""
 
-    send_rows: list[int]  # rows this rank sends to each EP rank (dispatch; received back in combine)
-    recv_rows: list[int]  # rows it receives from each
+    send_rows: list[int]  # to each EP rank (dispatch; received back in combine)
+    recv_rows: list[int]
     recv_pairs: int  # (received row, local expert) pairs: the grouped rows before padding
 
 
@@ -41,17 +40,16 @@ class Counts(NamedTuple):
 
 
 class _Handle(NamedTuple):
-    slots_MK: Tensor  # receiver: grouped row of each (received row, k), -1 where not a local expert
-    weights_MK: Tensor  # receiver: combine weights of those entries (used where slots_MK >= 0), with grad
-    slots_TR: Tensor  # source: returned row of (token, rank), -1 where nothing went to that rank
+    slots_MK: Tensor  # receiver: grouped row of each (received row, k), -1: not a local expert
+    weights_MK: Tensor  # receiver, with grad
+    slots_TR: Tensor  # source: returned row of (token, rank), -1: nothing went to that rank
     send_rows: list[int]
     recv_rows: list[int]
 
 
 class ExpertParallel:
-    """Stages 2 and 4 across an EP group, as generators yielding at each exchange in flight: counts
-    (issued) -> plan (the host sync) -> send_layout -> rows and metadata (issued) -> receive; combine:
-    partial rows -> back (issued)."""
+    """Stages 2 and 4 across an EP group: dispatch = counts (issued), plan (the host sync),
+    send_layout, rows and metadata (issued), receive; combine = partial rows back (issued)."""
 
     def __init__(self, group: ProcessGroup, align: int = 1):
         self.group, self.ranks, self.align = group, dist.get_world_size(group), align
@@ -92,8 +90,7 @@ class ExpertParallel:
         return x_SD, meta_S2K, slots_TR
 
     def receive(self, x_MD, meta_M2K: Tensor, E: int, p: Plan) -> tuple:
-        """-> (x_ND rows grouped by local expert, group_ends_E, slots_MK, weights_MK) of the received
-        rows and their metadata (E: experts in all)."""
+        """-> (x_ND rows grouped by local expert, group_ends_E, slots_MK, weights_MK)."""
         # Expand the received rows over this rank's experts; other experts' entries get slot -1, which
         # moe_unpermute skips (and gives a zero weight gradient).
         K, El = meta_M2K.shape[1] // 2, E // self.ranks

@@ -39,19 +39,16 @@ class GatheredFP8(Tensor):
 
 
 class FP8Switch:
-    """A module whose GEMMs run in FP8 while `fp8` is set (use_fp8), and whose weight gradients go to
-    `wgrad_queue` when one is set."""
+    """A module whose GEMMs run in FP8 while `fp8` is set, its weight gradients to `wgrad_queue`."""
 
     fp8: bool = False
-    wgrad_queue = None  # a pith_engine.wgrad.WeightGradQueue: set_wgrad_queue
-    weight_ndim = 3  # its FP8 weights' ndim: an experts module's [E, in, out] (a Linear's: 2)
+    wgrad_queue = None  # pith_engine.wgrad.set_wgrad_queue
+    weight_ndim = 3  # an experts module's [E, in, out] (a Linear's: 2)
 
     @staticmethod
     def fp8_weight(w: Tensor, quantize: Callable[[Tensor], tuple]) -> tuple:
-        """w's FP8 copies (quantize: pith_ops.fp8_*_weight): its kept copies while valid, else
-        quantize(w), kept when w's optimizer marks it (pith_ops.keep_grads; its update pass rewrites
-        them, pith_ops.adamw_). So a weight is quantised once, on its first forward. FSDP2's gathered
-        weight is not the optimizer's: quantised per call; under torch.compile too (no Python state)."""
+        """w's FP8 copies: its kept copies while valid, else quantize(w), kept when w's optimizer marks
+        it (the pith-engine README, "FP8 weight copies"); compiled: quantised per call (no Python state)."""
         if isinstance(w, GatheredFP8):
             return w.copies[:4]
         if torch.compiler.is_compiling():
@@ -71,21 +68,17 @@ class FP8Switch:
 
 
 def use_fp8(model: nn.Module, enabled: bool = True, lm_head: bool = False) -> None:
-    """Run every projection and expert GEMM of `model` in FP8 (train.fp8; the recipe: the pith-ops
-    README); lm_head (fused in the loss) by its own switch (train.fp8_lm_head). Embeddings, norms,
-    routers and attention stay in higher precision."""
+    """Every projection and expert GEMM of `model` in FP8 (the recipe: the pith-ops README); lm_head
+    by its own switch."""
     for name, m in model.named_modules():
         if isinstance(m, FP8Switch):
             m.fp8 = lm_head if name == "lm_head" else enabled
 
 
 def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> int:
-    """Let FSDP2 all-gather the FP8 weights of `model` in e4m3 (train.fp8_all_gather): 1 byte an
-    element on the wire instead of bf16's 2. Each rank quantises its shard with the whole weight's
-    scale (per expert; the amax from one all-reduce of max per gather), bit for bit what quantising the
-    gathered fp32 weight gives (tested on gloo). experts_only: a compiled graph does not take a
-    GatheredFP8, and stage 3 is not compiled. Call after use_fp8, before the first forward (FSDP's
-    lazy init looks for the hooks). -> how many weights FSDP will gather in e4m3."""
+    """Let FSDP2 all-gather the FP8 weights of `model` in e4m3 (the pith-train README,
+    train.fp8_all_gather). experts_only: a compiled graph does not take a GatheredFP8. Call after
+    use_fp8, before the first forward (FSDP's lazy init looks for the hooks). -> how many weights."""
     tied = {
         id(p) for m in model.modules() for p in m.parameters(recurse=False) if not isinstance(m, FP8Switch)
     }

@@ -1,7 +1,5 @@
-"""Building blocks the model files share: RMSNorm, the projections (Linear) and the experts'
-grouped GEMM (expert_gemm) with the FP8 switch and the weight-gradient delay, the fp32 router, the
-reference loop over experts, RoPE tables, the frame of a model and the seeded initialiser.
-Parameter names are the checkpoints' and the engine's: renaming one here renames it in every model.
+"""Building blocks the model files share. Parameter names are the checkpoints' and the engine's:
+renaming one here renames it in every model.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D hidden, E experts (those a module holds), K
 top-k, N rows grouped by expert, R rotary pairs, V vocabulary.
@@ -82,8 +80,8 @@ def expert_gemm(
     queue: WeightGradQueue | None = None,
     x8: tuple = (None, None),
 ) -> Tensor:
-    """The experts' grouped GEMM, its weight gradient deferrable to `queue`: in FP8 from the weight's
-    FP8 copies (x8: the rows' FP8 copy if the pass writing them made one), else in the rows' dtype."""
+    """The experts' grouped GEMM, its weight gradient deferrable to `queue`; in FP8 when fp8 (x8: the
+    rows' FP8 copy if the pass writing them made one), else in the rows' dtype."""
     if isinstance(x_ND, pith_ops.FP8Rows):
         if not fp8:  # its x is a stand-in: zeros
             raise ValueError(
@@ -118,8 +116,7 @@ def expert_gemm(
 def routed_reference(
     x_TD: Tensor, expert_ids_TK: Tensor, weights_TK: Tensor, E: int, expert: Callable[[int, Tensor], Tensor]
 ) -> Tensor:
-    """Stages 2 to 5 unstaged: expert(e, rows) over each expert's tokens in a loop, summed in fp32
-    (fp64 for a float64 model)."""
+    """Stages 2 to 5 unstaged, summed in fp32 (fp64 for a float64 model)."""
     out_TD = torch.zeros_like(x_TD, dtype=torch.promote_types(weights_TK.dtype, torch.float32))
     for e in range(E):
         t, k = (expert_ids_TK == e).nonzero(as_tuple=True)
@@ -140,7 +137,7 @@ class Router(nn.Linear):
 
 
 class YarnParams(Protocol):
-    """The YaRN fields the frequency blend reads (each model's Yarn config has them, commented)."""
+    """The YaRN fields the frequency blend reads."""
 
     factor: float
     original_max_position_embeddings: int
@@ -150,8 +147,7 @@ class YarnParams(Protocol):
 
 
 def rope_inv_freq(theta: float, dim: int, device: torch.device, yarn: YarnParams | None = None) -> Tensor:
-    """RoPE's inverse frequencies [R = dim/2] in fp64, with YaRN's blend of the original and the
-    interpolated (divided by factor) frequencies when given."""
+    """RoPE's inverse frequencies [R = dim/2] in fp64, YaRN's blend when given."""
     inv_freq_R = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim)
     if yarn is None:
         return inv_freq_R
@@ -185,9 +181,9 @@ def rotary_positions(
 
 
 class DecoderModel(nn.Module):
-    """The frame of a pith_engine.contract.MoEModel (embedding, layers, final norm, lm_head); a model
-    file subclasses it with `make_layer(i)` and defines `positions`. layer_ids: the global indices of
-    the layers to build, keyed by str(index), so a pipeline rank's model keeps the whole one's names."""
+    """The frame of a pith_engine.contract.MoEModel; a model file subclasses it with `make_layer(i)`
+    and defines `positions`. layer_ids: the layers to build, keyed by str(index), so a pipeline rank's
+    model keeps the whole one's names."""
 
     def __init__(self, cfg, make_layer: Callable[[int], nn.Module], layer_ids: Iterable[int] | None = None):
         super().__init__()
@@ -210,7 +206,7 @@ class DecoderModel(nn.Module):
         return self.norm(h_BSD)
 
     def forward(self, input_ids_BS: Tensor, position_ids_BS: Tensor | None = None) -> Tensor:
-        """-> logits [B, S, V] through the staged path (every expert local): what the trainer runs."""
+        """-> logits [B, S, V] through the staged path, every expert local."""
         h_BSD, _ = executor.forward(self, input_ids_BS, executor.LocalExperts(), position_ids_BS)
         return self.lm_head(h_BSD)
 
@@ -231,9 +227,8 @@ def _generator(device: torch.device, seed: int, key: str) -> torch.Generator:
 def init_normal(
     model: nn.Module, seed: int, std: float, zero: tuple[str, ...] = (), mesh: Mesh = SINGLE
 ) -> None:
-    """Norm weights 1, parameters named ending in `zero` 0, expert_bias 0, others N(0, std). Each tensor
-    of the canonical checkpoint layout (a parameter, or one expert `name.<e>`) draws from a generator
-    seeded by (seed, its name): every layout holds the same global weights; a rank draws what it holds."""
+    """Norm weights 1, parameters named ending in `zero` 0, expert_bias 0, others N(0, std), each
+    tensor of the checkpoint layout seeded by (seed, its name) (the pith-engine README, Parallelism)."""
     if next(model.parameters()).device.type == "meta":
         raise ValueError("the model is on the meta device: materialise it (model.to_empty(device=...)) first")
     experts = expert_param_names(model)

@@ -1,10 +1,9 @@
 """The device mesh, the layout checks, FSDP2 wrapping and the few collectives a training step needs.
 
-Mesh axes, outer to inner: pp, dp, cp, ep; data ranks are dp x ep. FSDP2 shards expert weights over
-dp x cp and every other weight over dp x cp x ep, gradients SUMMED (each rank's loss is normalised by
-the global label-token count). FSDP's hooks run on module calls: `stage1`, `prologue` and `epilogue`
-are registered as FSDP forward methods, stage 3 calls `layer.experts`, stage 5 must use no parameters
-of its own. The design and its measurements: the pith-engine README, "Parallelism".
+FSDP2 shards expert weights over dp x cp and every other weight over dp x cp x ep, gradients SUMMED.
+FSDP's hooks run on module calls: `stage1`, `prologue` and `epilogue` are registered as FSDP forward
+methods, stage 3 calls `layer.experts`, stage 5 must use no parameters of its own. The design and its
+measurements: the pith-engine README, "Parallelism".
 
 Shape legend: E experts, El experts per EP rank.
 """
@@ -29,10 +28,10 @@ from pith_engine.expert_parallel import ExpertParallel
 
 @dataclass(frozen=True)
 class Layout:
-    pp: int = 1  # pipeline ranks (DualPipeV: 2 chunks of layers each, pith_engine.schedule)
-    dp: int = 1  # data-parallel (FSDP) ranks
-    cp: int = 1  # context-parallel ranks: share sequences, split them along time
-    ep: int = 1  # expert-parallel ranks: take different sequences, hold different experts
+    pp: int = 1  # DualPipeV: 2 chunks of layers each
+    dp: int = 1  # FSDP
+    cp: int = 1  # share sequences, split them along time
+    ep: int = 1  # take different sequences, hold different experts
 
     @property
     def world(self) -> int:
@@ -84,7 +83,7 @@ class Mesh:
 
     @property
     def data_rank(self) -> int:
-        """Which of the dp*ep data shards this rank reads (its CP peers read the same)."""
+        """Which of the dp*ep data shards this rank reads."""
         return self.dp_rank * self.layout.ep + self.ep_rank
 
 
@@ -92,8 +91,7 @@ SINGLE = Mesh(Layout(), torch.device("cpu"))  # a single process: no groups
 
 
 def build_mesh(layout: Layout, device: torch.device) -> Mesh:
-    """The mesh for `layout`, starting the process group from torchrun's env if needed (nccl on CUDA,
-    gloo on CPU). Without torchrun one process needs none; under it even one takes that path."""
+    """Starts the process group from torchrun's env if needed; without torchrun one process needs none."""
     if layout.world == 1 and not dist.is_initialized() and "RANK" not in os.environ:
         return Mesh(layout, device)
     if not dist.is_initialized():
@@ -112,10 +110,7 @@ def build_mesh(layout: Layout, device: torch.device) -> Mesh:
     return Mesh(
         layout,
         device,
-        pp_rank=mesh.get_local_rank("pp"),
-        dp_rank=mesh.get_local_rank("dp"),
-        cp_rank=mesh.get_local_rank("cp"),
-        ep_rank=mesh.get_local_rank("ep"),
+        **{f"{axis}_rank": mesh.get_local_rank(axis) for axis in ("pp", "dp", "cp", "ep")},
         pp_group=mesh.get_group("pp") if layout.pp > 1 else None,
         cp_group=mesh.get_group("cp") if layout.cp > 1 else None,
         ep_group=mesh.get_group("ep"),
@@ -152,8 +147,7 @@ def expert_param_names(model: nn.Module) -> set[str]:
 
 def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = None) -> nn.Module:
     """In place: keep this pipeline rank's layers (the embedding, final norm and lm_head on rank 0
-    only) and this EP rank's experts, then FSDP2 (param_dtype for compute, fp32 reduction). The model
-    holds every expert, best on the meta device."""
+    only) and this EP rank's experts, then FSDP2 (fp32 reduction). Best on the meta device."""
     pp = mesh.layout.pp
     if pp > 1:
         spans = schedule.split_layers(len(held_layers(model)), pp)
@@ -177,10 +171,8 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     # an in-place op on it would drop a hook, but the Tape hands each stage output on detached.
     warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor")
     # cast_forward_inputs off: Positions carries fp32 rotary tables that must stay fp32.
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    fp32 = MixedPrecisionPolicy(
-        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
-    )
+    mp = MixedPrecisionPolicy(param_dtype, torch.float32, cast_forward_inputs=False)
+    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32, cast_forward_inputs=False)
     layers = list(held_layers(model).values())
     plain = (
         {p for m in _expert_modules(model) for p in m.parameters()} if mesh.expert_mesh.size() == 1 else set()
@@ -231,7 +223,7 @@ def local_rows(t: Tensor) -> tuple[Tensor, range]:
 
 
 def all_reduce_sum(t: Tensor, mesh: Mesh, pp: bool = False) -> Tensor:
-    """In place: the sum over all dp x cp x ep ranks, and over the pipeline ranks too if `pp`."""
+    """In place: the sum over all dp x cp x ep ranks (and pp ranks if `pp`)."""
     if mesh.reduce_group is not None:
         dist.all_reduce(t, group=mesh.reduce_group)
     if pp and mesh.pp_group is not None:
@@ -241,8 +233,7 @@ def all_reduce_sum(t: Tensor, mesh: Mesh, pp: bool = False) -> Tensor:
 
 @torch.no_grad()
 def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
-    """The global gradient norm (fp32), with no host sync: every gradient element lives on exactly one
-    rank, so the squared norms of the local shards sum to the global one."""
+    """The global gradient norm (fp32), with no host sync: each gradient element lives on one rank."""
     local = _local_grads(params)
     # One fused read of the gradients per dtype (a per-tensor pow/sum loop also writes a temporary the
     # size of each: ~10 ms more per step on the pith-train bench's 3B fp32 gradients).
@@ -259,7 +250,7 @@ def _local_grads(params: list[nn.Parameter]) -> list[Tensor]:
 
 
 def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
-    """The factor scaling gradients of norm `norm` to at most max_norm (1 when max_norm <= 0)."""
+    """1 when max_norm <= 0."""
     return (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
 
 

@@ -1,7 +1,7 @@
 """Context parallelism: ring attention over a zigzag split of the sequence.
 
-Layout. A sequence is cut into 2*cp chunks and rank r keeps chunks r and 2cp-1-r, one early and one
-late, so the causal work is the same on every rank (cp=2, L=8: rank 0 holds positions 0 1 6 7).
+Layout. Rank r keeps chunks r and 2cp-1-r of 2*cp, one early and one late, so the causal work is the
+same on every rank (cp=2, L=8: rank 0 holds positions 0 1 6 7).
 
 Forward. K/V and their positions travel around the ring: at step s rank r holds the block of rank
 (r - s) mod cp, sending it on while it computes with it. Which (query chunk, key chunk) pairs can see
@@ -32,6 +32,7 @@ from pith_engine.attention_kernels import (
     band_visible,
     compiled_create_block_mask,
     flex_attention_lse,
+    flex_fits,
 )
 from pith_engine.contract import Positions
 
@@ -54,7 +55,7 @@ def zigzag_split(t: Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> Tensor:
 
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> Tensor:
-    """Global position ids (int64, [seq_len // cp_size]) of the tokens this rank keeps."""
+    """Global position ids of the tokens this rank keeps."""
     return zigzag_split(torch.arange(seq_len, device=device), cp_size, cp_rank, 0)
 
 
@@ -83,9 +84,8 @@ def ring_schedule(
 
 
 def _block_attention(q, k, v, pos_q_BS, pos_k_BS, doc_q_BS, doc_k_BS, scale, window):
-    """q over one range of keys -> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32 or fp64)."""
-    # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
-    if not (q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16):
+    """-> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32 or fp64)."""
+    if not flex_fits(q, v):
         docs = (doc_q_BS, doc_k_BS)
         return attention_reference(q, k, v, pos_q_BS, pos_k_BS, scale=scale, window=window, docs=docs)
 
@@ -180,8 +180,7 @@ class _RingAttention(torch.autograd.Function):
         for s, pairs in enumerate(schedule):
             arriving = _ring_shift(blk, group) if s + 1 < len(schedule) else None
             k_blk, v_blk, pos_blk, doc_blk = blk
-            dk_blk = torch.zeros_like(k_blk, dtype=acc)
-            dv_blk = torch.zeros_like(v_blk, dtype=acc)
+            dk_blk, dv_blk = torch.zeros_like(k_blk, dtype=acc), torch.zeros_like(v_blk, dtype=acc)
             for i, ks in pairs:
                 qs = slice(i * C, (i + 1) * C)
                 pos_doc = (pos_BS[:, qs], pos_blk[:, ks], doc_BS[:, qs], doc_blk[:, ks])

@@ -25,16 +25,16 @@ from typing import NamedTuple
 
 
 class Op(enum.Enum):
-    F = "F"  # forward of a chunk on a micro-batch
-    B = "B"  # full backward: input gradients, then weight gradients
-    I = "I"  # input-gradient backward; its weight-gradient work waits for a W
-    W = "W"  # the weight-gradient work of an earlier I
+    F = "F"
+    B = "B"  # input gradients, then weight gradients
+    I = "I"  # input gradients; the weight-gradient work waits for a W
+    W = "W"
 
 
 class Action(NamedTuple):
     op: Op
-    chunk: int  # global chunk index, 0 .. 2pp-1 (0 under pp=1)
-    micro: int  # micro-batch index
+    chunk: int  # 0 .. 2pp-1 (0 under pp=1)
+    micro: int
 
 
 class Overlap(NamedTuple):
@@ -50,9 +50,9 @@ class P2P(NamedTuple):
 
     send: bool
     op: Op  # F or B
-    chunk: int  # the chunk whose forward output / input gradient this is
+    chunk: int
     micro: int
-    peer: int  # the pipeline rank at the other end
+    peer: int
 
 
 def num_chunks(pp: int) -> int:
@@ -69,8 +69,8 @@ def rank_chunks(pp: int, rank: int) -> tuple[int, ...]:
 
 
 def split_layers(num_layers: int, pp: int) -> list[range]:
-    """The layers of each chunk: consecutive, as even as the count allows, the chunks nearest the
-    middle of the V (the ranks without the embedding and the loss) taking the extra layers first."""
+    """Consecutive layers per chunk, as even as the count allows; the chunks nearest the middle of the
+    V (without the embedding and the loss) take the extra ones."""
     check(pp, 2 * pp, num_layers)
     C = num_chunks(pp)
     q, rem = divmod(num_layers, C)
@@ -162,8 +162,7 @@ def _parts(item: Action | Overlap) -> tuple[Action, ...]:
 
 
 def _simulate(pp: int, lists: list[list[Action | Overlap]], costs) -> list[list[tuple[float, float]]]:
-    """(start, end) of every compute action when each takes its cost and waits for what it receives
-    (transfers take no time)."""
+    """(start, end) of every compute action; transfers take no time."""
     ready = {}  # (F or B, chunk, micro) -> when its result exists
     pos, clock = [0] * pp, [0.0] * pp
     times = [[] for _ in range(pp)]
@@ -189,8 +188,8 @@ def _simulate(pp: int, lists: list[list[Action | Overlap]], costs) -> list[list[
 
 
 def _with_p2p(pp: int, lists: list[list[Action | Overlap]], rank: int) -> list[Action | Overlap | P2P]:
-    """`rank`'s list with its transfers: each send right after the action whose result it carries, each
-    receive where (in the simulated timeline) the neighbour sends it, so receives keep the send order."""
+    """`rank`'s list with its transfers: each send right after its action, each receive where the
+    neighbour sends it in the simulated timeline, so receives keep the send order."""
     times = _simulate(pp, lists, COSTS)
     recvs = []  # (sent at, sender's sequence number, transfer) for this rank
     for r, lst in enumerate(lists):
@@ -218,9 +217,9 @@ def _with_p2p(pp: int, lists: list[list[Action | Overlap]], rank: int) -> list[A
 def schedule(
     pp: int, rank: int, micro_batches: int, overlap: bool = False, wgrad: bool = False
 ) -> list[Action | Overlap | P2P]:
-    """What pipeline rank `rank` runs in one training step, transfers included. Under pp=1: F(m) B(m)
-    per micro-batch; overlap: F(0), [F(m+1)+B(m)] for each m, B(last) (Megatron-LM's EP all-to-all
-    overlap); wgrad: each B an I with its W right after (pp=1 has no bubble to move W into)."""
+    """What pipeline rank `rank` runs in one training step, transfers included. Under pp=1 overlap:
+    F(0), [F(m+1)+B(m)] for each m, B(last) (Megatron-LM's EP all-to-all overlap); wgrad: each B an I
+    with its W right after (pp=1 has no bubble to move W into)."""
     if pp == 1:
         M = micro_batches
         back = lambda m: [Action(Op.I, 0, m), Action(Op.W, 0, m)] if wgrad else [Action(Op.B, 0, m)]

@@ -1,9 +1,8 @@
-"""The training step of one rank: its micro-batches' forward and backward work in the order of the
-pipeline schedule, each (chunk, micro-batch) forward recorded as autograd segments on an
-executor.Tape (a layer's stages, its aux loss, the loss); then the gradient norm, the optimizer and
-the expert-bias update. Each data rank back-propagates its share of the global loss, so gradients are
-SUMMED over data ranks and every layout reproduces single-process training. The design and its
-costs: the pith-engine README, "The training step".
+"""The training step of one rank: its micro-batches' forward and backward work in the pipeline
+schedule's order, each (chunk, micro-batch) forward recorded on an executor.Tape; then the gradient
+norm, the optimizer and the expert-bias update. Each data rank back-propagates its share of the
+global loss, so gradients are SUMMED over data ranks and every layout reproduces single-process
+training. The design and its costs: the pith-engine README, "The training step".
 
 Shape legend: B sequences, S sequence length, T = B*S tokens, D hidden, E experts, K top-k, L layers.
 """
@@ -44,16 +43,14 @@ IGNORE_INDEX = -100
 
 
 class Stages:
-    """This rank's part of the model as the step runs it: its chunks' stage functions, the prologue and
-    epilogue, the mesh and the expert exchange of stages 2 and 4.
+    """This rank's part of the model as the step runs it.
 
     compile: the non-expert stages (stage 3 has data-dependent group sizes). ac: "selective"
     recomputes stage 3, whose hidden rows (T*K of 3F) are the largest activations; "full" stages 1, 3
-    and 5. dtype: the residual stream's (bf16 under autocast on CUDA, so the routed rows, expert GEMMs
-    and loss run in bf16 too). align: each expert's row padding (FP8's GEMM needs 16). overlap: run
-    overlapped pairs interleaved at their exchanges. wgrad: I actions leave their weight gradients to
-    W actions (under compile only the eager expert GEMMs defer). cuda_graph: StepGraph. Neither
-    overlap nor wgrad changes a result (test_overlap.py).
+    and 5. dtype: the residual stream's. align: each expert's row padding (FP8's GEMM needs 16).
+    overlap: run overlapped pairs interleaved at their exchanges. wgrad: I actions leave their weight
+    gradients to W actions (under compile only the eager expert GEMMs defer). Neither overlap nor
+    wgrad changes a result (test_overlap.py).
     """
 
     class Layer:
@@ -107,7 +104,7 @@ class Stages:
             self.num_experts = int(E)
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.overlap, self.queue = overlap, WeightGradQueue() if wgrad else None
-        self.trace: list | None = None  # a list: (tag, stage piece) as they run (tests)
+        self.trace: list | None = None  # tests: (tag, stage piece) as they run
         self.graph = StepGraph(_schedule_work) if cuda_graph else None
         set_wgrad_queue(model, self.queue)
 
@@ -129,7 +126,7 @@ class Stages:
 
 def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh, pos_BS: Tensor | None = None):
     """-> (inputs, labels, position ids, document ids) (None: in order, one document), under CP this
-    rank's zigzag share. pos_BS: positions restarting at 0 at each document (data.document_mask)."""
+    rank's zigzag share. pos_BS: positions restarting at 0 at each document."""
     cp, r = mesh.layout.cp, mesh.cp_rank
     doc_BS = None if pos_BS is None else (pos_BS == 0).cumsum(1)
     if cp == 1:
@@ -139,8 +136,8 @@ def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh, pos_
 
 
 def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
-    """Cross-entropy summed over the label tokens, lm_head fused, in h's dtype; in FP8 while an
-    FP8Switch lm_head has fp8 set (the contract's lm_head may be any nn.Linear)."""
+    """Cross-entropy summed over the label tokens, lm_head fused; in FP8 while an FP8Switch lm_head
+    has fp8 set (the contract's lm_head may be any nn.Linear)."""
     w = lm_head.weight
     fp8 = isinstance(lm_head, FP8Switch) and lm_head.fp8
     w8 = FP8Switch.fp8_weight(w, fp8_linear_weight) if fp8 else None
@@ -158,9 +155,7 @@ class Aux(NamedTuple):
 def layer_aux(r: Routing, aux: Aux, tokens: int, mesh: parallel.Mesh) -> tuple[Tensor, Tensor]:
     """This rank's share of one MoE layer's aux losses on one micro-batch, and the layer's expert counts
     [E] over every data rank. Global-batch load balancing: E * sum_e f_e * P_e, f_e the fraction of
-    (token, k) entries choosing e, P_e e's mean router probability over all `tokens` (each rank sums
-    its own); z-loss: the mean of logsumexp(router logits)^2.
-    """
+    (token, k) entries choosing e, P_e e's mean router probability over all `tokens`."""
     E, K = r.probs_TE.shape[1], r.expert_ids_TK.shape[1]
     ids = r.expert_ids_TK.flatten()
     counts_E = torch.zeros(E, device=ids.device).index_add_(0, ids, torch.ones(ids.shape, device=ids.device))
@@ -184,14 +179,13 @@ class _Run:
     def __init__(self, stages: Stages, micro: list, label_tokens, aux: Aux, grad: bool):
         self.stages, self.micro, self.label_tokens, self.aux = stages, micro, label_tokens, aux
         self.grad = grad
-        self.data: dict[tuple[Op, int, int], Tensor] = {}  # (F: output / B: input grad, chunk, micro)
+        self.data: dict[tuple[Op, int, int], Tensor] = {}  # (F output / B input grad, chunk, micro)
         self.tapes: dict[tuple[int, int], tuple[Tape, Tensor | None, Tensor | None]] = {}
         device = stages.mesh.device
         self.sums = torch.zeros(3, device=device)  # cross-entropy sum, aux share, label tokens
-        self.counts: dict[int, Tensor] = {}  # MoE layer -> expert counts [E] (micro-batches, data ranks)
+        self.counts: dict[int, Tensor] = {}  # MoE layer -> expert counts [E]
         # One micro-batch of every data rank: the aux terms' token count.
-        ids_BS = micro[0][0]
-        self.tokens = ids_BS.numel() * stages.mesh.layout.data_ranks * stages.mesh.layout.cp
+        self.tokens = micro[0][0].numel() * stages.mesh.layout.data_ranks * stages.mesh.layout.cp
 
     def run(self, actions: list) -> None:
         i = 0
@@ -324,9 +318,9 @@ def train_step(
     grad_clip: float,
     bias_rate: float,
 ) -> StepResult:
-    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS[, pos_BS])], the clip
-    coefficient folded into `optimizer.step(grad_scale=...)`. -> device tensors: no host sync, so the
-    CPU queues the step ahead of the GPU. A non-finite loss or norm skips the update (step_values raises)."""
+    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS[, pos_BS])]. -> device
+    tensors: no host sync, so the CPU queues the step ahead of the GPU. A non-finite loss or norm skips
+    the update (step_values raises)."""
     mesh, model = stages.mesh, stages.model
     micro = _micro_on_device(micro, mesh)
     aux = aux._replace(micro_batches=len(micro))
@@ -345,8 +339,7 @@ def train_step(
 
 
 def _schedule_work(stages: Stages, micro: list, aux: Aux) -> tuple[Tensor, dict[int, Tensor], Tensor]:
-    """The step's forward and backward work -> (cross-entropy and aux sums [2], expert counts per MoE
-    layer, label tokens of the global batch)."""
+    """-> (cross-entropy and aux sums [2], expert counts per MoE layer, global label tokens)."""
     mesh = stages.mesh
     label_tokens = parallel.all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y, *_ in micro), mesh)
     # Reduced once, in each unit's last backward segment (Tape(final=True)): its unsharded fp32
@@ -374,15 +367,13 @@ def step_values(loss: Tensor, aux: Tensor, grad_norm: Tensor, counts_LE: Tensor 
 
 @torch.no_grad()
 def update_expert_bias(biases: dict[int, Tensor], counts: dict[int, Tensor], rate: Tensor | float) -> None:
-    """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer,
-    with the step's counts over every data rank (every rank updates alike)."""
+    """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer."""
     assert biases.keys() <= counts.keys() or not biases, (biases.keys(), counts.keys())
     for i, bias_E in biases.items():
         bias_E += rate * torch.sign(counts[i].mean() - counts[i])
 
 
 def _all_counts(counts: dict[int, Tensor], stages: Stages) -> Tensor | None:
-    """[L, E] expert counts of every layer (zero rows: dense layers), None for a dense model."""
     if not stages.num_experts:
         return None
     out = torch.zeros(stages.model.cfg.num_hidden_layers, stages.num_experts, device=stages.mesh.device)

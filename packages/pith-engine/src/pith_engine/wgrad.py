@@ -15,8 +15,7 @@ from pith_engine.fp8 import FP8Switch
 class WeightGradQueue:
     """Weight-gradient work that backward passes left for a schedule's W actions. A backward inside
     `with queue.deferring():` computes input gradients at once and leaves its weight work here as one
-    group; `run_next()` runs the oldest group into .grad, bit for bit the plain backward's (tested).
-    Deferred work keeps the GEMM inputs and output gradients alive until it runs."""
+    group; `run_next()` runs the oldest group into .grad, bit for bit the plain backward's (tested)."""
 
     def __init__(self):
         self._groups: deque[list] = deque()
@@ -90,9 +89,8 @@ class _DeferWgrad(torch.autograd.Function):
 def defer_wgrad(
     queue: WeightGradQueue | None, forward: Callable, split: tuple, x: Tensor, *weights: Tensor
 ) -> Tensor:
-    """forward(x, *weights), its weight gradients deferrable to `queue` through `split`
-    (_DeferWgrad). Without a queue, or under torch.compile (its backward cannot run Python): the
-    plain call."""
+    """forward(x, *weights), its weight gradients deferrable to `queue` (_DeferWgrad); under
+    torch.compile (its backward cannot run Python) the plain call."""
     if torch.compiler.is_compiling() or queue is None:
         return forward(x, *weights)
     return _DeferWgrad.apply(queue, split, x, *weights)

@@ -30,9 +30,8 @@ def build(
     param_dtype: torch.dtype | None = None,
     layer_ids: Iterable[int] | None = None,
 ) -> nn.Module:
-    """The model for a name in MODELS or a Config, initialised unless on meta. mesh: this rank's part
-    only (its experts and FSDP shards), built on meta first; the same seed gives the same global
-    weights under every layout. layer_ids: the global indices of the layers to build."""
+    """Initialised unless on meta. mesh: this rank's part only, built on meta first; the same seed
+    gives the same global weights under every layout. layer_ids: the global indices to build."""
     if isinstance(name_or_config, str):
         if name_or_config not in MODELS:
             raise ValueError(f"unknown model name {name_or_config!r}; known: {sorted(MODELS)}")

@@ -1,23 +1,21 @@
 """DeepSeek-V2 and DeepSeek-V2-Lite in the five-stage layer form.
 
 Architectural choices (those of transformers' DeepseekV2 and of DeepSeek's original code):
-- pre-norm decoder: h += attn(rms_norm(h)); h += mlp(rms_norm(h)); final rms_norm, then lm_head;
-  no biases anywhere;
+- pre-norm decoder, final rms_norm, then lm_head; no biases anywhere;
 - multi-head latent attention (MLA): queries from q_proj, or q_b_proj(rms_norm(q_a_proj(x))) with a
-  query LoRA; kv_a_proj_with_mqa maps x to a kv_lora_rank latent plus qk_rope_head_dim rotary dims
-  shared by every head, and kv_b_proj expands rms_norm(latent) to each head's key "nope" part and
-  value (v_head_dim). The two LoRA norms use eps 1e-6 whatever rms_norm_eps says, as upstream's;
-- decoupled RoPE on the rope part of q and k only, interleaved pairs (2i, 2i+1), as upstream's
-  complex-number form;
-- YaRN or plain RoPE; with YaRN cos and sin carry its attention factor, and the softmax scale
-  qk_head_dim**-0.5 is multiplied by mscale(factor, mscale_all_dim)**2 when mscale_all_dim is set;
+  query LoRA; kv_a_proj_with_mqa maps x to a latent plus rotary dims shared by every head, and
+  kv_b_proj expands rms_norm(latent) to each head's key "nope" part and value. The two LoRA norms use
+  eps 1e-6 whatever rms_norm_eps says, as upstream's;
+- decoupled RoPE on the rope part of q and k only, interleaved pairs (2i, 2i+1);
+- YaRN or plain RoPE; with YaRN cos and sin carry its attention factor, and the softmax scale is
+  multiplied by mscale(factor, mscale_all_dim)**2 when mscale_all_dim is set;
 - layer i is MoE when i >= first_k_dense_replace and i % moe_layer_freq == 0, else a dense SwiGLU
   MLP (DeepSeek's rule; transformers 5 ignores moe_layer_freq, every release has it 1);
-- MoE: fp32 router logits, softmax, top-k "greedy" or "group_limited_greedy" (only the topk_group
-  groups with the best experts eligible), `expert_bias` added for the selection only. Combine
-  weights: the chosen probabilities times routed_scaling_factor, or with norm_topk_prob and top-k > 1
-  renormalised and not scaled (DeepSeek's code; transformers 5 ignores it, every release has it false);
-- shared experts: one SwiGLU MLP of width n_shared_experts * moe_intermediate_size, in stage 1.
+- MoE: fp32 router logits, softmax, top-k "greedy" or "group_limited_greedy", `expert_bias` added
+  for the selection only. Combine weights: the chosen probabilities times routed_scaling_factor, or
+  with norm_topk_prob and top-k > 1 renormalised and not scaled (DeepSeek's code; transformers 5
+  ignores it, every release has it false);
+- shared experts: one SwiGLU MLP, in stage 1.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D hidden, H heads, C q/k head dim (nope + rope),
 N nope dims, P rope dims, R = P/2 rotary pairs, A v head dim, L kv_lora_rank, E experts (E_held:
@@ -63,47 +61,47 @@ LORA_NORM_EPS = 1e-6  # upstream builds q_a_layernorm / kv_a_layernorm with the 
 class Yarn:
     """YaRN rope scaling, named as in the Hugging Face rope parameters."""
 
-    factor: float  # context extension factor
-    original_max_position_embeddings: int  # pretraining context length
-    beta_fast: float = 32.0  # rotations bounding the extrapolated (high-frequency) band
-    beta_slow: float = 1.0  # rotations bounding the interpolated (low-frequency) band
-    mscale: float | None = None  # cos/sin factor numerator: mscale(factor, mscale) / mscale(factor, all)
-    mscale_all_dim: float | None = None  # its denominator; also the softmax-scale correction
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None  # cos/sin factor: mscale(factor, mscale) / mscale(factor, all)
+    mscale_all_dim: float | None = None
     attention_factor: float | None = None  # explicit cos/sin factor, overriding the mscales
-    truncate: bool = True  # round the blend range to whole dims
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
 class Config:
-    model_type: ClassVar[str] = "deepseek_v2"  # the Hugging Face model_type (pith_models.hf.MODULES)
+    model_type: ClassVar[str] = "deepseek_v2"  # pith_models.hf.MODULES
 
     vocab_size: int  # V
     hidden_size: int  # D
-    intermediate_size: int  # width of the dense SwiGLU layers
-    moe_intermediate_size: int  # F, width of one routed (and of one shared) expert
-    num_hidden_layers: int  # decoder layers
+    intermediate_size: int  # dense layers' width
+    moe_intermediate_size: int  # F, of a routed (and of a shared) expert
+    num_hidden_layers: int
     num_attention_heads: int  # H
-    q_lora_rank: int | None  # rank of the query LoRA; None: a plain q_proj (V2-Lite)
-    kv_lora_rank: int  # L, width of the compressed key/value latent
-    qk_nope_head_dim: int  # N, q/k dims per head without rotary embedding
-    qk_rope_head_dim: int  # P, q/k dims per head with rotary embedding (k's shared by the heads)
-    v_head_dim: int  # A, value dims per head
+    q_lora_rank: int | None  # None: a plain q_proj (V2-Lite)
+    kv_lora_rank: int  # L
+    qk_nope_head_dim: int  # N
+    qk_rope_head_dim: int  # P (k's shared by the heads)
+    v_head_dim: int  # A
     n_routed_experts: int  # E
-    n_shared_experts: int  # shared experts, run as one MLP of width n_shared_experts * F
+    n_shared_experts: int  # run as one MLP of width n_shared_experts * F
     num_experts_per_tok: int  # K
-    first_k_dense_replace: int = 0  # the first layers are dense ...
-    moe_layer_freq: int = 1  # ... and the others are MoE when their index is a multiple of this
-    topk_method: str = "greedy"  # "greedy" or "group_limited_greedy"
-    n_group: int | None = None  # G, expert groups of group_limited_greedy
-    topk_group: int | None = None  # groups a token may route into under group_limited_greedy
-    norm_topk_prob: bool = False  # renormalise the chosen probabilities (then no routed scaling)
-    routed_scaling_factor: float = 1.0  # multiplies the combine weights when not renormalised
-    rms_norm_eps: float = 1e-6  # eps of the block and final RMSNorms
-    rope_theta: float = 10_000.0  # RoPE base
-    yarn: Yarn | None = None  # YaRN rope scaling; None: plain RoPE
-    tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight
-    max_position_embeddings: int = 2048  # context length (only YaRN's default factor reads it; HF default)
-    initializer_range: float = 0.02  # std of init_weights' normal draws
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    topk_method: str = "greedy"  # or "group_limited_greedy"
+    n_group: int | None = None  # G
+    topk_group: int | None = None
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    yarn: Yarn | None = None  # None: plain RoPE
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048  # only YaRN's default factor reads it (HF default)
+    initializer_range: float = 0.02
 
     @property
     def qk_head_dim(self) -> int:  # C
@@ -136,7 +134,7 @@ class Config:
 
     @classmethod
     def from_hf(cls, d: dict) -> "Config":
-        """From a Hugging Face config.json dict (transformers 4.x or 5.x spelling, or DeepSeek's own)."""
+        """transformers 4.x or 5.x spelling, or DeepSeek's own."""
         d = dict(d)
         model_type = d.pop("model_type", cls.model_type)
         if model_type != cls.model_type:
@@ -166,13 +164,12 @@ class Config:
         }
 
 
-# Fields whose other values would change the math and are not implemented: the value we support.
+# Fields whose other values would change the math (not implemented).
 _FIXED = {
     "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
     "scoring_func": "softmax",
 }  # fmt: skip
-# Fields beyond hf_convert.BOOKKEEPING that do not change the math: derived head dims, loss and
-# parallelism knobs of DeepSeek's code that the trainer and engine own here.
+# Beyond hf_convert.BOOKKEEPING: derived head dims, DeepSeek's loss and parallelism knobs.
 _IGNORED = (
     "aux_loss_alpha", "seq_aux", "ep_size", "pretraining_tp", "auto_map", "_name_or_path", "head_dim",
     "qk_head_dim",
@@ -180,7 +177,7 @@ _IGNORED = (
 
 
 def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
-    """Pop rope_parameters (transformers 5) or rope_scaling + rope_theta (4.x, DeepSeek) -> (theta, yarn)."""
+    """Pops the rope fields -> (theta, yarn)."""
     theta, rope = yarn_params_from_hf(d, 10_000.0, Yarn)
     if rope is None:
         return theta, None
@@ -191,7 +188,7 @@ def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
 
 
 def rope_frequencies(cfg: Config, device: torch.device) -> tuple[Tensor, float]:
-    """-> (inverse frequencies [R] fp64, factor multiplying cos and sin), YaRN applied when set."""
+    """-> (inverse frequencies [R] fp64, factor multiplying cos and sin)."""
     y = cfg.yarn
     inv_freq_R = rope_inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim, device, y)
     if y is None:
@@ -249,7 +246,7 @@ class Attention(nn.Module):
         return self.o_proj(o_BSHA.reshape(B, S, H * A))
 
 
-# MLP and Experts are qwen3_moe's too, deliberately: each family owns its own.
+# MLP and Experts are qwen3_moe's too, deliberately: each family is self-contained.
 class MLP(nn.Module):
     def __init__(self, D: int, F: int):
         super().__init__()
@@ -289,7 +286,7 @@ class MoE(nn.Module):
         self.gate = Router(D, E, bias=False)
         self.experts = Experts(E, D, F)
         self.shared_experts = MLP(D, cfg.n_shared_experts * F)
-        # Aux-loss-free balancing: added to the scores for top-k selection only.
+        # Aux-loss-free balancing: for top-k selection only.
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
 
     def route(self, x_TD: Tensor) -> Routing:
@@ -375,8 +372,8 @@ def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
     return to_hf_swiglu_state_dict(sd, cfg.tie_word_embeddings, "DeepSeek-V2")
 
 
-# For tests (and the trainer: vocab 260 fits its byte tokenizer): a dense layer then two MoE layers;
-# query LoRA, group-limited routing and YaRN are on here, and the tests switch them off one by one.
+# For tests (vocab 260: the trainer's byte tokenizer): a dense layer then two MoE layers; query LoRA,
+# group-limited routing and YaRN on, which the tests switch off one by one.
 TINY = Config(
     vocab_size=260, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
     num_attention_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,

@@ -15,9 +15,8 @@ BOOKKEEPING = (
 
 
 def config_kwargs_from_hf(d: dict, cls: type, fixed: dict, ignored: tuple[str, ...]) -> dict:
-    """The checks every Config.from_hf ends with: a `fixed` field (its other values would change the
-    math) holding another value, a field the dataclass `cls` lacks, or a required field absent is a
-    ValueError naming it; `ignored` and BOOKKEEPING fields are dropped. -> the keyword arguments of cls."""
+    """-> cls's keyword arguments, `ignored` and BOOKKEEPING dropped. ValueError: a `fixed` field
+    holding another value, a field cls lacks, a required field absent."""
     d = {k: v for k, v in d.items() if k not in ignored + BOOKKEEPING}
     for key, allowed in fixed.items():
         if key in d and d.pop(key) != allowed:
@@ -33,8 +32,7 @@ def config_kwargs_from_hf(d: dict, cls: type, fixed: dict, ignored: tuple[str, .
 
 def yarn_params_from_hf(d: dict, default_theta: float, yarn_cls: type) -> tuple[float, dict | None]:
     """Pop rope_parameters (transformers 5) or rope_scaling + rope_theta (4.x) -> (theta, the YaRN
-    parameters; None for the default rope). Another rope type, a parameter of the default rope or a
-    YaRN parameter that is no field of `yarn_cls` is a ValueError."""
+    parameters; None for the default rope)."""
     rope = dict(d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {})
     theta = float(rope.pop("rope_theta", d.pop("rope_theta", default_theta)))
     d.pop("rope_scaling", None)
@@ -55,8 +53,7 @@ def yarn_params_from_hf(d: dict, default_theta: float, yarn_cls: type) -> tuple[
 def from_hf_swiglu_state_dict(
     sd: dict[str, Tensor], moe_layers: Iterable[int], E: int, tie_word_embeddings: bool, experts: range
 ) -> dict[str, Tensor]:
-    """HF names and layouts -> ours for a family whose MLPs are fused SwiGLU (gate_up_proj) and
-    experts w_gate_up / w_down: gate_proj | up_proj [F, D] fuse into gate_up_proj [2F, D]; the
+    """HF names and layouts -> ours: gate_proj | up_proj [F, D] fuse into gate_up_proj [2F, D]; the
     per-expert [out, in] weights of `experts` stack into w_gate_up [E_held, D, 2F] and w_down
     [E_held, F, D]; each MoE layer gets a zero expert_bias [E]."""
     out = {}
@@ -83,8 +80,7 @@ def from_hf_swiglu_state_dict(
 
 
 def to_hf_swiglu_state_dict(sd: dict[str, Tensor], tie_word_embeddings: bool, hf_name: str) -> dict:
-    """The inverse of from_hf_swiglu_state_dict. A nonzero expert_bias is a ValueError: the HF
-    architecture `hf_name` has no selection-only bias to export it to."""
+    """The inverse of from_hf_swiglu_state_dict; a nonzero expert_bias is a ValueError."""
     out = {}
     for k, v in sd.items():
         prefix = k.rpartition(".")[0] + "."
@@ -100,9 +96,8 @@ def to_hf_swiglu_state_dict(sd: dict[str, Tensor], tie_word_embeddings: bool, hf
             for e in range(v.shape[0]):
                 out[f"model.{prefix}{e}.down_proj.weight"] = v[e].T
         elif k.endswith("gate_up_proj.weight"):
-            gate, up = v.chunk(2)
-            out[f"model.{prefix.removesuffix('gate_up_proj.')}gate_proj.weight"] = gate
-            out[f"model.{prefix.removesuffix('gate_up_proj.')}up_proj.weight"] = up
+            mlp = "model." + prefix.removesuffix("gate_up_proj.")
+            out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = v.chunk(2)
         elif k == "lm_head.weight":
             if not tie_word_embeddings:
                 out[k] = v

@@ -1,15 +1,14 @@
 """Qwen3-MoE (Qwen/Qwen3-30B-A3B and its small relatives) in the five-stage layer form.
 
 Architectural choices:
-- pre-norm decoder: h += attn(rms_norm(h)); h += mlp(rms_norm(h)); final rms_norm, then lm_head;
+- pre-norm decoder, final rms_norm, then lm_head;
 - grouped-query attention, head_dim independent of hidden_size / heads, no biases, per-head RMSNorm
-  on q and k (over head_dim) before RoPE; scale head_dim**-0.5; no sliding window;
-- RoPE over the whole head dim, half-split pairs (i, i + head_dim/2), base rope_theta, no scaling;
-- MoE layers: router logits in fp32, softmax over all experts, top-k (selection adds the aux-loss-free
-  `expert_bias`), combine weights = the selected probabilities, renormalised to sum 1 when
-  norm_topk_prob; SwiGLU experts of width moe_intermediate_size; no shared expert;
-- dense SwiGLU layers of width intermediate_size where layer i is in mlp_only_layers or
-  (i + 1) % decoder_sparse_step != 0 (the Hugging Face rule).
+  on q and k before RoPE; no sliding window;
+- RoPE over the whole head dim, half-split pairs (i, i + head_dim/2), no scaling;
+- MoE layers: fp32 router logits, softmax over all experts, top-k (selection adds the aux-loss-free
+  `expert_bias`), combine weights the selected probabilities, renormalised when norm_topk_prob;
+  SwiGLU experts; no shared expert;
+- dense SwiGLU layers where layer i is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D hidden, H query heads, G key/value heads,
 Dh head dim, R = Dh/2 rotary pairs, E experts (E_held: those this module holds), F expert width,
@@ -40,35 +39,31 @@ from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from pith_models.hf_convert import (
-    config_kwargs_from_hf,
-    from_hf_swiglu_state_dict,
-    to_hf_swiglu_state_dict,
-)
+from pith_models.hf_convert import config_kwargs_from_hf, from_hf_swiglu_state_dict, to_hf_swiglu_state_dict
 
 
 @dataclass(frozen=True)
 class Config:
-    model_type: ClassVar[str] = "qwen3_moe"  # the Hugging Face model_type (pith_models.hf.MODULES)
+    model_type: ClassVar[str] = "qwen3_moe"  # pith_models.hf.MODULES
 
     vocab_size: int  # V
     hidden_size: int  # D
-    intermediate_size: int  # width of the dense SwiGLU layers
-    moe_intermediate_size: int  # F, width of one expert
-    num_hidden_layers: int  # decoder layers
+    intermediate_size: int  # dense layers' width
+    moe_intermediate_size: int  # F
+    num_hidden_layers: int
     num_attention_heads: int  # H
-    num_key_value_heads: int  # G; H must be a multiple of G
-    head_dim: int  # Dh (even)
+    num_key_value_heads: int  # G
+    head_dim: int  # Dh
     num_experts: int  # E
     num_experts_per_tok: int  # K
-    norm_topk_prob: bool  # renormalise the top-k probabilities to sum 1
-    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
-    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
-    rope_theta: float = 1_000_000.0  # RoPE base
-    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
-    tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight
-    max_position_embeddings: int = 40960  # context the checkpoint was trained for (no effect on the math)
-    initializer_range: float = 0.02  # std of init_weights' normal draws
+    norm_topk_prob: bool
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960  # no effect on the math
+    initializer_range: float = 0.02
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
@@ -95,7 +90,7 @@ class Config:
 
     @classmethod
     def from_hf(cls, d: dict) -> "Config":
-        """From a Hugging Face config.json dict (transformers 4.x or 5.x spelling)."""
+        """transformers 4.x or 5.x spelling."""
         d = dict(d)
         model_type = d.pop("model_type", cls.model_type)
         if model_type != cls.model_type:
@@ -132,7 +127,7 @@ class Config:
         }
 
 
-# Fields whose other values would change the math and are not implemented: value we support.
+# Fields whose other values would change the math (not implemented).
 _FIXED = {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0}
 
 
@@ -160,7 +155,7 @@ class Attention(nn.Module):
         return self.o_proj(o_BSHD.reshape(B, S, self.H * self.Dh))
 
 
-# MLP and Experts are deepseek_v2's too, deliberately: each family owns its own.
+# MLP and Experts are deepseek_v2's too, deliberately: each family is self-contained.
 class MLP(nn.Module):
     def __init__(self, D: int, F: int):
         super().__init__()
@@ -199,7 +194,7 @@ class MoE(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = Router(D, E, bias=False)
         self.experts = Experts(E, D, F)
-        # Aux-loss-free balancing: added to the scores for top-k selection only.
+        # Aux-loss-free balancing: for top-k selection only.
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
 
     def route(self, x_TD: Tensor) -> Routing:

@@ -100,12 +100,16 @@ def _ranges_above(event) -> set[str]:
     return names
 
 
+def _device(events) -> list:
+    """Device activity (kernels, copies, fills), not the device-side spans of record_function ranges."""
+    cpu = torch.autograd.DeviceType.CPU
+    return [e for e in events if e.device_type != cpu and not getattr(e, "is_user_annotation", False)]
+
+
 def _timed(prof):
     """(component, name, us) of each device activity (on CPU: each op's self time)."""
-    events = prof.events()
-    cpu = torch.autograd.DeviceType.CPU
-    # Device activity (kernels, copies, fills), not the device-side spans of record_function ranges.
-    device = [e for e in events if e.device_type != cpu and not getattr(e, "is_user_annotation", False)]
+    events, cpu = prof.events(), torch.autograd.DeviceType.CPU
+    device = _device(events)
     if not device:
         return [(classify(e.name, _ranges_above(e)), e.name, e.self_cpu_time_total) for e in events]
     unlinked = collections.Counter((e.name, e.time_range.end - e.time_range.start) for e in device)
@@ -138,12 +142,7 @@ def kernels(prof, steps: int, top: int = 60) -> list[dict]:
 
 def idle(prof, steps: int, top: int = 12) -> dict | None:
     """Time with no device activity, by gap length (launch gaps against the CPU falling behind)."""
-    cpu = torch.autograd.DeviceType.CPU
-    spans = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type != cpu and not getattr(e, "is_user_annotation", False)
-    )
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in _device(prof.events()))
     if not spans:
         return None
     gaps, (_, end, last) = [], spans[0]
@@ -168,8 +167,8 @@ HISTORY_ENTRIES = 4_000_000  # the allocator history's ring buffer (--memory-pea
 
 
 def memory_at_peak(snapshot: dict, device: int = 0, top: int = 15) -> dict:
-    """The allocator's history replayed to its largest total (beyond the recording's start), the blocks
-    live then by their innermost frame in pith's packages, and whether the history held it all."""
+    """The allocator's history replayed to its peak, the blocks live then by their innermost frame in
+    pith's packages, and whether the history held it all."""
     trace = snapshot["device_traces"][device]
     events = [e for e in trace if e["action"] in ("alloc", "free_completed")]
     total, peak, at = 0, 0, -1
@@ -239,9 +238,8 @@ def run(
     memory_peak: bool = False,
     document_mask: bool = False,
 ) -> dict:
-    """-> the measurements. `batch` is global. perturb_seed: each initial weight times 1 + u, u uniform
-    in +-2^-9 (half a bf16 ulp), for loss_equivalence.py. memory_peak: the allocator's history over the
-    warm-up steps (recording costs host time)."""
+    """`batch` is global. perturb_seed: each initial weight times 1 + u, u uniform in +-2^-9 (half a
+    bf16 ulp), for loss_equivalence.py. memory_peak: recording costs host time."""
     if steps < 1 or warmup < 0 or profile_steps < 0:
         raise ValueError(
             f"expected steps >= 1, warmup >= 0, profile_steps >= 0; got {steps}, {warmup}, {profile_steps}"
@@ -403,7 +401,7 @@ COMPARE_FLOOR = 0.97
 
 def record(r: dict, write: bool) -> tuple[bool, str]:
     """-> (r's throughputs >= COMPARE_FLOOR x benchmarks/<card>.json's record of its settings, a report);
-    write: r becomes that record (commit: $PITH_COMMIT)."""
+    write: r becomes that record."""
     w, b2b = r["workload"], r["step_ms_back_to_back"]
     key = {**r["settings"], "layout": r["layout"], "layers": w["model"]["num_hidden_layers"]}
     key.update(seq_len=w["seq_len"], batch=w["batch"], data=w["data"])

@@ -4,7 +4,6 @@ step (Moonlight, arXiv:2502.16982, Nesterov form):
     W <- W * (1 - lr * wd) - lr * 0.2 * sqrt(max(M, N)) * O
 NS5: X = U / (||U||_F + 1e-7), wide (transposed when M > N), then 5 steps X <- a X + (b A + c A^2) X,
 A = X X^T, in bf16. O's RMS is ~1 / sqrt(max(M, N)): the scale gives AdamW's typical RMS of ~0.2.
-Under FSDP2 every matrix is orthogonalised whole, once: the update is one process's.
 
 Shape legend: M rows, N columns, E matrices in a batch.
 """
@@ -34,8 +33,8 @@ def newton_schulz(u_EMN: Tensor, dtype: torch.dtype = torch.bfloat16, steps: int
 
 
 def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters Muon takes: 2-D weights and stacked [E, ., .] expert weights, less the embedding,
-    lm_head and routers (the nn.Linear children of the module holding a layer's experts)."""
+    """2-D weights and stacked [E, ., .] expert weights, less the embedding, lm_head and routers (the
+    nn.Linear children of the module holding a layer's experts)."""
     experts = [layer.experts for layer in model.layers.values() if layer.experts is not None]
     owners = [m for m in model.modules() if any(c is e for c in m.children() for e in experts)]
     routers = [c for m in owners for c in m.children() if isinstance(c, nn.Linear)]
@@ -92,8 +91,8 @@ def _exchange(send: list[Tensor], recv_sizes: list[int], group) -> list[Tensor]:
 
 
 def _orthogonalise_spread(shapes: list[torch.Size], u_local: list[Tensor], mesh, dtype) -> list[Tensor]:
-    """This rank's rows of NS5 of each row-sharded matrix (global `shapes`, local rows `u_local`): each
-    goes whole to one owner rank (greedy by NS cost) and its rows of O come back, two all-to-alls."""
+    """This rank's rows of NS5 of each row-sharded matrix: each goes whole to one owner rank (greedy by
+    NS cost) and its rows of O come back, two all-to-alls."""
     group, W, me, n = mesh.get_group(), mesh.size(), mesh.get_local_rank(), len(shapes)
     owner = _owners(shapes, W)
     rows = [_rows(s[0], W) for s in shapes]
@@ -132,8 +131,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: Tensor | None = None):
-        """`grad_scale` (the clip coefficient [1]) scales every gradient; where it is not finite the step
-        changes nothing, with no host sync."""
+        """`grad_scale` [1] scales every gradient; not finite, the step changes nothing (no host sync)."""
         todo = []  # (param, its group, this rank's U)
         ok = None if grad_scale is None else torch.isfinite(grad_scale)
         for group in self.param_groups:
@@ -174,8 +172,7 @@ class Muon(torch.optim.Optimizer):
 
 
 class Chain:
-    """Optimizers stepped as one; DCP's optimizer state dicts take an iterable of them, keyed by
-    parameter name as for one."""
+    """Optimizers stepped as one (DCP's optimizer state dicts take an iterable of them)."""
 
     def __init__(self, *optimizers: torch.optim.Optimizer):
         self.optimizers = optimizers

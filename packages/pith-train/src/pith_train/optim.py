@@ -58,8 +58,8 @@ class AdamW(torch.optim.AdamW):
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> AdamW | Chain:
-    """AdamW, weight decay on matrices only (GPT-OSS's stacked b_down [E, D] is E vectors); under
-    optim.name = "muon" Muon first."""
+    """AdamW, weight decay on matrices only (GPT-OSS's stacked b_down [E, D] is E vectors); Muon first
+    under optim.name = "muon"."""
     experts = expert_param_names(model)
     o = cfg.optim
     matrices = hidden_matrices(model) if o.name == "muon" else []

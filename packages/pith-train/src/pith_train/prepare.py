@@ -95,8 +95,8 @@ def _jsonl_texts(block: bytes, where: tuple[str, int], field: str) -> list[str]:
 
 
 def _file_batches(path: str, field: str):
-    """(bytes of `path` read, (parse, *args)) for each batch of its texts, parse(*args). A file other
-    than .jsonl or .parquet is one text."""
+    """(bytes of `path` read, (parse, *args)) for each batch of its texts. A file other than .jsonl
+    or .parquet is one text."""
     size = os.path.getsize(path)
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
@@ -218,7 +218,7 @@ def prepare(
     train_vocab: int = 0,
 ) -> dict:
     """Tokenize `files` into a packed dataset at `out_dir` (built in OUT.tmp, renamed when complete);
-    -> its metadata. `train_vocab`: with a BPE of that size trained on the files instead."""
+    -> its metadata. `train_vocab`: with a BPE of that size trained on the files."""
     out, tmp, show = Path(out_dir), Path(f"{out_dir}.tmp"), progress and sys.stderr.isatty()
     if train_vocab and train_vocab < 258:
         raise ValueError(f"--train-tokenizer {train_vocab}: 256 bytes, EOS and one merge need 258 or more")
