@@ -1,17 +1,17 @@
 """GPT-OSS (openai/gpt-oss-20b, gpt-oss-120b), as transformers' GptOss:
 - pre-norm decoder, every layer MoE;
-- grouped-query attention with q/k/v/o biases, head_dim independent of hidden_size / heads, scale
-  head_dim**-0.5, a trained sink logit per head in every softmax denominator; layers sliding-window
-  (key visible when pos_q - pos_k < sliding_window) or full causal as layer_types says;
-- RoPE over the whole head dim, half-split pairs, YaRN: inverse frequencies blended between
-  interpolation and extrapolation, cos and sin times 0.1 * ln(factor) + 1;
+- grouped-query attention, q/k/v/o biases, free head_dim, scale head_dim**-0.5, a trained sink logit
+  per head in every softmax denominator; layers sliding-window (key visible when pos_q - pos_k <
+  sliding_window) or full causal as layer_types says;
+- RoPE on the whole head dim, half-split pairs, YaRN (inverse frequencies blended between
+  interpolation and extrapolation, cos and sin times 0.1 * ln(factor) + 1);
 - router: linear with bias, fp32 logits, top-k over logits + `expert_bias` (selection only), combine
   weights = softmax over the k chosen logits;
 - experts: clamped SwiGLU on interleaved gate/up columns (pith_ops.swiglu_oss), a bias after each
   projection, gathered per row by its expert.
 
-Shapes: B batch, S sequence, T = B*S, D hidden, H query heads, G kv heads, Dh head dim, R = Dh/2,
-E experts (E_held: held here), F expert width, K top-k, N rows grouped by expert, V vocabulary.
+Shapes: B batch, S sequence, T = B*S, D hidden, H / G query / kv heads, Dh head dim, R = Dh/2, E
+experts (E_held: held here), F expert width, K top-k, N rows grouped by expert, V vocabulary.
 """
 
 from collections.abc import Iterable
@@ -64,7 +64,7 @@ class Config:
     intermediate_size: int  # F
     num_hidden_layers: int  # decoder layers
     num_attention_heads: int  # H
-    num_key_value_heads: int  # G; H must be a multiple of G
+    num_key_value_heads: int  # G
     head_dim: int  # Dh (even)
     num_local_experts: int  # E
     num_experts_per_tok: int  # K
@@ -73,7 +73,7 @@ class Config:
     rms_norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 150_000.0  # RoPE base
     yarn: Yarn | None = Yarn()  # None: plain RoPE
-    swiglu_alpha: float = 1.702  # sigmoid gain of the clamped SwiGLU
+    swiglu_alpha: float = 1.702  # SwiGLU sigmoid gain
     swiglu_limit: float = 7.0  # clamp of gate (above) and up (both sides)
     tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight
     max_position_embeddings: int = 131072  # no effect on the math
@@ -81,9 +81,8 @@ class Config:
 
     def __post_init__(self):
         L = self.num_hidden_layers
-        if not self.layer_types:  # transformers' default: sliding, full, sliding, ...
-            object.__setattr__(self, "layer_types", tuple(SLIDING if i % 2 == 0 else FULL for i in range(L)))
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        types = self.layer_types or [(SLIDING, FULL)[i % 2] for i in range(L)]  # transformers' default
+        object.__setattr__(self, "layer_types", tuple(types))
         if len(self.layer_types) != L or not set(self.layer_types) <= {SLIDING, FULL}:
             raise ValueError(
                 f"layer_types must hold num_hidden_layers={L} entries of {SLIDING!r} or {FULL!r}, "
@@ -115,14 +114,12 @@ class Config:
             raise ValueError(f"config field quantization_config: quant_method {quant!r}; only mxfp4 loads")
         d["rope_theta"], d["yarn"] = _rope_from_hf(d)
         d = config_kwargs_from_hf(d, cls, _FIXED, _IGNORED)
-        return cls(**{**d, "layer_types": tuple(d.get("layer_types") or ())})
+        return cls(**d)
 
     def to_hf(self) -> dict:
         d = asdict(self)
         yarn = d.pop("yarn")
-        rope = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
-        if yarn is not None:
-            rope = {**rope, "rope_type": "yarn", **yarn}
+        rope = {"rope_type": "yarn" if yarn else "default", "rope_theta": d.pop("rope_theta"), **(yarn or {})}
         return {
             "model_type": self.model_type,
             "architectures": ["GptOssForCausalLM"],
