@@ -130,7 +130,6 @@ class Config:
         }
 
 
-# Fields whose other values change the math, unimplemented: the supported value.
 _FIXED = {"attention_bias": True, "attention_dropout": 0.0}
 # Not changing the math: hidden_act (transformers' GPT-OSS always clamps) and the release's duplicates.
 _IGNORED = ("hidden_act", "experts_per_token", "initial_context_length", "_name_or_path")
@@ -169,9 +168,9 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: Tensor, pos: Positions, reference: bool = False) -> Tensor:
         B, S, _ = x_BSD.shape
-        rope = pith_ops.apply_rope_reference if reference else pith_ops.apply_rope
-        q_BSHD = rope(self.q_proj(x_BSD).view(B, S, self.H, self.Dh), pos.cos_BSR, pos.sin_BSR)
-        k_BSGD = rope(self.k_proj(x_BSD).view(B, S, self.G, self.Dh), pos.cos_BSR, pos.sin_BSR)
+        apply = pith_ops.apply_rope_reference if reference else pith_ops.apply_rope
+        rope = lambda x, n: apply(x.view(B, S, n, self.Dh), pos.cos_BSR, pos.sin_BSR)
+        q_BSHD, k_BSGD = rope(self.q_proj(x_BSD), self.H), rope(self.k_proj(x_BSD), self.G)
         v_BSGD = self.v_proj(x_BSD).view(B, S, self.G, self.Dh)
         kw = dict(scale=self.Dh**-0.5, window=self.window, sinks_H=self.sinks, reference=reference)
         o_BSHD = attention(q_BSHD, k_BSGD, v_BSGD, pos, **kw)
@@ -184,10 +183,10 @@ class Experts(FP8Switch, nn.Module):
     def __init__(self, E: int, D: int, F: int, alpha: float, limit: float):
         super().__init__()
         self.alpha, self.limit = alpha, limit
-        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate, up interleaved
-        self.b_gate_up = nn.Parameter(torch.empty(E, 2 * F))  # [E_held, 2F], interleaved likewise
-        self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
-        self.b_down = nn.Parameter(torch.empty(E, D))  # [E_held, D]
+        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # gate, up interleaved
+        self.b_gate_up = nn.Parameter(torch.empty(E, 2 * F))  # likewise
+        self.w_down = nn.Parameter(torch.empty(E, F, D))
+        self.b_down = nn.Parameter(torch.empty(E, D))
 
     def forward(self, x_ND: Tensor | pith_ops.FP8Rows, group_ends_E: Tensor) -> Tensor:
         x = x_ND.x if isinstance(x_ND, pith_ops.FP8Rows) else x_ND

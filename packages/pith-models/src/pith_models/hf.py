@@ -140,13 +140,16 @@ def _seen(k: str, rows: int, held: range) -> range | None:
     return held if ".experts." in k else range(rows)
 
 
-def _origins(ids: Tensor, p: Tensor, name: str, module: ModuleType) -> Tensor:
+def _wanted(ids: Tensor, p: Tensor, name: str, module: ModuleType, experts) -> Tensor:
+    """HF row ids of this rank's rows of p."""
+    if name in experts:
+        return ids.flatten()
     if ids.dtype != torch.int64 or ids.numel() != ids.shape[0] or ids.shape[0] != p.shape[0]:
         raise ValueError(
             f"{module.__name__}.from_hf_state_dict turns int64 HF row ids into {name} "
             f"{tuple(ids.shape)} {ids.dtype}: expected {p.shape[0]} int64 ids, one HF row per row of dim 0"
         )
-    return ids.flatten()
+    return ids.flatten()[local_rows(p)[1]]
 
 
 @torch.no_grad()
@@ -172,12 +175,7 @@ def from_pretrained(
     }
     origin = module.from_hf_state_dict(ids, cfg, held)
     experts = expert_param_names(model)
-    wanted = {
-        name: origin[name].flatten()
-        if name in experts
-        else _origins(origin[name], p, name, module)[local_rows(p)[1]]
-        for name, p in model.named_parameters()
-    }
+    wanted = {name: _wanted(origin[name], p, name, module, experts) for name, p in model.named_parameters()}
     need = torch.cat(list(wanted.values())).unique()
     cut = {}
     for k, r in seen.items():
