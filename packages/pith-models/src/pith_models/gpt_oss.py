@@ -5,8 +5,8 @@
   sliding_window) or full causal as layer_types says;
 - RoPE on the whole head dim, half-split pairs, YaRN (inverse frequencies blended between
   interpolation and extrapolation, cos and sin times 0.1 * ln(factor) + 1);
-- router: linear with bias, fp32 logits, top-k over logits + `expert_bias` (selection only), combine
-  weights = softmax over the k chosen logits;
+- router: linear with bias, fp32 logits; top-k over logits + `expert_bias`; weights = softmax of the
+  k chosen logits;
 - experts: clamped SwiGLU on interleaved gate/up columns (pith_ops.swiglu_oss), a bias after each
   projection, gathered per row by its expert.
 
@@ -80,26 +80,21 @@ class Config:
     initializer_range: float = 0.02  # std of init_weights' draws
 
     def __post_init__(self):
-        L = self.num_hidden_layers
-        types = self.layer_types or [(SLIDING, FULL)[i % 2] for i in range(L)]  # transformers' default
-        object.__setattr__(self, "layer_types", tuple(types))
-        if len(self.layer_types) != L or not set(self.layer_types) <= {SLIDING, FULL}:
+        L, H, G = self.num_hidden_layers, self.num_attention_heads, self.num_key_value_heads
+        E, K = self.num_local_experts, self.num_experts_per_tok
+        types = tuple(self.layer_types or [(SLIDING, FULL)[i % 2] for i in range(L)])  # transformers' default
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != L or not set(types) <= {SLIDING, FULL}:
             raise ValueError(
                 f"layer_types must hold num_hidden_layers={L} entries of {SLIDING!r} or {FULL!r}, "
-                f"got {list(self.layer_types)}"
+                f"got {list(types)}"
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        if H % G:
+            raise ValueError(f"num_attention_heads ({H}) must be a multiple of num_key_value_heads ({G})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if not 1 <= self.num_experts_per_tok <= self.num_local_experts:
-            raise ValueError(
-                f"num_experts_per_tok must be in [1, num_local_experts={self.num_local_experts}], "
-                f"got {self.num_experts_per_tok}"
-            )
+        if not 1 <= K <= E:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_local_experts={E}], got {K}")
         if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
             raise ValueError(f"sliding_window must be an int >= 1, got {self.sliding_window!r}")
 
@@ -142,7 +137,7 @@ def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
     theta, rope = yarn_params_from_hf(d, 150_000.0, Yarn)
     if rope is None:
         return theta, None
-    # transformers' defaults for absent keys
+    # transformers' defaults
     rope.setdefault("truncate", True)
     rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 131072))
     return theta, Yarn(**{k: v for k, v in rope.items() if v is not None})
@@ -190,7 +185,7 @@ class Experts(FP8Switch, nn.Module):
 
     def forward(self, x_ND: Tensor | pith_ops.FP8Rows, group_ends_E: Tensor) -> Tensor:
         x = x_ND.x if isinstance(x_ND, pith_ops.FP8Rows) else x_ND
-        # Each row's expert, for its biases; rows past the last end are padding (any expert does).
+        # Each row's expert; rows past the last end are padding (any expert does).
         rows_N = torch.arange(x.shape[0], device=x.device, dtype=group_ends_E.dtype)
         expert_N = torch.searchsorted(group_ends_E, rows_N, right=True).clamp(max=group_ends_E.shape[0] - 1)
         # bf16 rows under autocast meet fp32 master biases.
@@ -249,7 +244,7 @@ class Layer(nn.Module):
         return Stage1Out(h_BSD, self.mlp.route(self.post_attention_layernorm(h_BSD).flatten(0, 1)))
 
     def stage3(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
-        return self.mlp.experts(x_ND, group_ends_E)
+        return self.experts(x_ND, group_ends_E)
 
     def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
         return h_BSD + pith_ops.moe_unpermute(y_ND, slots_TK, weights_TK).view_as(h_BSD)
@@ -309,7 +304,7 @@ def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
     return out
 
 
-# Vocab 260 fits the byte tokenizer; the window is shorter than the test sequences.
+# Vocab 260: the byte tokenizer's; window shorter than the test sequences.
 TINY = Config(
     vocab_size=260, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
