@@ -1,25 +1,17 @@
-"""GPT-OSS (openai/gpt-oss-20b, gpt-oss-120b) in the five-stage layer form.
+"""GPT-OSS (openai/gpt-oss-20b, gpt-oss-120b), as transformers' GptOss:
+- pre-norm decoder, every layer MoE;
+- grouped-query attention, q/k/v/o biases, free head_dim, scale head_dim**-0.5, a trained sink logit
+  per head in every softmax denominator; layers sliding-window (key visible when pos_q - pos_k <
+  sliding_window) or full causal as layer_types says;
+- RoPE on the whole head dim, half-split pairs, YaRN (inverse frequencies blended between
+  interpolation and extrapolation, cos and sin times 0.1 * ln(factor) + 1);
+- router: linear with bias, fp32 logits; top-k over logits + `expert_bias`; weights = softmax of the
+  k chosen logits;
+- experts: clamped SwiGLU on interleaved gate/up columns (pith_ops.swiglu_oss), a bias after each
+  projection, gathered per row by its expert.
 
-Architectural choices (those of transformers' GptOss):
-- pre-norm decoder: h += attn(rms_norm(h)); h += moe(rms_norm(h)); final rms_norm, then lm_head;
-  every layer is MoE;
-- grouped-query attention with biases on q, k, v and o; head_dim independent of hidden_size / heads;
-  scale head_dim**-0.5; a learned sink logit per head that joins every softmax denominator (trained:
-  it gets gradients); layers alternate sliding-window (key visible when pos_q - pos_k < sliding_window)
-  and full causal attention as layer_types says;
-- RoPE over the whole head dim, half-split pairs (i, i + head_dim/2), with YaRN scaling: inverse
-  frequencies blended between interpolation and extrapolation, cos and sin multiplied by the YaRN
-  attention factor 0.1 * ln(factor) + 1;
-- router: a linear layer with bias, logits in fp32, top-k over the logits (plus the aux-loss-free
-  `expert_bias`, for the selection only), combine weights = softmax over the k chosen logits;
-- experts: clamped SwiGLU with interleaved gate/up columns (gate = even columns clamped above at
-  swiglu_limit, up = odd columns clamped to +-swiglu_limit; gate * sigmoid(swiglu_alpha * gate) *
-  (up + 1), pith_ops.swiglu_oss) and a bias after each projection: a grouped GEMM plus a per-row
-  bias gathered by the row's expert.
-
-Shape legend: B batch, S sequence, T = B*S tokens, D hidden, H query heads, G key/value heads,
-Dh head dim, R = Dh/2 rotary pairs, E experts (E_held: those this module holds), F expert width,
-K top-k, N rows grouped by expert, V vocabulary.
+Shapes: B batch, S sequence, T = B*S, D hidden, H / G query / kv heads, Dh head dim, R = Dh/2, E
+experts (E_held: held here), F expert width, K top-k, N rows grouped by expert, V vocabulary.
 """
 
 from collections.abc import Iterable
@@ -54,84 +46,75 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 @dataclass(frozen=True)
 class Yarn:
-    """YaRN rope scaling, named as in the Hugging Face rope parameters (GPT-OSS uses no mscale)."""
+    """YaRN rope scaling, HF rope parameter names (no mscale)."""
 
-    factor: float = 32.0  # context extension factor
-    original_max_position_embeddings: int = 4096  # pretraining context length
-    beta_fast: float = 32.0  # rotations bounding the extrapolated (high-frequency) band
-    beta_slow: float = 1.0  # rotations bounding the interpolated (low-frequency) band
-    truncate: bool = False  # round the blend range to whole dims (GPT-OSS: no)
+    factor: float = 32.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0  # rotations bounding the extrapolated band
+    beta_slow: float = 1.0  # rotations bounding the interpolated band
+    truncate: bool = False  # round the blend range to whole dims
 
 
 @dataclass(frozen=True)
 class Config:
-    model_type: ClassVar[str] = "gpt_oss"  # the Hugging Face model_type (pith_models.hf.MODULES)
+    model_type: ClassVar[str] = "gpt_oss"  # HF model_type
 
     vocab_size: int  # V
     hidden_size: int  # D
-    intermediate_size: int  # F, width of one expert
+    intermediate_size: int  # F
     num_hidden_layers: int  # decoder layers
     num_attention_heads: int  # H
-    num_key_value_heads: int  # G; H must be a multiple of G
+    num_key_value_heads: int  # G
     head_dim: int  # Dh (even)
     num_local_experts: int  # E
     num_experts_per_tok: int  # K
-    sliding_window: int  # keys visible to a query of a sliding layer: pos_q - pos_k < sliding_window
-    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention"; () alternates
+    sliding_window: int  # of sliding layers
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING | FULL; () alternates
     rms_norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 150_000.0  # RoPE base
-    yarn: Yarn | None = Yarn()  # YaRN rope scaling; None: plain RoPE
-    swiglu_alpha: float = 1.702  # sigmoid gain of the clamped SwiGLU
+    yarn: Yarn | None = Yarn()  # None: plain RoPE
+    swiglu_alpha: float = 1.702  # SwiGLU sigmoid gain
     swiglu_limit: float = 7.0  # clamp of gate (above) and up (both sides)
     tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight
-    max_position_embeddings: int = 131072  # context the checkpoint was trained for (no effect on the math)
-    initializer_range: float = 0.02  # std of init_weights' normal draws
+    max_position_embeddings: int = 131072  # no effect on the math
+    initializer_range: float = 0.02  # std of init_weights' draws
 
     def __post_init__(self):
-        L = self.num_hidden_layers
-        if not self.layer_types:  # transformers' default: sliding, full, sliding, ...
-            object.__setattr__(self, "layer_types", tuple(SLIDING if i % 2 == 0 else FULL for i in range(L)))
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        if len(self.layer_types) != L or not set(self.layer_types) <= {SLIDING, FULL}:
+        L, H, G = self.num_hidden_layers, self.num_attention_heads, self.num_key_value_heads
+        E, K = self.num_local_experts, self.num_experts_per_tok
+        types = tuple(self.layer_types or [(SLIDING, FULL)[i % 2] for i in range(L)])  # transformers' default
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != L or not set(types) <= {SLIDING, FULL}:
             raise ValueError(
                 f"layer_types must hold num_hidden_layers={L} entries of {SLIDING!r} or {FULL!r}, "
-                f"got {list(self.layer_types)}"
+                f"got {list(types)}"
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        if H % G:
+            raise ValueError(f"num_attention_heads ({H}) must be a multiple of num_key_value_heads ({G})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if not 1 <= self.num_experts_per_tok <= self.num_local_experts:
-            raise ValueError(
-                f"num_experts_per_tok must be in [1, num_local_experts={self.num_local_experts}], "
-                f"got {self.num_experts_per_tok}"
-            )
+        if not 1 <= K <= E:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_local_experts={E}], got {K}")
         if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
             raise ValueError(f"sliding_window must be an int >= 1, got {self.sliding_window!r}")
 
     @classmethod
     def from_hf(cls, d: dict) -> "Config":
-        """From a Hugging Face config.json dict (transformers 4.5x or 5.x spelling)."""
         d = dict(d)
         model_type = d.pop("model_type", cls.model_type)
         if model_type != cls.model_type:
             raise ValueError(f"expected model_type {cls.model_type!r}, got {model_type!r}")
         quant = d.pop("quantization_config", {"quant_method": "mxfp4"}).get("quant_method")
-        if quant != "mxfp4":  # MXFP4 experts are dequantised as they are read (pith_models.hf)
+        if quant != "mxfp4":  # dequantised as read (pith_models.hf)
             raise ValueError(f"config field quantization_config: quant_method {quant!r}; only mxfp4 loads")
         d["rope_theta"], d["yarn"] = _rope_from_hf(d)
         d = config_kwargs_from_hf(d, cls, _FIXED, _IGNORED)
-        return cls(**{**d, "layer_types": tuple(d.get("layer_types") or ())})
+        return cls(**d)
 
     def to_hf(self) -> dict:
         d = asdict(self)
         yarn = d.pop("yarn")
-        rope = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
-        if yarn is not None:
-            rope = {**rope, "rope_type": "yarn", **yarn}
+        rope = {"rope_type": "yarn" if yarn else "default", "rope_theta": d.pop("rope_theta"), **(yarn or {})}
         return {
             "model_type": self.model_type,
             "architectures": ["GptOssForCausalLM"],
@@ -142,29 +125,26 @@ class Config:
         }
 
 
-# Fields whose other values would change the math and are not implemented: the value we support.
 _FIXED = {"attention_bias": True, "attention_dropout": 0.0}
-# Fields beyond hf_convert.BOOKKEEPING that do not change the math: hidden_act (transformers' GPT-OSS
-# always applies the clamped SwiGLU) and the original release's duplicates of other fields.
+# Not changing the math: hidden_act (transformers' GPT-OSS always clamps) and the release's duplicates.
 _IGNORED = ("hidden_act", "experts_per_token", "initial_context_length", "_name_or_path")
 
 
 def _rope_from_hf(d: dict) -> tuple[float, Yarn | None]:
-    """Pop rope_parameters (transformers 5) or rope_scaling + rope_theta (4.x) -> (theta, yarn).
-    Neither present means transformers' GPT-OSS default, the Yarn() defaults here."""
+    """-> (theta, yarn); neither rope_parameters nor rope_scaling: transformers' default, Yarn()."""
     if "rope_parameters" not in d and "rope_scaling" not in d:
         return float(d.pop("rope_theta", 150_000.0)), Yarn()
     theta, rope = yarn_params_from_hf(d, 150_000.0, Yarn)
     if rope is None:
         return theta, None
-    # transformers' yarn defaults when a key is absent: truncate True, the model's context length.
+    # transformers' defaults
     rope.setdefault("truncate", True)
     rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 131072))
     return theta, Yarn(**{k: v for k, v in rope.items() if v is not None})
 
 
 def rope_frequencies(cfg: Config, device: torch.device) -> tuple[Tensor, float]:
-    """-> (inverse frequencies [R] fp64, factor multiplying cos and sin), YaRN applied when set."""
+    """-> (inverse frequencies [R] fp64, cos/sin factor)."""
     inv_freq_R = rope_inv_freq(cfg.rope_theta, cfg.head_dim, device, cfg.yarn)
     return inv_freq_R, (1.0 if cfg.yarn is None else yarn_mscale(cfg.yarn.factor))
 
@@ -179,13 +159,13 @@ class Attention(nn.Module):
         self.k_proj = Linear(D, G * Dh)
         self.v_proj = Linear(D, G * Dh)
         self.o_proj = Linear(H * Dh, D)
-        self.sinks = nn.Parameter(torch.empty(H))  # per-head logit joining the softmax denominator
+        self.sinks = nn.Parameter(torch.empty(H))
 
     def forward(self, x_BSD: Tensor, pos: Positions, reference: bool = False) -> Tensor:
         B, S, _ = x_BSD.shape
-        rope = pith_ops.apply_rope_reference if reference else pith_ops.apply_rope
-        q_BSHD = rope(self.q_proj(x_BSD).view(B, S, self.H, self.Dh), pos.cos_BSR, pos.sin_BSR)
-        k_BSGD = rope(self.k_proj(x_BSD).view(B, S, self.G, self.Dh), pos.cos_BSR, pos.sin_BSR)
+        apply = pith_ops.apply_rope_reference if reference else pith_ops.apply_rope
+        rope = lambda x, n: apply(x.view(B, S, n, self.Dh), pos.cos_BSR, pos.sin_BSR)
+        q_BSHD, k_BSGD = rope(self.q_proj(x_BSD), self.H), rope(self.k_proj(x_BSD), self.G)
         v_BSGD = self.v_proj(x_BSD).view(B, S, self.G, self.Dh)
         kw = dict(scale=self.Dh**-0.5, window=self.window, sinks_H=self.sinks, reference=reference)
         o_BSHD = attention(q_BSHD, k_BSGD, v_BSGD, pos, **kw)
@@ -193,22 +173,22 @@ class Attention(nn.Module):
 
 
 class Experts(FP8Switch, nn.Module):
-    """The routed experts (stage 3), biases included, a module of their own for the engine to shard."""
+    """Stage 3, biases included: one module for the engine to shard."""
 
     def __init__(self, E: int, D: int, F: int, alpha: float, limit: float):
         super().__init__()
         self.alpha, self.limit = alpha, limit
-        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # [E_held, D, 2F]: gate, up interleaved
-        self.b_gate_up = nn.Parameter(torch.empty(E, 2 * F))  # [E_held, 2F], interleaved likewise
-        self.w_down = nn.Parameter(torch.empty(E, F, D))  # [E_held, F, D]
-        self.b_down = nn.Parameter(torch.empty(E, D))  # [E_held, D]
+        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * F))  # gate, up interleaved
+        self.b_gate_up = nn.Parameter(torch.empty(E, 2 * F))  # likewise
+        self.w_down = nn.Parameter(torch.empty(E, F, D))
+        self.b_down = nn.Parameter(torch.empty(E, D))
 
     def forward(self, x_ND: Tensor | pith_ops.FP8Rows, group_ends_E: Tensor) -> Tensor:
-        x = x_ND.x if isinstance(x_ND, pith_ops.FP8Rows) else x_ND  # FP8Rows: rows dispatched in FP8
-        # The expert of each row, for its biases; rows past the last end are padding (any expert does).
+        x = x_ND.x if isinstance(x_ND, pith_ops.FP8Rows) else x_ND
+        # Each row's expert; rows past the last end are padding (any expert does).
         rows_N = torch.arange(x.shape[0], device=x.device, dtype=group_ends_E.dtype)
         expert_N = torch.searchsorted(group_ends_E, rows_N, right=True).clamp(max=group_ends_E.shape[0] - 1)
-        # Biases in the rows' dtype: bf16 rows under autocast meet fp32 master weights.
+        # bf16 rows under autocast meet fp32 master biases.
         b_gate_up, b_down = self.b_gate_up.to(x.dtype), self.b_down.to(x.dtype)
         gemm = lambda x, w: expert_gemm(x, w, group_ends_E, self.fp8, self.wgrad_queue)
         h_N2F = gemm(x_ND, self.w_gate_up) + b_gate_up[expert_N]
@@ -230,7 +210,6 @@ class MoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.router = Router(D, E)
         self.experts = Experts(E, D, F, cfg.swiglu_alpha, cfg.swiglu_limit)
-        # Aux-loss-free balancing: added to the logits for top-k selection only.
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
 
     def route(self, x_TD: Tensor) -> Routing:
@@ -265,7 +244,7 @@ class Layer(nn.Module):
         return Stage1Out(h_BSD, self.mlp.route(self.post_attention_layernorm(h_BSD).flatten(0, 1)))
 
     def stage3(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
-        return self.mlp.experts(x_ND, group_ends_E)
+        return self.experts(x_ND, group_ends_E)
 
     def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
         return h_BSD + pith_ops.moe_unpermute(y_ND, slots_TK, weights_TK).view_as(h_BSD)
@@ -288,7 +267,7 @@ def init_weights(model: Model, seed: int, mesh: Mesh = SINGLE) -> None:
     init_normal(model, seed, model.cfg.initializer_range, zero=("bias", "b_gate_up", "b_down"), mesh=mesh)
 
 
-# Our expert tensor names <-> transformers' (same layouts: [E, in, out], gate/up interleaved).
+# Ours <-> transformers' (same layouts).
 _EXPERT_NAMES = {
     "experts.w_gate_up": "experts.gate_up_proj",
     "experts.b_gate_up": "experts.gate_up_proj_bias",
@@ -298,7 +277,6 @@ _EXPERT_NAMES = {
 
 
 def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config, experts: range | None = None) -> dict[str, Tensor]:
-    """HF names -> ours (the layouts agree; stacked expert tensors come sliced to `experts`)."""
     hf_to_ours = {hf: ours for ours, hf in _EXPERT_NAMES.items()}
     out = {}
     for k, v in sd.items():
@@ -326,8 +304,7 @@ def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
     return out
 
 
-# For tests (and the trainer: vocab 260 fits its byte tokenizer): sliding, full, sliding layers with a
-# window shorter than the test sequences.
+# Vocab 260: the byte tokenizer's; window shorter than the test sequences.
 TINY = Config(
     vocab_size=260, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=5,

@@ -1,23 +1,20 @@
 """Hugging Face interop: a directory of config.json + *.safetensors <-> a pith model.
 
 Model-module convention (every family file follows it; this file relies on nothing else of theirs):
-- a module docstring listing the architectural choices;
-- `@dataclass(frozen=True) class Config` with a comment per field, `tie_word_embeddings`, validation
-  in __post_init__, `Config.from_hf(d)` (ValueError naming any unsupported field or value; ignored
-  fields listed explicitly; pith_models.hf_convert) and `Config.to_hf()` (with "model_type", a key of
-  MODULES below, and "architectures");
-- the family's own modules (attention, MLP, experts, router), then `Model(cfg, layer_ids=None)`, a
-  pith_engine.layers.DecoderModel implementing pith_engine.contract.MoEModel, built on the current
-  default device. Expert weights are Parameters [E_held, ...] in the [E, in, out] layout; routers
-  compute fp32 logits and hold a persistent fp32 buffer `expert_bias` [E] added to the scores for
-  top-k selection only; `init_weights(model, seed, mesh=SINGLE)`, the one initialiser;
-- `from_hf_state_dict(sd, cfg, experts=None)` / `to_hf_state_dict(sd, cfg)`: HF names and layouts
-  <-> ours, the family's own conversion. to_hf_state_dict works on meta tensors (loading checks the
-  file's names and shapes against it first, so from_hf_state_dict may assume every name present).
-  `experts` (a range of global expert indices) are the routed experts `sd` holds (a stacked HF tensor
-  comes sliced to them, a per-expert one `...experts.<e>...` only for e in the range). Every other
-  tensor must come out made of HF rows along dim 0 (renamed, concatenated, permuted, tied), and any
-  HF tensor may come cut to some of its rows: a sharded load runs it on int64 row ids;
+- a docstring listing the architectural choices;
+- `@dataclass(frozen=True) class Config`: a comment per field, `tie_word_embeddings`, validated in
+  __post_init__; `from_hf(d)` (ValueError naming any unsupported field or value; ignored fields listed;
+  pith_models.hf_convert), `to_hf()` (with "architectures" and "model_type", a key of MODULES);
+- its modules, then `Model(cfg, layer_ids=None)`, a pith_engine.layers.DecoderModel implementing
+  pith_engine.contract.MoEModel, built on the default device. Expert weights are Parameters
+  [E_held, in, out]; routers compute fp32 logits and hold a persistent fp32 buffer `expert_bias` [E]
+  added for top-k selection only; `init_weights(model, seed, mesh=SINGLE)`;
+- `from_hf_state_dict(sd, cfg, experts=None)` / `to_hf_state_dict(sd, cfg)`: HF names and layouts <->
+  ours. to_hf_state_dict works on meta tensors (loading checks the file against it first: from_hf may
+  assume every name present). `sd` holds the routed experts `experts` (global indices): a stacked HF
+  tensor sliced to them, a per-expert one `...experts.<e>...` only for e in it. Every other tensor
+  must come out made of HF rows along dim 0 (renamed, concatenated, permuted, tied), from HF tensors
+  possibly cut to some rows: a sharded load runs it on int64 row ids;
 - presets: TINY (tests) and the full-size configs.
 """
 
@@ -37,12 +34,8 @@ from torch import Tensor, nn
 
 from pith_models import deepseek_v2, gpt_oss, qwen3_moe
 
-# HF model_type -> model module: the one place a model_type string maps to code.
-MODULES: dict[str, ModuleType] = {
-    "qwen3_moe": qwen3_moe,
-    "deepseek_v2": deepseek_v2,
-    "gpt_oss": gpt_oss,
-}
+# The one place a model_type string maps to code.
+MODULES: dict[str, ModuleType] = {"qwen3_moe": qwen3_moe, "deepseek_v2": deepseek_v2, "gpt_oss": gpt_oss}
 
 
 def module_of(cfg) -> ModuleType:
@@ -68,14 +61,14 @@ def _files(path: Path) -> list[str]:
     raise ValueError(f"{path}: expected model.safetensors or model.safetensors.index.json, found neither")
 
 
-# e2m1 values by nibble, and by byte its (low, high) nibbles': MXFP4 as GPT-OSS releases its experts
+# GPT-OSS's MXFP4: e2m1 values by nibble, and by byte its (low, high) nibbles'
 _FP4 = torch.tensor([0.0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 _FP4_PAIRS = torch.stack([_FP4.repeat(16), _FP4.repeat_interleave(16)], -1)
 
 
 def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
-    """uint8 [E, O, G, 16] and exponents + 127 [E, O, G] -> fp32 [E, G*32, O], transformers' values
-    (its ldexp is fp32 too). An expert at a time: an int index per byte of all is 4x the blocks."""
+    """uint8 [E, O, G, 16], exponents + 127 [E, O, G] -> fp32 [E, G*32, O], transformers' values. An
+    expert at a time: an int index per byte of all is 4x the blocks."""
     out = torch.empty(*scales.shape, 32)
     for e in range(len(out)):
         out[e] = torch.ldexp(_FP4_PAIRS[blocks[e].int()].flatten(-2), scales[e, ..., None].int() - 127)
@@ -83,9 +76,8 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
 
 
 def read_safetensors(path: Path, rows: dict[str, range] | None = None) -> dict[str, Tensor]:
-    """The tensors of model.safetensors (or of its index's shards) that `rows` names, only those rows
-    of dim 0 (nothing else is read); rows None: every tensor as a meta tensor, reading no data. MXFP4
-    X_blocks and X_scales come as X, dequantised."""
+    """The tensors `rows` names, only those rows of dim 0 (nothing else read); rows None: all as meta
+    tensors. MXFP4 X_blocks and X_scales come as X, dequantised."""
     sd = {}
     with contextlib.ExitStack() as stack:
         files = [stack.enter_context(safe_open(path / f, framework="pt")) for f in _files(path)]
@@ -94,7 +86,7 @@ def read_safetensors(path: Path, rows: dict[str, range] | None = None) -> dict[s
             x, piece = k.removesuffix("_blocks").removesuffix("_scales"), file.get_slice(k)
             if x != k and not {x + "_blocks", x + "_scales"} <= where.keys():
                 raise ValueError(f"{path}: {k} without its MXFP4 partner")
-            if k.endswith("_scales") and k != x:
+            if k.endswith("_scales"):
                 continue
             if rows is None:
                 shape = piece.get_shape()
@@ -107,28 +99,26 @@ def read_safetensors(path: Path, rows: dict[str, range] | None = None) -> dict[s
 
 
 def check_tensors(got: dict[str, Tensor], expected: dict[str, Tensor], where: str) -> None:
-    missing = sorted(set(expected) - set(got))
-    unexpected = sorted(set(got) - set(expected))
     shapes = [
         f"{k}: expected {tuple(expected[k].shape)}, got {tuple(got[k].shape)}"
         for k in sorted(set(got) & set(expected))
         if got[k].shape != expected[k].shape
     ]
-    found = {"missing tensors": missing, "unexpected tensors": unexpected, "wrong shapes": shapes}
+    found = {"missing tensors": set(expected) - set(got), "unexpected tensors": set(got) - set(expected)}
+    found = {k: sorted(v) for k, v in found.items()} | {"wrong shapes": shapes}
     problems = [f"{what} {items}" for what, items in found.items() if items]
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
 
 
 def build_empty(cfg, device="meta", mesh: Mesh | None = None, param_dtype=None, layer_ids=None) -> nn.Module:
-    """The model of `cfg` built on meta, cut to this rank's part under `mesh`, then materialised on
-    `device` uninitialised."""
+    """Built on meta, cut to this rank's part under `mesh`, materialised on `device` uninitialised."""
     with torch.device("meta"):
         model = module_of(cfg).Model(cfg, layer_ids)
     if mesh is not None:
         parallelize(model, mesh, param_dtype)
     if torch.device(device).type != "meta":
-        model.to_empty(device=device)  # which gives each module a Parameter of its own: tie again
+        model.to_empty(device=device)  # which unties: tie again
         if cfg.tie_word_embeddings and hasattr(model, "lm_head"):
             model.lm_head.weight = model.embed_tokens.weight
     return model
@@ -143,36 +133,31 @@ def _held_experts(model: nn.Module, mesh: Mesh) -> range:
 
 
 def _seen(k: str, rows: int, held: range) -> range | None:
-    """The rows of file tensor k that from_hf_state_dict takes on a rank holding experts `held`
-    (None: not passed at all)."""
+    """The rows of file tensor k that a rank holding experts `held` passes (None: not passed)."""
     e = _PER_EXPERT.search(k)
     if e is not None:
         return range(rows) if int(e[1]) in held else None
     return held if ".experts." in k else range(rows)
 
 
-def _origins(ids: Tensor, p: Tensor, name: str, module: ModuleType) -> Tensor:
-    """The ids of the HF rows that the rows of dim 0 of our non-expert tensor `name` are made of."""
+def _wanted(ids: Tensor, p: Tensor, name: str, module: ModuleType, experts) -> Tensor:
+    """HF row ids of this rank's rows of p."""
+    if name in experts:
+        return ids.flatten()
     if ids.dtype != torch.int64 or ids.numel() != ids.shape[0] or ids.shape[0] != p.shape[0]:
         raise ValueError(
             f"{module.__name__}.from_hf_state_dict turns int64 HF row ids into {name} "
             f"{tuple(ids.shape)} {ids.dtype}: expected {p.shape[0]} int64 ids, one HF row per row of dim 0"
         )
-    return ids.flatten()
+    return ids.flatten()[local_rows(p)[1]]
 
 
 @torch.no_grad()
 def from_pretrained(
     path: str | Path, device: str | torch.device = "cpu", mesh: Mesh | None = None, param_dtype=None
 ) -> nn.Module:
-    """Load a Hugging Face directory (config.json + safetensors), strictly: every tensor must match.
-    Weights come out fp32. mesh: this rank's part only, and only that part is read from the files.
-
-    The rows are found through the family's own from_hf_state_dict, run first on distinct int64 row
-    ids (nothing read): each row of a non-expert output says which HF row it came from (e.g. up_proj's
-    in the second half of a fused gate_up_proj). This rank reads, of each HF tensor, the span of rows
-    its shard needs, runs from_hf_state_dict on those slices and on the same slices of the ids, and
-    picks its rows by id."""
+    """Load strictly (every tensor must match), fp32; under `mesh` reading only this rank's part, found
+    by running from_hf_state_dict on int64 HF row ids first, then on the slices read and their ids."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: expected a Hugging Face model directory with a config.json, found none")
@@ -190,25 +175,21 @@ def from_pretrained(
     }
     origin = module.from_hf_state_dict(ids, cfg, held)
     experts = expert_param_names(model)
-    wanted = {
-        name: origin[name].flatten()
-        if name in experts
-        else _origins(origin[name], p, name, module)[local_rows(p)[1]]
-        for name, p in model.named_parameters()
-    }
+    wanted = {name: _wanted(origin[name], p, name, module, experts) for name, p in model.named_parameters()}
     need = torch.cat(list(wanted.values())).unique()
     cut = {}
     for k, r in seen.items():
         lo, hi = torch.searchsorted(need, torch.tensor([first[k], first[k] + len(r)])).tolist()
-        cut[k] = range(int(need[lo]) - first[k], int(need[hi - 1]) - first[k] + 1) if hi > lo else range(0)
+        cut[k] = slice(int(need[lo]) - first[k], int(need[hi - 1]) - first[k] + 1) if hi > lo else slice(0)
     # A layer at a time (the others as empty rows): a rank's peak is its shard plus one layer's slices
     # and their conversion (measured: pith-models README), not plus its share read and converted.
     layer = {k: k.split(".")[2] if k.startswith("model.layers.") else "" for k in seen}
     for g in set(layer.values()):
-        part = {k: seen[k][c.start : c.stop] if layer[k] == g else range(0) for k, c in cut.items()}
-        sd = module.from_hf_state_dict(read_safetensors(path, part), cfg, held)
-        cut_ids = {k: ids[k][c.start : c.stop] if layer[k] == g else ids[k][:0] for k, c in cut.items()}
-        got = module.from_hf_state_dict(cut_ids, cfg, held)
+        mine = {k: c if layer[k] == g else slice(0) for k, c in cut.items()}
+        sd = module.from_hf_state_dict(
+            read_safetensors(path, {k: seen[k][c] for k, c in mine.items()}), cfg, held
+        )
+        got = module.from_hf_state_dict({k: ids[k][c] for k, c in mine.items()}, cfg, held)
         for name, p in model.named_parameters():
             local, have = local_rows(p)[0], got[name].flatten()
             if name in experts and len(have):
@@ -231,7 +212,7 @@ def save_pretrained(model: nn.Module, path: str | Path, dtype: torch.dtype = tor
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     hf_sd = module_of(cfg).to_hf_state_dict(model.state_dict(), cfg)
-    # Fresh contiguous CPU copies: safetensors refuses views that share storage (the gate/up halves).
+    # Copies: safetensors refuses views sharing storage (the gate/up halves).
     hf_sd = {k: v.detach().contiguous().to("cpu", dtype, copy=True) for k, v in hf_sd.items()}
     save_file(hf_sd, path / "model.safetensors", metadata={"format": "pt"})
     umask = os.umask(0)  # safetensors writes 0600: the user's umask decides, as for every other file

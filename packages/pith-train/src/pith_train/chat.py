@@ -26,14 +26,13 @@ def hf_tokenizer(path):
 
 
 def render(tok, messages: list[dict]) -> tuple[list[int], np.ndarray]:
-    """ids and loss mask. An assistant turn's tokens (end of turn included): what the conversation up to
-    it renders to beyond the turns before it with the generation prompt. Prefixes, not `{% generation %}`:
-    Qwen3's, GPT-OSS's and DeepSeek's templates have no such tags."""
+    """-> ids, loss mask: 1 on an assistant turn's tokens (end of turn included), what the conversation
+    up to it renders to beyond the turns before it with the generation prompt. Prefixes, not
+    `{% generation %}`: Qwen3's, GPT-OSS's and DeepSeek's templates lack it."""
 
-    def ids(msgs, prompt=False):
-        return list(
-            tok.apply_chat_template(msgs, add_generation_prompt=prompt, return_dict=False) if msgs else []
-        )
+    ids = lambda m, p=False: list(
+        tok.apply_chat_template(m, add_generation_prompt=p, return_dict=False) if m else []
+    )
 
     whole = ids(messages)
     mask = np.zeros(len(whole), np.uint8)

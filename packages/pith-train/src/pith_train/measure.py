@@ -26,11 +26,10 @@ class Mirror(dist.ProcessGroup):
 
     def __init__(self, rank: int, size: int):
         super().__init__(rank, size)
-        self.n, self.sent = size, {}  # (shape, dtype) -> this rank's sends not yet received, oldest first
+        self.n, self.sent = size, {}  # (shape, dtype) -> sends not yet received, oldest first
 
     def _done(self, fill=lambda: None):
-        # Copies run on the issuing stream, as NCCL's; a wait on another stream waits for them there.
-        fill()
+        fill()  # on the issuing stream, as NCCL's; a wait on another stream waits for it there
         if (ready := torch.cuda.Event() if torch.cuda.is_available() else None) is not None:
             ready.record()
         return PythonCallbackWork(
@@ -67,8 +66,7 @@ class Mirror(dist.ProcessGroup):
         return self._done()
 
     def recv(self, tensors, src, tag):
-        # Claimed at the wait, after the batch's sends (DualPipeV sends and receives in one batch): no
-        # order of the schedule's can block.
+        # Claimed at the wait, after the batch's sends (DualPipeV batches both): no order can block.
         def fill(_):
             for t in tensors:
                 sent = self.sent.get((t.shape, t.dtype))
@@ -77,27 +75,27 @@ class Mirror(dist.ProcessGroup):
 
         return PythonCallbackWork(fill)
 
-    def _get_backend(self, device):  # batch_isend_irecv asks whether it coalesces: no
+    def _get_backend(self, device):  # batch_isend_irecv: no coalescing
         return self
 
     def getBackendName(self):
         return BACKEND
 
-    def _set_group_name(self, name: str) -> None:  # torch's pybind reads a Python group's name back here
+    def _set_group_name(self, name: str) -> None:
         self.name = name
 
     group_name = property(lambda self: self.name)
 
 
 BACKEND = "pith-mirror"
-# String-keyed, as torch makes a process group of a class (the one such place): DeviceMesh, FSDP2 and
-# DCP make subgroups by the default group's backend name, so the mirror's subgroups mirror too.
+# String-keyed as torch requires (the one such place): DeviceMesh, FSDP2 and DCP make subgroups by
+# the default group's backend name, so the mirror's subgroups mirror too.
 dist.Backend.register_backend(BACKEND, lambda store, r, n, timeout: Mirror(r, n), devices=["cpu", "cuda"])
 
 
 class Live(TorchDispatchMode):
-    """Bytes of the CPU tensors allocated under it still alive (each op's outputs that alias none of its
-    inputs), and their peak: the CPU allocator keeps no statistics."""
+    """Live bytes of the CPU storages that ops under it create, and their peak: the CPU allocator keeps
+    no statistics."""
 
     def __init__(self):
         super().__init__()
@@ -121,7 +119,7 @@ class Live(TorchDispatchMode):
         return out
 
     def _free(self, ptr: int) -> bool:
-        """Whether no live storage is at `ptr` (forgetting a dead one)."""
+        """Whether no storage lives at `ptr` (forgetting a dead one)."""
         if ptr in self.live and not self.live[ptr][0].expired():
             return False
         self.now -= self.live.pop(ptr, (None, 0))[1]
@@ -137,14 +135,13 @@ def _local(t):
 
 
 def heaviest(cfg: Config, m: plan.Model, cuda: bool) -> int:
-    """The global rank (data, context, expert coordinates 0) of the pipeline rank that holds most."""
+    """The global rank (data, context, expert 0) of the pipeline rank that holds most."""
     return plan.plan(cfg, m, cuda).rank * (cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.ep)
 
 
 def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 1) -> dict:
-    """`warmup` + `steps` steps on random tokens as rank `rank` (default: the heaviest), mirrored unless
-    under torchrun (the tests' real ranks) -> its tensors {kind: {name: (shape, dtype, bytes)}}, the
-    peak over the steps (bytes), its pipeline rank's plans, the median step's seconds."""
+    """`warmup` + `steps` steps on random tokens as `rank` (default: the heaviest), mirrored unless under
+    torchrun -> held tensors {kind: {name: (shape, dtype, bytes)}}, peak bytes, plans, median step s."""
     device = train.pick_device(cfg.train.device, "train.device", cfg.train.cpu_threads)
     cuda, m, p = device.type == "cuda", plan.model_shape(model_config(cfg.model)), cfg.parallel
     plan.valid(cfg, m)
@@ -167,7 +164,7 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
     held = {"parameters": _tensors((n, _local(p)) for p, n in names.items())}
     update = optimizer.step
 
-    def step_with_snapshot(**kw):  # the gradients as the optimizer takes them (zero_grad drops them)
+    def step_with_snapshot(**kw):  # zero_grad drops them
         held["gradients"] = _tensors((n, _local(pith_ops.grad(p))) for p, n in names.items())
         return update(**kw)
 
