@@ -9,8 +9,6 @@ must be a multiple of GROUP_ALIGN = 16 (moe_permute(..., align=16)): the wgrad c
 group's rows, where CUTLASS asserts on the device otherwise (checking would cost a host sync).
 """
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -124,11 +122,8 @@ def backward(saved, dy_NO: Tensor, need_dx: bool, x_dtype: torch.dtype, ops=(qua
     return _linear_backward(saved, dy_NO, need_dx, x_dtype, ops)
 
 
-_op.register_autograd(
-    functools.partial(_backward, ops=(_rows_op, _dgrad_op, _wgrad_op)), setup_context=_setup
-)
 _fp8_grouped_gemm = eager_or_custom(
-    _op, _setup, _forward, functools.partial(_backward, ops=(quantize_rows, dgrad, wgrad))
+    _op, _setup, _forward, _backward, (_rows_op, _dgrad_op, _wgrad_op), (quantize_rows, dgrad, wgrad)
 )
 
 

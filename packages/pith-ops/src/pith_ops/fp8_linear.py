@@ -10,8 +10,6 @@ the bf16 input). The GEMMs are torch._scaled_mm, with fast accumulation except i
 contracts over all the tokens.
 """
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -128,18 +126,15 @@ def backward(saved, dy_TO: Tensor, need_dx: bool, x_dtype: torch.dtype, ops=(qua
     return dx, lambda: wgrad_fn(dy8, dy8_scale, x8, x8_scale, *extra)
 
 
-def _backward(ctx, dy, *_, ops):
+def _backward(ops, ctx, dy, *_):
     """Also fp8_grouped_gemm's; ops as backward's."""
     dx, dw = backward(ctx.saved_tensors, dy, ctx.needs_input_grad[0], ctx.dtypes[0], ops)
     dw = _cast_back(dw(), ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
     return dx, dw, *(None for _ in ctx.needs_input_grad[2:])
 
 
-_op.register_autograd(
-    functools.partial(_backward, ops=(_rows_op, _dgrad_op, _wgrad_op)), setup_context=_setup
-)
 _fp8_linear = eager_or_custom(
-    _op, _setup, _forward, functools.partial(_backward, ops=(quantize_rows, dgrad, wgrad))
+    _op, _setup, _forward, _backward, (_rows_op, _dgrad_op, _wgrad_op), (quantize_rows, dgrad, wgrad)
 )
 
 

@@ -351,19 +351,13 @@ def _permute_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _permute_grads(ctx, dx_ND, _dslots, _dends, backward):
+def _permute_grads(backward, ctx, dx_ND, _dslots, _dends):
     (slots_TK,) = ctx.saved_tensors
     return backward(dx_ND, slots_TK), None, None, None, None
 
 
-_permute_op.register_autograd(
-    functools.partial(_permute_grads, backward=_permute_backward_op), setup_context=_permute_setup
-)
 _permute = eager_or_custom(
-    _permute_op,
-    _permute_setup,
-    _permute_forward,
-    functools.partial(_permute_grads, backward=_permute_backward),
+    _permute_op, _permute_setup, _permute_forward, _permute_grads, _permute_backward_op, _permute_backward
 )
 
 
@@ -492,20 +486,18 @@ def _unpermute_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _unpermute_grads(ctx, dout_TD, backward):
+def _unpermute_grads(backward, ctx, dout_TD):
     dy, dw = backward(dout_TD, *ctx.saved_tensors)
     return dy, None, dw
 
 
-_unpermute_op.register_autograd(
-    functools.partial(_unpermute_grads, backward=_unpermute_backward_op),
-    setup_context=_unpermute_setup,
-)
 _unpermute = eager_or_custom(
     _unpermute_op,
     _unpermute_setup,
     _unpermute_forward,
-    functools.partial(_unpermute_grads, backward=_unpermute_backward),
+    _unpermute_grads,
+    _unpermute_backward_op,
+    _unpermute_backward,
 )
 
 

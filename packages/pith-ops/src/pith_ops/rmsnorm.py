@@ -153,18 +153,13 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_ND, weight_D)
 
 
-def _grads(ctx, dy_ND, backward):
+def _grads(backward, ctx, dy_ND):
     x_ND, weight_D = ctx.saved_tensors
     dx_ND, dw_D = backward(dy_ND, x_ND, weight_D, ctx.eps)
     return dx_ND, dw_D, None
 
 
-_rms_norm_op.register_autograd(
-    functools.partial(_grads, backward=_rms_norm_backward_op), setup_context=_setup_context
-)
-_rms_norm = eager_or_custom(
-    _rms_norm_op, _setup_context, _forward, functools.partial(_grads, backward=_backward)
-)
+_rms_norm = eager_or_custom(_rms_norm_op, _setup_context, _forward, _grads, _rms_norm_backward_op, _backward)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

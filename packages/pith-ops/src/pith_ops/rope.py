@@ -113,13 +113,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(cos_BSR, sin_BSR)
 
 
-def _grads(ctx, dy_BSHD, rotate):
+def _grads(rotate, ctx, dy_BSHD):
     cos_BSR, sin_BSR = ctx.saved_tensors
     return rotate(dy_BSHD, cos_BSR, sin_BSR, ctx.interleaved, not ctx.inverse), None, None, None, None
 
 
-_rope_op.register_autograd(functools.partial(_grads, rotate=_rope_op), setup_context=_setup_context)
-_rope = eager_or_custom(_rope_op, _setup_context, _forward, functools.partial(_grads, rotate=_forward))
+_rope = eager_or_custom(_rope_op, _setup_context, _forward, _grads, _rope_op, _forward)
 
 
 def apply_rope(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool = False) -> Tensor:

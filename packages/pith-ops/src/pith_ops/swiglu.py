@@ -6,8 +6,6 @@ split halves [gate | up] for `swiglu`, interleaved columns (gate, up, gate, up, 
 Memory-bound: each pass touches memory once, the activation recomputed in fp32 rather than saved.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -166,15 +164,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_N2F)
 
 
-def _grads(ctx, dy_NF, backward):
+def _grads(backward, ctx, dy_NF):
     (x_N2F,) = ctx.saved_tensors
     return backward(dy_NF, x_N2F, ctx.oss, ctx.alpha, ctx.limit), None, None, None
 
 
-_swiglu_op.register_autograd(
-    functools.partial(_grads, backward=_swiglu_backward_op), setup_context=_setup_context
-)
-_swiglu = eager_or_custom(_swiglu_op, _setup_context, _forward, functools.partial(_grads, backward=_backward))
+_swiglu = eager_or_custom(_swiglu_op, _setup_context, _forward, _grads, _swiglu_backward_op, _backward)
 
 
 _swiglu_fp8_op = torch.library.custom_op("pith::swiglu_fp8", _forward_fp8, mutates_args=())
@@ -195,15 +190,12 @@ def _setup_fp8(ctx, inputs, output):
     _setup_context(ctx, (inputs[0], False, 1.0, 0.0), output)
 
 
-def _grads_fp8(ctx, dy_NF, *_, backward):
-    return _grads(ctx, dy_NF, backward)[0], None
+def _grads_fp8(backward, ctx, dy_NF, *_):
+    return _grads(backward, ctx, dy_NF)[0], None
 
 
-_swiglu_fp8_op.register_autograd(
-    functools.partial(_grads_fp8, backward=_swiglu_backward_op), setup_context=_setup_fp8
-)
 _swiglu_fp8 = eager_or_custom(
-    _swiglu_fp8_op, _setup_fp8, _forward_fp8, functools.partial(_grads_fp8, backward=_backward)
+    _swiglu_fp8_op, _setup_fp8, _forward_fp8, _grads_fp8, _swiglu_backward_op, _backward
 )
 
 
