@@ -1,4 +1,4 @@
-"""pith-ops: Triton and PyTorch operators for Mixture-of-Experts training (the README)."""
+"""pith-ops: Triton and PyTorch operators for Mixture-of-Experts training."""
 
 from pith_ops.adamw import adamw_, adamw_reference_, step_constants
 from pith_ops.cast import cast, drop_grad, grad, keep, keep_grads, kept_copy, stand_in, weight_grad

@@ -1,8 +1,5 @@
-"""A differentiable dtype cast whose backward casts the gradient back with a vectorised kernel (torch's
-dtype-converting copy is not: 8.4 ms a step, 47% of copy, on the pith-train bench's 2.7B expert and
-lm_head weight gradients, H200).
-
-Shape legend: N elements (any shape; a contiguous bf16/fp16 gradient cast to fp32 takes the kernel).
+"""A differentiable dtype cast whose backward widens the gradient with a vectorised kernel (torch's
+cast: 47% of copy; the README).
 
 Kept copies. A trainable weight (a leaf that requires grad; not FSDP's DTensor, which casts on its own)
 cast to bf16 with grad mode on keeps its cast in `x._pith_copies`, stamped with x's version counter
@@ -66,13 +63,13 @@ class _Cast(torch.autograd.Function):
 
 
 def kept_copy(x: Tensor, kind: torch.dtype = torch.bfloat16):
-    """x's kept bf16 cast (or with kind float8_e4m3fn its FP8Weight) if still valid, else None."""
+    """x's kept bf16 cast (kind float8_e4m3fn: its FP8Weight) if still valid, else None."""
     kept = x.__dict__.get("_pith_copies", {}).get(kind)
     return kept[1] if kept is not None and kept[0] == (x._version, x.data_ptr()) else None
 
 
 def keep(x: Tensor, copy, kind: torch.dtype = torch.bfloat16) -> None:
-    """Record `copy` as x's kept copy of this kind (of x's values now), valid until x changes."""
+    """Record `copy` as x's kept copy of this kind, valid until x changes."""
     # The storage too: a copied tensor (deepcopy copies __dict__) starts its own version count.
     x.__dict__.setdefault("_pith_copies", {})[kind] = ((x._version, x.data_ptr()), copy)
 
@@ -98,7 +95,7 @@ def keep_grads(params) -> None:
 
 
 def grad(x: Tensor) -> Tensor | None:
-    """x.grad, the gradient x's kept cast holds, or their sum (folded into x.grad) when both hold one."""
+    """x.grad, the gradient x's kept cast holds, or their sum (into x.grad)."""
     held = x.__dict__.get("_pith_grad")
     if held is None or x.grad is None:
         return x.grad if held is None else held
@@ -132,9 +129,8 @@ def _copy_for(x: Tensor, dtype: torch.dtype) -> Tensor | None:
 
 
 def stand_in(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """x in dtype without its values (zeros, strides 0; a plain x of dtype itself), the gradient going
-    back as cast's: for an op reading x through other copies (linear_cross_entropy with w8), so that
-    no cast of x is kept (the bench's lm_head: 0.6 GiB)."""
+    """x in dtype without its values (the README), so that no cast of x is kept (the bench's lm_head:
+    0.6 GiB)."""
     check("x", x, dtypes=FLOAT_DTYPES)
     if x.dtype == dtype and type(x) in (Tensor, torch.nn.Parameter):
         return x
@@ -142,7 +138,7 @@ def stand_in(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """x.to(dtype), the gradient cast back to x's dtype; from x's kept copy when it has a valid one."""
+    """x.to(dtype), the gradient cast back; x's kept copy when valid."""
     check("x", x, dtypes=FLOAT_DTYPES)
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype: expected one of {[str(d) for d in FLOAT_DTYPES]}, got {dtype}")

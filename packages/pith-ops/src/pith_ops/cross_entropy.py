@@ -1,5 +1,5 @@
-"""Fused lm_head + cross-entropy: loss(h @ w.T, labels) without the full logits. How the chunks,
-gradients and FP8 GEMMs are arranged, and what they measured: the pith-ops README.
+"""Fused lm_head + cross-entropy: loss(h @ w.T, labels) without the full logits (the chunks, the
+FP8 GEMMs and their measurements: the pith-ops README).
 
 Shape legend: T tokens, C tokens in one chunk, D model dim, V vocabulary.
 
@@ -50,7 +50,7 @@ def fp8_chunk_rows(V: int) -> int:
 
 
 def fp8_wgrad_part_ends(T: int, V: int) -> list[int]:
-    """The token ends of the FP8 weight gradient's parts (at most FP8_WGRAD_PARTS, whole chunks)."""
+    """The token ends of the FP8 weight gradient's parts."""
     C, per_part = fp8_chunk_rows(V), -(-T // FP8_WGRAD_PARTS)
     P = max(1, -(-per_part // C)) * C
     return [*range(P, T, P), T] if T else []
@@ -62,7 +62,7 @@ def _ce_rows_kernel(
     WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr, BLOCK_V: tl.constexpr, STEPS: tl.constexpr,
 ):  # fmt: skip
     """Per row: loss = lse - logit[label] (0 if ignored); WRITE_GRAD: row <- g = (softmax - onehot) *
-    scale; WRITE_G8: g8 row, g8 scale <- quantize_rows of the fp32 g."""
+    scale; WRITE_G8: g8, g8 scale <- quantize_rows(g in fp32)."""
     row = tl.program_id(0)
     base = logits_CV_ptr + row.to(tl.int64) * V
     label = tl.load(labels_ptr + row).to(tl.int32)
@@ -109,8 +109,7 @@ def _ce_rows_kernel(
 
 
 def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=None):
-    """The kernel over a chunk's rows, or its math in torch (CPU without the interpreter; float64). g8:
-    (g8_CV, g8_scale_C) buffers for the gradient's quantize_rows, or None."""
+    """The kernel, or its math in torch (CPU, float64). g8: (g8_CV, g8_scale_C) buffers, or None."""
     if use_triton(logits_CV) and logits_CV.dtype != torch.float64:  # g8 None: loss_C stands in, unread
         _ce_rows_kernel[(logits_CV.shape[0],)](
             logits_CV, labels_C, loss_C, scale, *(g8 or (loss_C, loss_C)), logits_CV.shape[1], ignore_index,
@@ -135,8 +134,8 @@ def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=No
 def _fp8_wgrad(
     g8_TV: Tensor, g8_scale_T: Tensor, h8_TD: Tensor, h8_scale_T: Tensor, dw_VD: Tensor, add: bool
 ) -> None:
-    """dw = g.T @ h into dw_VD (add: added to it) from the e4m3 rows of g and h, requantised by columns
-    over the T tokens (fp8_linear's wgrad operands), FP8_WGRAD_ROWS vocabulary rows a GEMM."""
+    """dw_VD (+)= g.T @ h from the e4m3 rows of g and h, requantised by columns (as fp8_linear's wgrad),
+    FP8_WGRAD_ROWS vocabulary rows a GEMM."""
     h8c_DT, h8c_scale_D = cols_from_rows(h8_TD, h8_scale_T)
     for v0 in range(0, g8_TV.shape[1], FP8_WGRAD_ROWS):
         g8c_VT, g8c_scale_V = cols_from_rows(g8_TV[:, v0 : v0 + FP8_WGRAD_ROWS], g8_scale_T)
@@ -149,7 +148,7 @@ def _fp8_wgrad(
 
 
 def _grad_scale(labels_T: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
-    """-> (n_valid, the gradient scale): 1 / n_valid for the mean, on the device (no host sync)."""
+    """-> (n_valid, the gradient scale), on the device (no host sync)."""
     n_valid = (labels_T != ignore_index).sum(dtype=torch.float32)
     return n_valid, 1.0 / n_valid.clamp(min=1.0) if reduction == "mean" else torch.ones_like(n_valid)
 
@@ -292,14 +291,14 @@ def linear_cross_entropy(
 def linear_cross_entropy_reference(
     h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, ignore_index: int = -100, reduction: str = "mean"
 ) -> Tensor:
-    """cross_entropy(h @ w.T, labels) in fp32 (float64 inputs: float64); "mean" over kept tokens, or "sum"."""
+    """cross_entropy(h @ w.T, labels) in fp32 (float64 inputs: float64)."""
     acc = torch.promote_types(h_TD.dtype, torch.float32)
     logits = h_TD.to(acc) @ w_VD.to(acc).T
     return F.cross_entropy(logits, labels_T, ignore_index=ignore_index, reduction=reduction)
 
 
 def dequantized(h_TD: Tensor, w_VD: Tensor) -> tuple[Tensor, Tensor]:
-    """The FP8 operands in float64: h by rows (quantize_rows_reference), w by quantize_weight_reference."""
+    """The FP8 operands h8, w8 in float64."""
     q, scale_V, _, _ = quantize_weight_reference(w_VD[None])
     return dequantize_rows(*quantize_rows_reference(h_TD)), dequantize_rows(q[0], scale_V[0])
 

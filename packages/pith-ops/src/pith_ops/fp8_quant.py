@@ -1,5 +1,5 @@
-"""FP8 (e4m3) quantisation with power-of-two scales, in the three forms the FP8 GEMMs take (the recipe
-and its measurements: the pith-ops README): quantize_rows, cols_from_rows, quantize_weight.
+"""FP8 (e4m3) quantisation with power-of-two scales, in the three forms the FP8 GEMMs take (recipe
+and measurements: the pith-ops README).
 
 Shape legend: M rows, K columns, G row groups (contiguous row segments ending at group_ends; 1
 otherwise), B batch entries (the experts of a stacked weight; 1 otherwise), R and C a weight's rows
@@ -25,8 +25,7 @@ FP8_MAX = 448.0
 
 
 class FP8Weight(NamedTuple):
-    """A weight's kept FP8 copies: quantize_weight's four outputs (the GEMMs' w8) and the amax the next
-    update's scale comes from (adamw_ rewrites them)."""
+    """quantize_weight's four outputs (the GEMMs' w8) and the amax of the next update's scale."""
 
     q: Tensor  # [B, R, C] or [R, C], e4m3
     scale_rows: Tensor  # [B, R] or [R]
@@ -36,16 +35,16 @@ class FP8Weight(NamedTuple):
 
 
 class FP8Rows(NamedTuple):
-    """Rows in e4m3 (quantize_rows) and a tensor of the rows' dtype and shape carrying their gradient:
-    the rows (fp8_rows), or a stand-in once the e4m3 rows have moved (moe_permute, an EP exchange)."""
+    """Rows in e4m3 (quantize_rows) and x carrying their gradient: the rows, or a stand-in once the
+    e4m3 rows have moved (moe_permute, an EP exchange)."""
 
-    x: Tensor  # [M, K]: the rows, or a stand-in (strides 0)
+    x: Tensor  # [M, K]
     q: Tensor  # [M, K] e4m3
     scale: Tensor  # [M] fp32
 
 
 def fp8_rows(x_MK: Tensor) -> FP8Rows:
-    """x with its e4m3 rows and scales (quantize_rows, outside autograd)."""
+    """x with quantize_rows(x), outside autograd."""
     return FP8Rows(x_MK, *quantize_rows(x_MK.detach()))
 
 
@@ -122,9 +121,8 @@ def _group_scale_kernel(s_ptr, ends_ptr, scale_ptr, f_ptr, M, K, G, BLOCK: tl.co
 def _cols_kernel(
     q_ptr, f_ptr, out_ptr, M, K, s_qb, s_qm, s_ob, s_out, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 ):  # fmt: skip
-    """A tile of batch entry program_id(2), rescaled by f (None: 1), stored transposed. The masks use M
-    and K, whose alignment the compiler knows: bounded by the last group end (read from memory) the
-    loads did not vectorise, 9% of copy bandwidth (H200)."""
+    """A tile of batch entry program_id(2), rescaled by f (None: 1), stored transposed. Masks by M and K,
+    whose alignment the compiler knows: by the last group end loads did not vectorise (9% of copy, H200)."""
     b = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -160,7 +158,7 @@ def _weight_rows_kernel(w_ptr, q_ptr, amax_ptr, N, RC, ALIGNED: tl.constexpr, BL
 
 @triton.jit
 def _weight_scales_kernel(amax_ptr, s_rows_ptr, s_cols_ptr, gate_ptr, R, C, BLOCK: tl.constexpr):
-    """Entry b's scale repeated along its R rows and C columns, unless the value at gate_ptr is not finite."""
+    """Entry b's scale repeated along its R rows and C columns, unless gate is not finite."""
     b = tl.program_id(0).to(tl.int64)
     scale, _ = _pow2_scale(tl.load(amax_ptr + b))
     gate = 0.0 if gate_ptr is None else tl.load(gate_ptr)
@@ -172,7 +170,6 @@ def _weight_scales_kernel(amax_ptr, s_rows_ptr, s_cols_ptr, gate_ptr, R, C, BLOC
 
 
 def pow2_scale(amax: Tensor) -> Tensor:
-    """_pow2_scale's scale, in torch."""
     bits = amax.float().view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
     return (e.clamp(1, 253) << 23).view(torch.float32)
@@ -212,9 +209,9 @@ def quantize_rows(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, T
 def cols_from_rows(
     q_MK: Tensor, scale_M: Tensor, group_ends_G: Tensor | None = None, out_dtype: torch.dtype = FP8
 ) -> tuple[Tensor, Tensor]:
-    """-> qc_KM (empty_cols), scale_GK (fp32): quantize_rows' q_MK * scale_M with one scale per row
-    group (its rows' largest), transposed. q_MK may be a slice of columns (any row stride).
-    group_ends_G: non-decreasing, last <= M; None: one group. Rows past the last end give zero columns."""
+    """-> qc_KM (empty_cols), scale_GK: q_MK * scale_M requantised with one scale per row group,
+    transposed (cols_from_rows_reference); q_MK may be a slice of columns. group_ends_G: non-decreasing,
+    last <= M; None: one group."""
     check("q_MK", q_MK, ndim=2, dtypes=(FP8, torch.float32))
     M, K = q_MK.shape
     if K > 1 and q_MK.stride(1) != 1:
@@ -248,9 +245,8 @@ def cols_from_rows(
 
 
 def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torch.dtype = FP8):
-    """-> (q_BRC, scale_BR, qT_BCR, scale_BC): one scale per batch entry, repeated per row and column;
-    qT by empty_cols. A 2-D w is a batch of one (2-D outputs, 1-D scales). amax_B (fp32 [B]): the amax
-    the scale comes from (pith_ops.adamw_'s, of the values before its update); None: w's own."""
+    """-> (q_BRC, scale_BR, qT_BCR, scale_BC) as quantize_weight_reference's, qT by empty_cols; a 2-D w
+    is a batch of one. amax_B (fp32 [B]): the scale's amax (adamw_'s, before its update); None: w's."""
     check("w_BRC", w_BRC, dtypes=FLOAT_DTYPES, contiguous=True)
     if w_BRC.ndim not in (2, 3):
         raise ValueError(f"w_BRC: expected 2 or 3 dimensions, got shape {tuple(w_BRC.shape)}")
@@ -282,8 +278,8 @@ def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torc
 
 def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
     """Writes copies' scales and transposed copy from q and amax (the scales stay where gate, adamw_'s
-    clip scale, is not finite). q has its own kernel: one storing an e4m3 tile in both layouts lost a
-    quarter of its transposed values on an H200 (Triton 3.6)."""
+    clip scale, is not finite). Not fused with q's kernel: storing an e4m3 tile in both layouts lost a
+    quarter of its transposed values (H200, Triton 3.6)."""
     q3, qt3 = (copies.q, copies.qt) if copies.q.ndim == 3 else (copies.q[None], copies.qt[None])
     B, R, C = q3.shape
     if B:
@@ -300,7 +296,7 @@ def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
 
 def copies_of_quantized(q_BRC: Tensor, amax_B: Tensor, into: FP8Weight | None = None) -> FP8Weight:
     """quantize_weight(w, amax_B)'s copies, bit for bit, from q alone (a weight gathered in e4m3). into:
-    an earlier call's copies on q's storage, rewritten in place (a backward may have saved them)."""
+    an earlier call's copies on q's storage, rewritten in place."""
     q3 = q_BRC if q_BRC.ndim == 3 else q_BRC[None]
     B, R, C = q3.shape
     if into is not None:
@@ -322,7 +318,7 @@ def copies_of_quantized(q_BRC: Tensor, amax_B: Tensor, into: FP8Weight | None = 
 
 
 def weight_amax(w_BRC: Tensor) -> Tensor:
-    """amax_B (fp32) of a 3-D weight's batch entries, or [1] of a 2-D one."""
+    """amax_B (fp32) of a 3-D weight's entries, or [1] of a 2-D one."""
     w3 = w_BRC.detach().flatten(1) if w_BRC.ndim == 3 else w_BRC.detach().reshape(1, -1)
     if not w3.numel():
         return w3.new_zeros(w3.shape[0], dtype=torch.float32)
@@ -364,12 +360,12 @@ def quantize_weight_reference(w_BRC: Tensor, amax_B: Tensor | None = None, out_d
 
 
 def dequantize_rows(q_MK: Tensor, scale_M: Tensor) -> Tensor:
-    """q * scale in float64 (exact: the scales are powers of two)."""
+    """q * scale in float64 (exact)."""
     return q_MK.double() * scale_M.double()[:, None]
 
 
 def dequantize_cols(qc_KM: Tensor, scale_GK: Tensor, group_ends_G: Tensor) -> Tensor:
-    """The inverse of cols_from_rows in float64, still [K, M]; rows past the last end 0."""
+    """The inverse of cols_from_rows in float64, still [K, M]."""
     ends = group_ends_G.long().cpu()
     sizes = torch.diff(ends, prepend=ends.new_zeros(1)).clamp(min=0)
     scale_KM = scale_GK.double().T.repeat_interleave(sizes.to(scale_GK.device), dim=1)

@@ -1,6 +1,5 @@
-"""Grouped GEMM over contiguous per-expert row segments: y[rows of e] = x[rows of e] @ w[e]; its two
-implementations (torch's grouped matmul, faster where it applies, and Triton kernels) and the zeroed
-rows past group_ends[-1]: the pith-ops README.
+"""Grouped GEMM over contiguous per-expert row segments: y[rows of e] = x[rows of e] @ w[e], by
+torch's grouped matmul where it applies (faster: the pith-ops README), else Triton kernels.
 
 Shape legend: N grouped rows, I input features, O output features, E experts (groups).
 """
@@ -21,7 +20,7 @@ TILES = (32, 32, 32, 1, 1) if INTERPRET else (128, 128, 64, 8, 3)
 
 @triton.jit
 def _group_of_tile(ends_ptr, tile, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
-    """-> (group, first row, end row) of row tile `tile` when each group is cut into BLOCK_M tiles."""
+    """-> (group, first row, end row) of row tile `tile`, each group cut into BLOCK_M tiles."""
     e = tl.arange(0, E_P2)
     end = tl.load(ends_ptr + e, mask=e < E, other=0)
     start = tl.load(ends_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
@@ -93,18 +92,17 @@ def _zero_tail_kernel(y_ptr, ends_ptr, E, N, O, ROWS: tl.constexpr, BLOCK_N: tl.
     tail = (rows >= last) & (rows < N)
     for c0 in range(0, O, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
-        p = y_ptr + rows.to(tl.int64)[:, None] * O + cols[None, :]
+        zero = tl.zeros([ROWS, BLOCK_N], dtype=y_ptr.dtype.element_ty)
         tl.store(
-            p,
-            tl.zeros([ROWS, BLOCK_N], dtype=y_ptr.dtype.element_ty),
+            y_ptr + rows.to(tl.int64)[:, None] * O + cols[None, :],
+            zero,
             mask=tail[:, None] & (cols[None, :] < O),
         )
 
 
 def _zero_tail(y_NO: Tensor, ends: Tensor) -> Tensor:
     N, O = y_NO.shape
-    rows = 64
-    _zero_tail_kernel[(triton.cdiv(N, rows),)](y_NO, ends, ends.shape[0], N, O, ROWS=rows, BLOCK_N=128)
+    _zero_tail_kernel[(triton.cdiv(N, 64),)](y_NO, ends, ends.shape[0], N, O, ROWS=64, BLOCK_N=128)
     return y_NO
 
 
@@ -186,7 +184,7 @@ def grouped_gemm_backward(
     x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, dy_NO: Tensor, need_dx: bool = True
 ) -> tuple[Tensor | None, Callable[[], Tensor]]:
     """grouped_gemm's backward in two halves, for a schedule that runs the weight gradient later: -> (dx_NI
-    or None without need_dx, a closure computing dw_EIO), bit for bit a plain backward's."""
+    or None, a closure computing dw_EIO), bit for bit a plain backward's."""
     dy_NO = dy_NO.contiguous()
     if not use_triton(x_NI):
         return _reference_backward(x_NI, w_EIO, group_ends_E, dy_NO, need_dx)
@@ -196,7 +194,7 @@ def grouped_gemm_backward(
 
 
 def _reference_backward(x_NI, w_EIO, group_ends_E, dy_NO, need_dx):
-    """Autograd through grouped_gemm_reference (recomputed), asked for dx now and dw when called."""
+    """Autograd through grouped_gemm_reference (recomputed)."""
     x, w = x_NI.detach().requires_grad_(need_dx), w_EIO.detach().requires_grad_()
     with torch.enable_grad():
         y_NO = grouped_gemm_reference(x, w, group_ends_E)
@@ -228,7 +226,7 @@ def grouped_gemm(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor) -> Tensor:
 
 def grouped_gemm_reference(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor) -> Tensor:
     """y[rows of group e] = x[rows of group e] @ w[e], rows past the last end 0; fp32 accumulation
-    (float64 for float64 inputs)."""
+    (float64 inputs: float64)."""
     acc = torch.promote_types(x_NI.dtype, torch.float32)
     y = x_NI.new_zeros(x_NI.shape[0], w_EIO.shape[2])
     start = 0

@@ -1,6 +1,5 @@
-"""Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute). How the
-launches overlap and what they measured: the pith-ops README. One concern over ~450 lines: the two
-are each other's backward and share the index pass, its kernels and the FP8 rows' variant.
+"""Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute), each
+other's backward. How the launches overlap and what they measured: the pith-ops README.
 
 Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows (T*K, plus per-expert
 padding when align > 1, or the caller's `rows`), C chunks of CT tokens (CT * K <= CHUNK routed entries),
@@ -47,9 +46,8 @@ def _chunk_ids(ids_TK_ptr, c, T, K: tl.constexpr, CT: tl.constexpr):
 def _chunk_histogram_kernel(
     ids_TK_ptr, counts_CE_ptr, arrivals_ptr, T, E, K: tl.constexpr, CT: tl.constexpr, ET: tl.constexpr
 ):  # fmt: skip
-    """counts[c, e] = entries of expert e in chunk c; program 0 also resets the scan's arrival counter.
-    Compares rather than tl.histogram, whose GPU lowering costs O(bins) per value and wants a
-    power-of-two, compile-time bin count."""
+    """counts[c, e] = entries of expert e in chunk c; program 0 resets the scan's arrival counter.
+    Compares, as tl.histogram costs O(bins) per value and wants a power-of-two constexpr bin count."""
     c = tl.program_id(0)
     if c == 0:
         tl.store(arrivals_ptr, 0)
@@ -66,8 +64,7 @@ def _histogram_scan_kernel(
     CB: tl.constexpr, EB: tl.constexpr, E_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Per expert (EB a program): pre[c, e] = entries of e in chunks < c; total[e] = all of them. The
-    last program to finish turns the totals into group starts and ends (padded to `align`), which the
-    slot kernel gathers instead of scanning E totals in each program."""
+    last program to finish turns the totals into group starts and ends (padded to `align`)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     experts = tl.program_id(0) * EB + tl.arange(0, EB)
@@ -184,7 +181,7 @@ def _scatter_rows_kernel(
     src_TD_ptr, slots_TK_ptr, w_TK_ptr, y_ND_ptr, out_ND_ptr, dw_TK_ptr, T, D,
     K: tl.constexpr, K_P2: tl.constexpr, BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
 ):  # fmt: skip
-    """The weighted _store_rows over given slots (moe_unpermute's backward), ROWS tokens a program."""
+    """The weighted _store_rows (moe_unpermute's backward), ROWS tokens a program."""
     ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     _store_rows(
@@ -202,12 +199,9 @@ def _zero_unowned_rows_kernel(out_ND_ptr, owner_N_ptr, N, D, ROWS: tl.constexpr,
         return
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
+        zero = tl.zeros([ROWS, BLOCK_D], dtype=out_ND_ptr.dtype.element_ty)
         p = out_ND_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
-        tl.store(
-            p,
-            tl.zeros([ROWS, BLOCK_D], dtype=out_ND_ptr.dtype.element_ty),
-            mask=free[:, None] & (cols[None, :] < D),
-        )
+        tl.store(p, zero, mask=free[:, None] & (cols[None, :] < D))
 
 
 @triton.autotune(_CONFIGS, key=["D", "K", "HAS_W"])
@@ -216,8 +210,8 @@ def _combine_kernel(
     y_ND_ptr, slots_TK_ptr, w_TK_ptr, out_TD_ptr, T, D,
     K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
 ):  # fmt: skip
-    """out[t] = sum_k w[t, k] * y[slots[t, k]] in fp32 (slots < 0 skipped; w = 1 without HAS_W); K
-    unrolled so that the K row gathers are in flight together."""
+    """out[t] = sum_k w[t, k] * y[slots[t, k]] in fp32 (w = 1 without HAS_W); K unrolled so that the K
+    row gathers are in flight together."""
     ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -290,7 +284,7 @@ def _permute_forward(
     ids = expert_ids_TK.contiguous()
     x_ND = torch.empty(N, D, dtype=x_TD.dtype, device=dev)
     slots = torch.empty(T, K, dtype=torch.int64, device=dev)
-    # The owner map finds the rows no entry owns (padding, and those past the entries in a given N).
+    # Finds the rows no entry owns (padding, and those past the entries in a given N).
     owner = torch.full((N,), -1, dtype=torch.int32, device=dev) if rows is not None or align > 1 else None
     if T * K == 0:
         ends = torch.zeros(E, dtype=torch.int32, device=dev)
@@ -449,7 +443,7 @@ def _unpermute_backward(
 ) -> tuple[Tensor, Tensor]:
     (T, K), (N, D), dev = slots_TK.shape, y_ND.shape, y_ND.device
     flat = slots_TK.reshape(-1)
-    # Owner map for the zero fill; row N is a sink for slots < 0 (a boolean mask would sync).
+    # Row N is a sink for slots < 0 (a boolean mask would sync).
     owner = torch.full((N + 1,), -1, dtype=torch.int32, device=dev)
     owner.scatter_(
         0, torch.where(flat < 0, N, flat).long(), torch.arange(T * K, dtype=torch.int32, device=dev)
@@ -502,7 +496,7 @@ _unpermute = eager_or_custom(
 
 
 def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
-    """out_TD = sum_k weights[t, k] * y[slots[t, k]]: moe_unpermute_reference."""
+    """out_TD = sum_k weights[t, k] * y[slots[t, k]] (moe_unpermute_reference)."""
     check("y_ND", y_ND, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check("slots_TK", slots_TK, ndim=2, dtypes=INDEX_DTYPES, device=y_ND.device)
     check("weights_TK", weights_TK, ndim=2, dtypes=FLOAT_DTYPES, device=y_ND.device)
@@ -541,9 +535,8 @@ def moe_permute_reference(
     slots = torch.empty_like(flat).scatter_(0, order, starts[e_sorted] + rank_in_expert)
     slots = torch.where(routed, slots, -1)
     N = _static_rows(T, K, E, align, rows)
-    # Each row's token, T (a zero row appended to x) where no entry owns it; unrouted entries write to
-    # a sink N, cut off (index writes rather than a boolean mask: no host sync). A gather of the N rows
-    # rather than a scatter of T*K copies: far fewer when most entries are unrouted (EP's receiver).
+    # Each row's token, T (a zero row appended to x) where unowned; unrouted entries write to a sink N
+    # (no boolean mask: no host sync). A gather of N rows, not a scatter of T*K: fewer under EP.
     token_N = torch.full((N + 1,), T, dtype=torch.long, device=flat.device)
     token_N.scatter_(0, torch.where(routed, slots, N), torch.arange(T * K, device=flat.device) // K)
     x_ND = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])[token_N[:N]]
@@ -552,9 +545,9 @@ def moe_permute_reference(
 
 def moe_unpermute_reference(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
     """out[t] = sum_k weights[t, k] * y[slots[t, k]] (slots < 0 contribute nothing), fp32 sum, y's dtype."""
-    acc = torch.promote_types(y_ND.dtype, torch.float32)  # float64 stays float64 for the tests
+    acc = torch.promote_types(y_ND.dtype, torch.float32)
     valid = slots_TK >= 0
-    # Slots < 0 read a zero row N appended to y (so an empty y works too).
+    # Slots < 0 read a zero row appended to y (an empty y works too).
     y_ND = torch.cat([y_ND, y_ND.new_zeros(1, y_ND.shape[1])])
     rows = y_ND[torch.where(valid, slots_TK, y_ND.shape[0] - 1)].to(acc)  # [T, K, D]
     w = torch.where(valid, weights_TK.to(acc), 0.0)

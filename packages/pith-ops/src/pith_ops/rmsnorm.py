@@ -84,7 +84,7 @@ def _rms_norm_backward_kernel(
 
 @triton.jit
 def _sum_partials_kernel(dw_partial_ptr, dw_ptr, P, D, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dw[c] = sum over the P partial rows, cast to the weight dtype by the store."""
+    """dw[c] = sum over the P partial rows."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
@@ -178,7 +178,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x / sqrt(mean(x^2) + eps) * w, in fp32 (float64 for float64 input), out in x.dtype."""
+    """x / sqrt(mean(x^2) + eps) * w, in fp32 (float64 input: float64), out in x.dtype."""
     acc = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(acc)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

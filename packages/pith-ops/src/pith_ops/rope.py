@@ -59,8 +59,7 @@ def _rope_kernel(
 
 @functools.cache
 def _blocks(T: int, H: int, D: int, R: int, elems: int) -> tuple[int, int, int, int, int]:
-    """Blocks and warps for ~elems elements a program (4096: one q token's 32 heads, or 8 tokens of a
-    4-head k); cached, as this Python is a visible share of a ~10 us launch."""
+    """Blocks and warps for ~elems elements a program; cached: a visible share of a ~10 us launch."""
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_H = min(triton.next_power_of_2(H), max(1, elems // BLOCK_D))
     BLOCK_T = min(triton.next_power_of_2(T), max(1, elems // (BLOCK_H * BLOCK_D)))
@@ -72,8 +71,7 @@ def _blocks(T: int, H: int, D: int, R: int, elems: int) -> tuple[int, int, int, 
 def _launch(
     x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool, inverse: bool, elems: int = 4096
 ) -> Tensor:
-    """elems: the tile size (the benchmark's sweep: 4096 gets q to 95% of copy on H200). The inputs are
-    read in place (an expanded cos: batch stride 0) unless their last stride is not 1."""
+    """elems: the tile size (the benchmark's sweep: 4096 gets q to 95% of copy on H200)."""
     x_BSHD, cos_BSR, sin_BSR = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (x_BSHD, cos_BSR, sin_BSR)
     )
@@ -140,7 +138,7 @@ def apply_rope_reference(
     x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool = False
 ) -> Tensor:
     """Rotate pairs (i, i+R), or interleaved (2i, 2i+1), of each head's first 2R dims; the rest pass
-    through. In fp32 (float64 for float64 input), out in x.dtype."""
+    through. In fp32 (float64 input: float64), out in x.dtype."""
     R = cos_BSR.shape[-1]
     acc = torch.promote_types(x_BSHD.dtype, torch.float32)
     xf = x_BSHD.to(acc)

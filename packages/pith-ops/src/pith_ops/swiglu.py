@@ -1,9 +1,7 @@
 """SwiGLU activations, fused forward and backward: silu(gate) * up, and GPT-OSS's clamped variant.
 
-Shape legend: N rows (tokens; leading dims are flattened), F hidden width. x_N2F holds gate and up:
-split halves [gate | up] for `swiglu`, interleaved columns (gate, up, gate, up, ...) for `swiglu_oss`.
-
-Memory-bound: each pass touches memory once, the activation recomputed in fp32 rather than saved.
+Shape legend: N rows (leading dims flattened), F hidden width; x_N2F holds gate and up (halves for
+`swiglu`, interleaved for `swiglu_oss`). The backward recomputes the activation rather than saving it.
 """
 
 import torch
@@ -24,7 +22,7 @@ def _swiglu_kernel(
     x_ptr, dy_ptr, out_ptr, N, F, alpha, limit,
     BLOCK_F: tl.constexpr, OSS: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Forward: out = y_NF. Backward: out = dx_N2F from dy_NF (x is reread, the activation recomputed)."""
+    """Forward: out = y_NF. Backward: out = dx_N2F from dy_NF (the activation recomputed)."""
     # Column blocks vary fastest, so programs running together cover whole rows (contiguous memory).
     col_blocks = tl.cdiv(F, BLOCK_F)
     rows = ((tl.program_id(0) // col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -43,8 +41,7 @@ def _swiglu_kernel(
     else:
         gate = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_row + F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = gate
-        u = up
+        g, u = gate, up
     s = tl.sigmoid(alpha * g)
     if BACKWARD:
         dy = tl.load(dy_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -66,8 +63,7 @@ def _swiglu_kernel(
 
 @triton.jit
 def _swiglu_fp8_kernel(x_ptr, y_ptr, q_ptr, s_ptr, N, F, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
-    """y = silu(gate) * up for BLOCK_N whole rows, then quantize_rows(y) from the y it stored (pass 1 takes
-    the amax, pass 2 rereads y from L2)."""
+    """y = silu(gate) * up for BLOCK_N whole rows, then quantize_rows(y) (pass 2 rereads y from L2)."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     amax = tl.zeros([BLOCK_N], dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):
@@ -220,8 +216,7 @@ def swiglu(x_N2F: Tensor) -> Tensor:
 
 
 def swiglu_fp8(x_N2F: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (y_NF = swiglu(x) of 2-D x; y8_NF, scale_N = quantize_rows(y), not differentiable) in one pass:
-    fp8_grouped_gemm's x8."""
+    """-> (y_NF = swiglu(x), and quantize_rows(y) undifferentiable: fp8_grouped_gemm's x8) in one pass."""
     _check_x(x_N2F)
     if x_N2F.ndim != 2:
         raise ValueError(f"x_N2F: expected 2 dimensions [N, 2F], got shape {tuple(x_N2F.shape)}")
