@@ -155,18 +155,10 @@ def _grad_scale(labels_T: Tensor, ignore_index: int, reduction: str) -> tuple[Te
 
 @torch.library.custom_op("pith::linear_cross_entropy", mutates_args=())
 def _lce_op(
-    h_TD: Tensor,
-    w_VD: Tensor,
-    labels_T: Tensor,
-    ignore_index: int,
-    reduction: str,
-    grad_h: bool,
-    grad_w: bool,
-    w8_VD: Tensor | None = None,
-    w8_scale_V: Tensor | None = None,
-    w8t_DV: Tensor | None = None,
+    h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, ignore_index: int, reduction: str, grad_h: bool,
+    grad_w: bool, w8_VD: Tensor | None = None, w8_scale_V: Tensor | None = None, w8t_DV: Tensor | None = None,
     w8t_scale_D: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """w8_*: quantize_weight(w_VD) for the FP8 GEMMs, or None."""
     T, V = h_TD.shape[0], w_VD.shape[0]
     n_valid, scale = _grad_scale(labels_T, ignore_index, reduction)
@@ -242,13 +234,9 @@ _lce_op.register_autograd(_backward, setup_context=_setup)
 
 
 def linear_cross_entropy(
-    h_TD: Tensor,
-    w_VD: Tensor,
-    labels_T: Tensor,
-    ignore_index: int = -100,
-    reduction: str = "mean",
+    h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, ignore_index: int = -100, reduction: str = "mean",
     w8: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """cross_entropy(h @ w.T, labels) as an fp32 scalar: "mean" over non-ignored tokens, or "sum".
     w8: quantize_weight(w_VD) of w's current values, for FP8 GEMMs (on CUDA T, D and V multiples of
     16); the gradient still reaches w through w_VD."""

@@ -391,13 +391,9 @@ def _permute_fp8(x8: FP8Rows, expert_ids_TK: Tensor, num_experts: int, align: in
 
 
 def moe_permute(
-    x_TD: Tensor | FP8Rows,
-    expert_ids_TK: Tensor,
-    num_experts: int,
-    align: int = 1,
-    *,
+    x_TD: Tensor | FP8Rows, expert_ids_TK: Tensor, num_experts: int, align: int = 1, *,
     rows: int | None = None,
-) -> tuple[Tensor | FP8Rows, Tensor, Tensor]:
+) -> tuple[Tensor | FP8Rows, Tensor, Tensor]:  # fmt: skip
     """-> (x_ND, slots_TK int64, group_ends_E int32), laid out as moe_permute_reference's. x_TD may be
     bytes (uint8: no gradient), or FP8Rows (fp8_rows), which give FP8Rows."""
     if isinstance(x_TD, FP8Rows):
