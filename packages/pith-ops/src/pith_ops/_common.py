@@ -1,6 +1,5 @@
-"""Input checks, the kernel-or-reference decision and the eager/compiled switch shared by the
-operators; the grouped-GEMM and kept-cast switches live here because pith_ops' functions grouped_gemm
-and cast shadow their modules' names."""
+"""Helpers shared by the operators; the A/B switches live here as the functions grouped_gemm and cast
+shadow their modules' names."""
 
 import functools
 import os

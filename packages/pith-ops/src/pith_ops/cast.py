@@ -1,17 +1,15 @@
 """A differentiable dtype cast whose backward widens the gradient with a vectorised kernel (torch's
 cast: 47% of copy; the README).
 
-Kept copies. A trainable weight (a leaf that requires grad; not FSDP's DTensor, which casts on its own)
-cast to bf16 with grad mode on keeps its cast in `x._pith_copies`, stamped with x's version counter
-and storage; later casts reuse it while the stamp holds. pith_ops.adamw_ rewrites it in its update
-pass: 2 bytes an element, not a 6-byte cast per use (bench: ~1.3 ms for ~3.8 ms of casts, H200). A
-write to x that bypasses the version counter (x.data, a raw kernel) must go through `keep`.
+Kept copies. A trainable weight (a leaf that requires grad; not FSDP's DTensor) cast to bf16 with grad
+mode on keeps its cast, stamped with x's version counter and storage, reused while the stamp holds.
+adamw_ rewrites it in its update pass: 2 bytes an element, not a 6-byte cast per use (bench: ~1.3 ms
+for ~3.8 ms of casts, H200). A write to x that bypasses the version counter must go through `keep`.
 
-Kept gradients. A weight marked by `keep_grads` gets its kept cast's gradient held in bf16 beside
-`w.grad` (read by `grad(w)`), not widened into it: every bf16 value is an fp32 one, so the update is
-the same, without the widening pass and the wider reads (bench: 4.1 and 1.8 ms a step, H200). A
-second micro-batch's gradient is added in fp32; one that also reaches w by another edge (a tied
-embedding) lands in w.grad, and `grad(w)` adds the two.
+Kept gradients. A weight marked by `keep_grads` gets its kept cast's gradient held in bf16 (read by
+`grad(w)`), not widened into w.grad: the update is the same (bf16 values are fp32 ones) without the
+widening pass and wider reads (bench: 4.1 and 1.8 ms a step, H200). A second micro-batch's gradient
+is added in fp32; one reaching w by another edge (a tied embedding) lands in w.grad.
 """
 
 import torch

@@ -3,8 +3,8 @@ FP8 GEMMs and their measurements: the pith-ops README).
 
 Shape legend: T tokens, C tokens in one chunk, D model dim, V vocabulary.
 
-The gradients are computed in the forward (a chunk's logits overwritten with d loss / d logits) and
-kept; the backward only scales them. dw accumulates in w's dtype (fp32 inside each matmul): an fp32
+The gradients are computed in the forward (over a chunk's logits) and kept; the backward only scales
+them. dw accumulates in w's dtype (fp32 inside each matmul): an fp32
 accumulator would add ~3.7 GB of traffic a chunk (estimated). Labels outside [0, V) other than
 ignore_index are checked only for CPU tensors in eager mode; on CUDA such a row's loss is its lse.
 """

@@ -2,11 +2,9 @@
 
 Shape legend: N grouped rows, I input features, O output features, E experts (groups).
 
-As pith_ops.fp8_linear: y = x8 @ w8[e], dx = dy8 @ w8[e].T, dw[e] = x8c[e] @ dy8c[e].T, with x8 and
-dy8 by rows, w8 = quantize_weight(w) (one scale per expert), x8c and dy8c requantised by columns over
-each expert's rows, transposed. On CUDA (torch._scaled_grouped_mm, fast accumulation) every group end
-must be a multiple of GROUP_ALIGN = 16 (moe_permute(..., align=16)): the wgrad contracts over each
-group's rows, where CUTLASS asserts on the device otherwise (checking would cost a host sync).
+As pith_ops.fp8_linear, one weight scale per expert and x8c, dy8c requantised over each expert's
+rows. On CUDA (torch._scaled_grouped_mm) every group end must be a multiple of GROUP_ALIGN: the wgrad
+contracts over each group's rows, where CUTLASS asserts on the device otherwise (checking: a host sync).
 """
 
 import torch

@@ -1,14 +1,12 @@
 """FP8 (e4m3) quantisation with power-of-two scales, in the three forms the FP8 GEMMs take (recipe
 and measurements: the pith-ops README).
 
-Shape legend: M rows, K columns, G row groups (contiguous row segments ending at group_ends; 1
-otherwise), B batch entries (the experts of a stacked weight; 1 otherwise), R and C a weight's rows
-and columns.
+Shape legend: M rows, K columns, G row groups (ending at group_ends), B batch entries (a stacked
+weight's experts), R and C a weight's rows and columns.
 
 scale = the smallest power of two with amax / scale <= 448 (e4m3's largest finite value), so
 quantisation and dequantisation are exact in fp32 and kernels and references agree bit for bit; an
-all-zero row gets 2^-126. Values past 448 * scale (a weight whose amax grew since its scale was set)
-saturate at +-448.
+all-zero row gets 2^-126. Values past 448 * scale (a weight grown since its scale) saturate.
 """
 
 from typing import NamedTuple
@@ -71,13 +69,6 @@ def _cast(x, inv):
 
 
 @triton.jit
-def _store_transposed(out_ptr, rows, cols, s_out, y, mask):
-    """out[cols, rows] = y[rows, cols] in out's dtype (its rows s_out apart)."""
-    out = out_ptr + cols.to(tl.int64)[:, None] * s_out + rows[None, :]
-    tl.store(out, tl.trans(y).to(out_ptr.dtype.element_ty), mask=tl.trans(mask))
-
-
-@triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
@@ -129,7 +120,8 @@ def _cols_kernel(
     m = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(q_ptr + b * s_qb + rows.to(tl.int64)[:, None] * s_qm + cols[None, :], mask=m, other=0.0)
     f = 1.0 if f_ptr is None else tl.load(f_ptr + rows, mask=rows < M, other=0.0)[:, None]
-    _store_transposed(out_ptr + b * s_ob, rows, cols, s_out, _cast(x.to(tl.float32), f), m)
+    out = out_ptr + b * s_ob + cols.to(tl.int64)[:, None] * s_out + rows[None, :]
+    tl.store(out, tl.trans(_cast(x.to(tl.float32), f)).to(out_ptr.dtype.element_ty), mask=tl.trans(m))
 
 
 @triton.jit

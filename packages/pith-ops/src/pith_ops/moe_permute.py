@@ -1,13 +1,12 @@
 """Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute), each
 other's backward. How the launches overlap and what they measured: the pith-ops README.
 
-Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows (T*K, plus per-expert
-padding when align > 1, or the caller's `rows`), C chunks of CT tokens (CT * K <= CHUNK routed entries),
-R rows of a tile.
+Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows, C chunks of CT tokens
+(CT * K <= CHUNK entries), R rows of a tile.
 
-A negative expert id routes nowhere, so a caller can route a subset of the entries (expert
-parallelism's rows by destination rank) with a static `rows`. Ids >= E and a `rows` too small are
-caught only for CPU tensors in eager mode (on CUDA a host sync per call). No row of moe_unpermute's y
+A negative expert id routes nowhere, so a caller can route a subset of the entries (EP's rows by
+destination rank) with a static `rows`. Ids >= E and a `rows` too small are caught only for CPU
+tensors in eager mode (on CUDA: a host sync). No row of moe_unpermute's y
 may be referenced by two (t, k) entries (true for moe_permute's slots).
 """
 
@@ -236,10 +235,6 @@ def _block_d(D: int) -> int:
     return min(triton.next_power_of_2(max(D, 1)), 1024)
 
 
-def _rows(meta: dict, block_d: int) -> int:
-    return triton.cdiv(meta["ELEMS"], block_d)
-
-
 def _zero_unowned(out_ND: Tensor, owner_N: Tensor) -> None:
     N, D = out_ND.shape
     if N * D:
@@ -255,7 +250,8 @@ def _combine(y_ND, slots_TK, w_TK=None):
     block_d = _block_d(D)
     if T * D == 0:
         return out
-    _combine_kernel[lambda meta: (triton.cdiv(T, _rows(meta, block_d)), triton.cdiv(D, block_d))](
+    grid = lambda meta: (triton.cdiv(T, triton.cdiv(meta["ELEMS"], block_d)), triton.cdiv(D, block_d))
+    _combine_kernel[grid](
         y_ND, slots_TK, w_TK if w_TK is not None else slots_TK, out, T, D,
         K=K, HAS_W=w_TK is not None, BLOCK_D=block_d,
     )  # fmt: skip
@@ -448,7 +444,7 @@ def _unpermute_backward(
     dw = torch.empty(T, K, dtype=torch.float32, device=dev)
     if T:
         block_d = _block_d(D)
-        _scatter_rows_kernel[lambda meta: (triton.cdiv(T, _rows(meta, block_d)),)](
+        _scatter_rows_kernel[lambda meta: (triton.cdiv(T, triton.cdiv(meta["ELEMS"], block_d)),)](
             dout_TD.contiguous(), slots_TK.contiguous(), weights_TK.contiguous(), y_ND, dy, dw, T, D,
             K=K, K_P2=triton.next_power_of_2(K), BLOCK_D=block_d,
         )  # fmt: skip

@@ -2,8 +2,7 @@
 interleaved pairs, partial rotary; x and dy may be strided views (q sliced from a fused qkv
 projection) whose last dim is contiguous.
 
-Shape legend: B batch, S sequence, H heads, D head dim, R rotated pairs per head (2R <= D; the last
-D - 2R dims pass through unchanged). cos_BSR / sin_BSR may have batch 1 (shared by the batch).
+Shape legend: B batch (cos and sin: B or 1), S sequence, H heads, D head dim, R rotated pairs (2R <= D).
 """
 
 import functools
