@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-# Triton runs on CUDA tensors, and on CPU tensors only under its interpreter (how CI tests kernels).
+# Triton runs on CPU tensors only under its interpreter (how CI tests kernels).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -39,10 +39,9 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def eager_or_custom(custom_op, setup_context, forward_fn, grads, op_backward, eager_backward) -> Callable:
-    """Registers grads(op_backward, ctx, *dy) as custom_op's autograd -> custom_op under torch.compile
-    (one opaque node), else an autograd.Function of forward_fn, setup_context and grads(eager_backward, ..):
-    ~4 us a call against ~50 (CPU, trivial bodies). Its forward is ctx-style: a separate setup_context
-    makes apply bind arguments by signature (~60 us)."""
+    """Registers grads(op_backward, ctx, *dy) as custom_op's autograd -> custom_op under torch.compile,
+    else an autograd.Function (~4 us a call against ~50, CPU) whose backward is grads(eager_backward, ..).
+    Its forward is ctx-style: a separate setup_context makes apply bind arguments by signature (~60 us)."""
     custom_op.register_autograd(functools.partial(grads, op_backward), setup_context=setup_context)
 
     class _Eager(torch.autograd.Function):

@@ -49,12 +49,12 @@ def _adamw_kernel(
             tl.store(copy_ptr + offs, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
-        if FP8:  # quantize_weight's copy in p's layout, of the new p with the scale of the old amax
+        if FP8:  # quantize_weight's copy of the new p with the old amax's scale
             b, amax = _entry_amax(amax_ptr, offs, mask, RC, ALIGNED, BLOCK)
             _, inv = _pow2_scale(amax)
             tl.store(q_ptr + offs, _cast(p, inv).to(q_ptr.dtype.element_ty), mask=mask)
             _amax_into(amax_new_ptr, b, tl.abs(p), mask, ALIGNED)
-    elif FP8:  # nothing changes, nor do the copies: the amax stays the old one
+    elif FP8:  # nothing changes: the amax stays the old one
         b, amax = _entry_amax(amax_ptr, offs, mask, RC, ALIGNED, BLOCK)
         _amax_into(amax_new_ptr, b, amax, mask, ALIGNED)
 
@@ -69,8 +69,8 @@ def _amax_into(amax_ptr, b, values, mask, ALIGNED: tl.constexpr):
 
 
 def step_constants(lr: float, beta1: float, beta2: float, step: int | Tensor, device=None) -> Tensor:
-    """(step size, sqrt of the second bias correction) of update `step` (1-based): [..., 2] fp32,
-    computed in double as torch.optim.AdamW does; a tensor of steps stays on its device."""
+    """(step size, sqrt of the second bias correction) of update `step`: [..., 2] fp32, computed in
+    double as torch.optim.AdamW does."""
     step = torch.as_tensor(step, dtype=torch.float64, device=device)
     return torch.stack([lr / (1 - beta1**step), (1 - beta2**step).sqrt()], -1).float()
 
@@ -118,9 +118,9 @@ def adamw_(
         p.numel(), per_entry, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps,
         COPY=copy is not None, FP8=fp8 is not None, ALIGNED=per_entry % BLOCK == 0, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
-    if fp8 is not None:  # the scales and the transposed copy of what the kernel wrote (fp8_quant)
+    if fp8 is not None:  # the scales and the transposed copy
         weight_copies(fp8, gate=scale)
-    # The kernel's writes leave p's version counter as it was: the copies are stamped consistent.
+    # The kernel's writes leave p's version counter as it was.
     _rekeep(p, copy, None if fp8 is None else fp8._replace(amax=amax_new))
 
 

@@ -1,15 +1,13 @@
 """A differentiable dtype cast whose backward widens the gradient with a vectorised kernel (torch's
 cast: 47% of copy; the README).
 
-Kept copies. A trainable weight (a leaf that requires grad; not FSDP's DTensor) cast to bf16 with grad
-mode on keeps its cast, stamped with x's version counter and storage, reused while the stamp holds.
-adamw_ rewrites it in its update pass: 2 bytes an element, not a 6-byte cast per use (bench: ~1.3 ms
-for ~3.8 ms of casts, H200). A write to x that bypasses the version counter must go through `keep`.
+Kept copies. A trainable weight (not a DTensor) cast to bf16 with grad mode on keeps its cast, valid
+while x's version counter and storage hold; adamw_ rewrites it in its update pass (bench: ~1.3 ms for
+~3.8 ms of casts, H200). A write to x that bypasses the version counter must go through `keep`.
 
-Kept gradients. A weight marked by `keep_grads` gets its kept cast's gradient held in bf16 (read by
-`grad(w)`), not widened into w.grad: the update is the same (bf16 values are fp32 ones) without the
-widening pass and wider reads (bench: 4.1 and 1.8 ms a step, H200). A second micro-batch's gradient
-is added in fp32; one reaching w by another edge (a tied embedding) lands in w.grad.
+Kept gradients. A weight marked by `keep_grads` has its kept cast's gradient held in bf16 (read by
+`grad(w)`), not widened into w.grad: the same update without the widening pass and wider reads
+(bench: 4.1 and 1.8 ms a step, H200).
 """
 
 import torch
@@ -49,7 +47,7 @@ class _Cast(torch.autograd.Function):
     def forward(ctx, x, dtype, copy):
         ctx.dtype = x.dtype
         ctx.holder = x if copy is not None and x.__dict__.get("_pith_keep_grad") else None
-        # No gradient stays None (a weight gradient deferred to a queue): no zeros cast and accumulated.
+        # No gradient stays None (a deferred weight gradient): no zeros cast and accumulated.
         ctx.set_materialize_grads(False)
         return x.to(dtype) if copy is None else copy.view_as(copy)
 
@@ -73,7 +71,7 @@ def keep(x: Tensor, copy, kind: torch.dtype = torch.bfloat16) -> None:
 
 
 def weight_grad(x: Tensor, g: Tensor) -> Tensor | None:
-    """g as x's gradient: held by x (-> None) when x keeps its gradients and g is bf16, else widened."""
+    """g as x's gradient: held by x (-> None) when x keeps its gradients, else widened."""
     if not (x.__dict__.get("_pith_keep_grad") and g.dtype == torch.bfloat16 and x.dtype == torch.float32):
         return _cast_back(g, x.dtype)
     held = x.__dict__.get("_pith_grad")
@@ -87,7 +85,7 @@ def weight_grad(x: Tensor, g: Tensor) -> Tensor | None:
 
 
 def keep_grads(params) -> None:
-    """Mark `params` as read through `grad` (their kept casts hold their gradients)."""
+    """Mark `params` as read through `grad`."""
     for p in params:
         p._pith_keep_grad = True
 

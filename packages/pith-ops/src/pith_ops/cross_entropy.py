@@ -44,8 +44,7 @@ FP8_WGRAD_PARTS = 2
 
 
 def fp8_chunk_rows(V: int) -> int:
-    """Tokens per chunk under FP8: a power of two (at least 16) within CHUNK_LOGITS logits (2048 at V =
-    151,936 runs the GEMMs faster than 3520: the README)."""
+    """Tokens per chunk under FP8: a power of two (2048 at V = 151,936: faster GEMMs than 3520, README)."""
     return max(16, 1 << (max(1, CHUNK_LOGITS // max(V, 1)).bit_length() - 1))
 
 
@@ -110,7 +109,7 @@ def _ce_rows_kernel(
 
 def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=None):
     """The kernel, or its math in torch (CPU, float64). g8: (g8_CV, g8_scale_C) buffers, or None."""
-    if use_triton(logits_CV) and logits_CV.dtype != torch.float64:  # g8 None: loss_C stands in, unread
+    if use_triton(logits_CV) and logits_CV.dtype != torch.float64:  # without g8 loss_C stands in, unread
         _ce_rows_kernel[(logits_CV.shape[0],)](
             logits_CV, labels_C, loss_C, scale, *(g8 or (loss_C, loss_C)), logits_CV.shape[1], ignore_index,
             WRITE_GRAD=write_grad, WRITE_G8=g8 is not None, BLOCK_V=BLOCK_V, num_warps=1 if INTERPRET else 8,
@@ -134,12 +133,11 @@ def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=No
 def _fp8_wgrad(
     g8_TV: Tensor, g8_scale_T: Tensor, h8_TD: Tensor, h8_scale_T: Tensor, dw_VD: Tensor, add: bool
 ) -> None:
-    """dw_VD (+)= g.T @ h from the e4m3 rows of g and h, requantised by columns (as fp8_linear's wgrad),
-    FP8_WGRAD_ROWS vocabulary rows a GEMM."""
+    """dw_VD (+)= g.T @ h from the e4m3 rows of g and h, as fp8_linear's wgrad, FP8_WGRAD_ROWS rows a GEMM."""
     h8c_DT, h8c_scale_D = cols_from_rows(h8_TD, h8_scale_T)
     for v0 in range(0, g8_TV.shape[1], FP8_WGRAD_ROWS):
         g8c_VT, g8c_scale_V = cols_from_rows(g8_TV[:, v0 : v0 + FP8_WGRAD_ROWS], g8_scale_T)
-        # fp32 promotion: it contracts over the tokens (as fp8_linear.wgrad)
+        # fp32 promotion: it contracts over the tokens
         rows = dw_VD[v0 : v0 + FP8_WGRAD_ROWS]
         out = rows if rows.dtype == torch.bfloat16 and not add else None
         y = _mm(g8c_VT, g8c_scale_V[0], h8c_DT, h8c_scale_D[0], False, out)
@@ -166,7 +164,7 @@ def _lce_op(
     dh = torch.empty_like(h_TD) if grad_h else h_TD.new_empty(0)
     fp8 = w8_VD is not None
     dw = w_VD.new_empty(0)
-    if grad_w:  # contiguous, whatever w_VD's strides (a stand-in's are 0)
+    if grad_w:  # contiguous, whatever w_VD's strides
         dw = (torch.empty if fp8 and T else torch.zeros)(w_VD.shape, dtype=w_VD.dtype, device=w_VD.device)
     C = max(1, CHUNK_LOGITS // max(V, 1))
     if fp8:
@@ -241,7 +239,7 @@ def linear_cross_entropy(
     w8: quantize_weight(w_VD) of w's current values, for FP8 GEMMs (on CUDA T, D and V multiples of
     16); the gradient still reaches w through w_VD."""
     check("h_TD", h_TD, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
-    # With w8 w_VD's values are not read: any strides (pith_ops.stand_in).
+    # With w8 w_VD's values are not read (pith_ops.stand_in).
     check("w_VD", w_VD, ndim=2, dtypes=(h_TD.dtype,), device=h_TD.device, contiguous=w8 is None)
     check("labels_T", labels_T, ndim=1, dtypes=INDEX_DTYPES, device=h_TD.device, contiguous=True)
     V, D = w_VD.shape

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, check, eager_or_custom
-from pith_ops.fp8_linear import _backward, _rows_op, _weight, _weight_fake
+from pith_ops.fp8_linear import _backward, _rows_op, _weight, _weight_fake, fp8_linear_weight
 from pith_ops.fp8_linear import backward as _linear_backward
 from pith_ops.fp8_quant import (
     FP8,
@@ -21,12 +21,11 @@ from pith_ops.fp8_quant import (
     dequantize_rows,
     quantize_rows,
     quantize_rows_reference,
-    quantize_weight,
     quantize_weight_reference,
 )
 from pith_ops.grouped_gemm import _zero_tail, grouped_gemm_reference
 
-GROUP_ALIGN = 16  # rows: what every group end must be a multiple of on CUDA (moe_permute's align)
+GROUP_ALIGN = 16  # every group end's multiple on CUDA (moe_permute's align)
 
 
 def _gmm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, ends: Tensor) -> Tensor:
@@ -71,7 +70,7 @@ def _forward(
     x_NI: Tensor, w_EIO: Tensor, w8_EIO: Tensor, w8_scale_EI: Tensor, w8t_EOI: Tensor, w8t_scale_EO: Tensor,
     ends: Tensor, x8_NI: Tensor | None = None, x8_scale_N: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """w_EIO is not read, nor x when x8 is given. -> (y, the x8 made: empty when given)."""
+    """w_EIO is not read, nor x when x8 is given. -> (y, the x8 made or empties)."""
     made = quantize_rows(x_NI) if x8_NI is None else (x_NI.new_empty(0, dtype=FP8), x_NI.new_empty(0))
     x8 = made if x8_NI is None else (x8_NI, x8_scale_N)
     return _gmm(*x8, w8t_EOI.transpose(1, 2), w8t_scale_EO, ends).to(x_NI.dtype), *made
@@ -125,11 +124,7 @@ _fp8_grouped_gemm = eager_or_custom(
 
 
 def fp8_grouped_gemm_weight(w_EIO: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """quantize_weight(w) without autograd, one graph node under torch.compile."""
-    if torch.compiler.is_compiling():
-        return _weight_op(w_EIO.detach())
-    with torch.no_grad():
-        return quantize_weight(w_EIO)
+    return fp8_linear_weight(w_EIO, _weight_op)
 
 
 def forward(

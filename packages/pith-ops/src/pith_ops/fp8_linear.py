@@ -30,8 +30,7 @@ from pith_ops.fp8_quant import (
 def _mm(
     a_q: Tensor, a_s: Tensor, bt_q: Tensor, bt_s: Tensor, fast: bool = True, out: Tensor | None = None
 ) -> Tensor:
-    """(a_q * a_s[:, None]) @ (bt_q * bt_s[:, None]).T in bf16, [M, K] and [N, K]; fast: Hopper's fast
-    FP8 accumulation."""
+    """(a_q * a_s[:, None]) @ (bt_q * bt_s[:, None]).T in bf16; fast: Hopper's fast FP8 accumulation."""
     if a_q.shape[0] * bt_q.shape[0] * a_q.shape[1] == 0:
         y = torch.zeros(a_q.shape[0], bt_q.shape[0], dtype=torch.bfloat16, device=a_q.device)
         return y if out is None else out.copy_(y)
@@ -57,8 +56,8 @@ def _forward(
     x_TD: Tensor, w_OD: Tensor, w8_OD: Tensor, w8_scale_O: Tensor, w8t_DO: Tensor, w8t_scale_D: Tensor,
     x8_TD: Tensor, x8_scale_T: Tensor,
 ) -> Tensor:  # fmt: skip
-    """x_TD and w_OD are not read (the gradients are for them). x8 comes from its own op (_rows_of),
-    which a compiled graph of projections of one input (q, k and v) runs once."""
+    """x_TD and w_OD are not read. x8 comes from its own op (_rows_of), which a compiled graph of
+    projections of one input (q, k and v) runs once."""
     return _mm(x8_TD, x8_scale_T, w8_OD, w8_scale_O).to(x_TD.dtype)
 
 
@@ -116,7 +115,7 @@ def _setup(ctx, inputs, output):
 def backward(saved, dy_TO: Tensor, need_dx: bool, x_dtype: torch.dtype, ops=(quantize_rows, dgrad, wgrad)):
     """The backward in two halves from the forward's `saved` (x8_TD, x8_scale_T, w8t_DO, w8t_scale_D, then
     what both GEMMs take) -> (dx_TD or None, a closure computing dw_OD in bf16). ops: the three
-    functions, or their custom ops (compiled graphs)."""
+    functions, or their custom ops."""
     rows, dgrad_fn, wgrad_fn = ops
     x8, x8_scale, w8t, w8t_scale, *extra = saved
     dy8, dy8_scale = rows(dy_TO.contiguous())
@@ -136,10 +135,10 @@ _fp8_linear = eager_or_custom(
 )
 
 
-def fp8_linear_weight(w_OD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """quantize_weight(w) without autograd, one graph node under torch.compile."""
+def fp8_linear_weight(w_OD: Tensor, op=_weight_op) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """quantize_weight(w) without autograd, one graph node (op) under torch.compile."""
     if torch.compiler.is_compiling():
-        return _weight_op(w_OD.detach())
+        return op(w_OD.detach())
     with torch.no_grad():
         return quantize_weight(w_OD)
 

@@ -88,8 +88,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K
 
 @triton.jit
 def _group_scale_kernel(s_ptr, ends_ptr, scale_ptr, f_ptr, M, K, G, BLOCK: tl.constexpr):
-    """Group g: S = its largest row scale (2^-126 if empty), scale[g, :] = S, f = s / S for its rows (0
-    past the last group)."""
+    """Group g: S = its largest row scale, scale[g, :] = S, f = s / S for its rows (0 past the last)."""
     g = tl.program_id(0)
     end = tl.load(ends_ptr + g)
     start = tl.minimum(tl.load(ends_ptr + g - 1, mask=g > 0, other=0), end)
@@ -126,9 +125,8 @@ def _cols_kernel(
 
 @triton.jit
 def _entry_amax(amax_ptr, offs, mask, RC, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """-> (b, amax[b]) of a block's flat offsets into [B, R, C] (RC = R * C). ALIGNED (RC a multiple of
-    BLOCK): scalars, one load a block (per element, AdamW with FP8 copies took 24.4-31.9 ms a step on
-    the pith-train bench against 21.8 with bf16 copies, H200)."""
+    """-> (b, amax[b]) of a block's flat offsets into [B, R, C]. ALIGNED (R * C a multiple of BLOCK): one
+    load a block (per element, AdamW with FP8 copies took 24.4-31.9 ms a step against 21.8, H200)."""
     if ALIGNED:
         b = (tl.program_id(0).to(tl.int64) * BLOCK) // RC
         amax = tl.load(amax_ptr + b)
@@ -140,7 +138,7 @@ def _entry_amax(amax_ptr, offs, mask, RC, ALIGNED: tl.constexpr, BLOCK: tl.const
 
 @triton.jit
 def _weight_rows_kernel(w_ptr, q_ptr, amax_ptr, N, RC, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """q = w / scale in w's layout, elementwise over [B, R, C] flat, scale from amax[b]."""
+    """q = w / scale(amax[b]) over [B, R, C] flat."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     _, inv = _pow2_scale(_entry_amax(amax_ptr, offs, mask, RC, ALIGNED, BLOCK)[1])
@@ -172,18 +170,18 @@ def _quantize(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
 
 
 def _interpreted_cast(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
-    """Triton's CPU interpreter drops the carry when e4m3 rounding crosses into the next binade (127.85
-    -> 64, not 128); interpreted kernels write the exact fp32 quotients and torch casts them."""
+    """Triton's interpreter drops the carry when e4m3 rounding crosses a binade (127.85 -> 64, not 128):
+    interpreted kernels write fp32 quotients and torch casts them."""
     return q.to(FP8), scale
 
 
 def empty_cols(K: int, M: int, dtype: torch.dtype = FP8, device=None, batch: tuple = ()) -> Tensor:
-    """[*batch, K, M] with rows padded in storage to 16 elements: an FP8 GEMM operand for any M."""
+    """[*batch, K, M], rows padded in storage to 16 elements: an FP8 GEMM operand for any M."""
     return torch.empty(*batch, K, (M + 15) // 16 * 16, dtype=dtype, device=device)[..., :M]
 
 
 def quantize_rows(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, Tensor]:
-    """-> q_MK (x / scale in out_dtype; float32: the quotients before the cast), scale_M (fp32)."""
+    """-> q_MK (x / scale in out_dtype), scale_M (fp32): quantize_rows_reference."""
     check("x_MK", x_MK, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     if not use_triton(x_MK):
         return quantize_rows_reference(x_MK, out_dtype)
@@ -224,7 +222,7 @@ def cols_from_rows(
         return out.copy_(q32), scale
     ends = group_ends_G.to(torch.int32).contiguous()
     scale, f = q_MK.new_empty(G, K, dtype=torch.float32), torch.empty_like(scale_M)
-    if G:  # a block holds a group's rows (one program per group; 8192 at most: a dense layer's 16384 in 2)
+    if G:  # a block holds a group's rows (8192 at most: a dense layer's 16384 in 2)
         block = 64 if INTERPRET else min(8192, max(1024, triton.next_power_of_2(triton.cdiv(M, G))))
         warps = 4 if block <= 1024 else 8
         _group_scale_kernel[(G,)](scale_M, ends, scale, f, M, K, G, BLOCK=block, num_warps=warps)
@@ -295,7 +293,7 @@ def copies_of_quantized(q_BRC: Tensor, amax_B: Tensor, into: FP8Weight | None = 
         qt, s_rows, s_cols = (
             t if q_BRC.ndim == 3 else t[None] for t in (into.qt, into.scale_rows, into.scale_cols)
         )
-    else:  # quantize_weight's layouts: the reference's transposed copy is a view of q
+    else:  # quantize_weight's layouts (the reference's qT is a view of q)
         qt = empty_cols(C, R, q3.dtype, q3.device, (B,)) if use_triton(q3) else q3.mT
         s_rows, s_cols = (q3.new_empty(B, n, dtype=torch.float32) for n in (R, C))
     if use_triton(q3):

@@ -39,7 +39,7 @@ def _grouped_mm_kernel(
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     group, row0, row_end = _group_of_tile(ends_ptr, tl.program_id(0), E, BLOCK_M, E_P2)
-    if group >= E:  # the grid has room for the worst case; the spare programs leave at once
+    if group >= E:  # the grid has room for the worst case
         return
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -116,7 +116,8 @@ def _torch_path(x: Tensor, *sizes: int) -> bool:
     )
 
 
-def _mm(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> Tensor:
+@torch.library.custom_op("pith::grouped_gemm", mutates_args=())
+def _grouped_gemm_op(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> Tensor:
     """y = grouped x @ w[e]; w may be a transposed view (dX's)."""
     N, E, O = x_NI.shape[0], w_EIO.shape[0], w_EIO.shape[2]
     if N * O * w_EIO.shape[1] == 0:  # empty sums
@@ -126,7 +127,7 @@ def _mm(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> Tensor:
     else:
         y = x_NI.new_empty(N, O)
         bm, bn, bk, warps, stages = TILES
-        # Each non-empty group adds at most one partial tile, and at most min(E, N) groups are non-empty.
+        # Each of at most min(E, N) non-empty groups adds at most one partial tile.
         grid = (triton.cdiv(N, bm) + min(E, N), triton.cdiv(O, bn))
         _grouped_mm_kernel[grid](
             x_NI, w_EIO, y, ends, E, w_EIO.shape[1], O, *x_NI.stride(), *w_EIO.stride(), *y.stride(),
@@ -136,13 +137,8 @@ def _mm(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> Tensor:
     return _zero_tail(y, ends)
 
 
-@torch.library.custom_op("pith::grouped_gemm", mutates_args=())
-def _grouped_gemm_op(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor) -> Tensor:
-    return _mm(x_NI, w_EIO, group_ends_E)
-
-
 @_grouped_gemm_op.register_fake
-def _(x_NI, w_EIO, group_ends_E):
+def _(x_NI, w_EIO, ends):
     return x_NI.new_empty(x_NI.shape[0], w_EIO.shape[2])
 
 
@@ -183,8 +179,8 @@ def _backward(ctx, dy_NO):
 def grouped_gemm_backward(
     x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, dy_NO: Tensor, need_dx: bool = True
 ) -> tuple[Tensor | None, Callable[[], Tensor]]:
-    """grouped_gemm's backward in two halves, for a schedule that runs the weight gradient later: -> (dx_NI
-    or None, a closure computing dw_EIO), bit for bit a plain backward's."""
+    """grouped_gemm's backward in two halves (the weight gradient run later): -> (dx_NI or None, a
+    closure computing dw_EIO), bit for bit a plain backward's."""
     dy_NO = dy_NO.contiguous()
     if not use_triton(x_NI):
         return _reference_backward(x_NI, w_EIO, group_ends_E, dy_NO, need_dx)
@@ -194,7 +190,6 @@ def grouped_gemm_backward(
 
 
 def _reference_backward(x_NI, w_EIO, group_ends_E, dy_NO, need_dx):
-    """Autograd through grouped_gemm_reference (recomputed)."""
     x, w = x_NI.detach().requires_grad_(need_dx), w_EIO.detach().requires_grad_()
     with torch.enable_grad():
         y_NO = grouped_gemm_reference(x, w, group_ends_E)

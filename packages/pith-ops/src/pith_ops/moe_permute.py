@@ -34,7 +34,7 @@ CHUNK = tl.constexpr(128)
 
 @triton.jit
 def _chunk_ids(ids_TK_ptr, c, T, K: tl.constexpr, CT: tl.constexpr):
-    """-> (entries, ok, ids) of chunk c's CT * K entries in CHUNK lanes; ids -1 where not ok."""
+    """-> (entries, ok, ids) of chunk c's CT * K entries in CHUNK lanes."""
     j = tl.arange(0, CHUNK)
     entries = c * CT * K + j
     ok = (j < CT * K) & (entries < T * K)
@@ -77,7 +77,7 @@ def _histogram_scan_kernel(
         tl.store(pre_CE_ptr + p, carry[None, :] + tl.cumsum(counts, 0) - counts, mask=m)
         carry += tl.sum(counts, 0)
     tl.store(total_E_ptr + experts, carry, mask=e_ok)
-    tl.debug_barrier()  # all of this program's totals are written before its arrival (a release) counts
+    tl.debug_barrier()  # the totals are written before the arrival (a release) counts
     if tl.atomic_add(arrivals_ptr, 1) == tl.num_programs(0) - 1:
         every = tl.arange(0, E_P2)
         # Written by programs on other SMs: read at L2 (.cg), past this SM's L1.
@@ -94,9 +94,8 @@ def _store_rows(
     K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """out[slots[t, k]] = src[t] (slots < 0 skipped); WEIGHTED: out[slots[t, k]] = w[t, k] * src[t] and
-    dw[t, k] = <src[t], y[slots[t, k]]>. A src tile is loaded once, stored K times (a gather by output
-    row would read src K times, and src outgrows L2). The slots are loaded in the column loop: hoisted,
-    K [ROWS, BLOCK_D] pointer broadcasts stay live (sm_90: spills)."""
+    dw[t, k] = <src[t], y[slots[t, k]]>. A src tile is loaded once, stored K times (a gather would read
+    src K times). Slots are loaded in the column loop: hoisted, K pointer broadcasts spill (sm_90)."""
     tok_ok = tokens < T
     src_rows = tokens.to(tl.int64)[:, None] * D
     ks = tl.arange(0, K_P2)
@@ -125,7 +124,6 @@ def _store_rows(
 # Store tile (TILE elements: CT rows x TILE / CT columns) and warps of the slots + scatter kernel. Several
 # programs an SM let one's row stores hide another's index work (sm_90, top-8: 95 registers with a 4096
 # tile, 5 programs an SM; 128 with 16384 at 8 warps, 2). Whole rows a store win at D=2048 (README).
-# The interpreter runs every config, so it gets one.
 _SLOTS_CONFIGS = [
     triton.Config({"TILE": t}, num_warps=w)
     for t, w in ((4096, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 8), (32768, 16), (32768, 32))
@@ -141,14 +139,13 @@ def _slots_scatter_kernel(
     PDL: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     """Per chunk: slot = start[e] + pre[c, e] + earlier entries of e in the chunk (-1 for ids < 0), the
-    map row -> entry (HAS_OWNER), then the token rows to their K slots. PDL: the in-chunk ranks are
-    computed before waiting for the scan."""
+    map row -> entry (HAS_OWNER), then the token rows to their K slots. PDL: ranks before the wait."""
     BLOCK_D: tl.constexpr = TILE // CT if TILE // CT < D_P2 else D_P2
     c = tl.program_id(0)
     entries, ok, ids = _chunk_ids(ids_TK_ptr, c, T, K, CT)
     routed = ok & (ids >= 0)
     j = tl.arange(0, CHUNK)
-    # Equal ids only: the -1 of unrouted entries and empty lanes never adds to a routed entry's rank.
+    # Equal ids only: unrouted entries and empty lanes (-1) never add to a routed entry's rank.
     earlier = (ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None])
     rank = tl.sum(earlier.to(tl.int32), axis=1)
     if PDL:
@@ -166,7 +163,7 @@ def _slots_scatter_kernel(
     )  # fmt: skip
 
 
-# Elements per program (ROWS = ELEMS / BLOCK_D token rows, at least one) and warps of the row kernels.
+# Elements per program (ELEMS / BLOCK_D token rows, at least one) and warps of the row kernels.
 _CONFIGS = [
     triton.Config({"ELEMS": e}, num_warps=w)
     for e, w in ((4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16), (2048, 4))
@@ -180,7 +177,6 @@ def _scatter_rows_kernel(
     src_TD_ptr, slots_TK_ptr, w_TK_ptr, y_ND_ptr, out_ND_ptr, dw_TK_ptr, T, D,
     K: tl.constexpr, K_P2: tl.constexpr, BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
 ):  # fmt: skip
-    """The weighted _store_rows (moe_unpermute's backward), ROWS tokens a program."""
     ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     _store_rows(
@@ -191,7 +187,7 @@ def _scatter_rows_kernel(
 
 @triton.jit
 def _zero_unowned_rows_kernel(out_ND_ptr, owner_N_ptr, N, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows no (t, k) entry wrote (owner < 0: padding, or rows a caller's slots skip) become zero."""
+    """Rows no (t, k) entry wrote (owner < 0) become zero."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     free = tl.load(owner_N_ptr + rows, mask=rows < N, other=0) < 0
     if tl.max(free.to(tl.int32), 0) == 0:  # nearly every program: all its rows are owned
@@ -260,7 +256,7 @@ def _combine(y_ND, slots_TK, w_TK=None):
 
 @functools.cache
 def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (a kernel starting while the one before it finishes): sm_90 on."""
+    """Programmatic dependent launch (a kernel starting while the one before finishes): sm_90 on."""
     return not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
 
 
@@ -280,7 +276,7 @@ def _permute_forward(
     ids = expert_ids_TK.contiguous()
     x_ND = torch.empty(N, D, dtype=x_TD.dtype, device=dev)
     slots = torch.empty(T, K, dtype=torch.int64, device=dev)
-    # Finds the rows no entry owns (padding, and those past the entries in a given N).
+    # Finds the rows no entry owns (padding, those past the entries in a given N).
     owner = torch.full((N,), -1, dtype=torch.int32, device=dev) if rows is not None or align > 1 else None
     if T * K == 0:
         ends = torch.zeros(E, dtype=torch.int32, device=dev)
@@ -352,7 +348,7 @@ _permute = eager_or_custom(
 
 
 class _StandIn(torch.autograd.Function):
-    """Zeros [N, D] of strides 0 standing for x's rows permuted by slots, with moe_permute's gradient."""
+    """Zeros [N, D] of strides 0 standing for x's permuted rows, with moe_permute's gradient."""
 
     @staticmethod
     def forward(ctx, x_TD: Tensor, slots_TK: Tensor, N: int) -> Tensor:
@@ -488,7 +484,7 @@ _unpermute = eager_or_custom(
 
 
 def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
-    """out_TD = sum_k weights[t, k] * y[slots[t, k]] (moe_unpermute_reference)."""
+    """moe_unpermute_reference."""
     check("y_ND", y_ND, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check("slots_TK", slots_TK, ndim=2, dtypes=INDEX_DTYPES, device=y_ND.device)
     check("weights_TK", weights_TK, ndim=2, dtypes=FLOAT_DTYPES, device=y_ND.device)

@@ -36,7 +36,7 @@ def _rope_kernel(
     out_head = out_ptr + (tokens * H * D)[:, None, None] + heads[None, :, None] * D
     head_mask = (tokens[:, None, None] < T) & (heads[None, :, None] < H)
     if INTERLEAVED:
-        # Pairs (2i, 2i+1): one contiguous load of the 2R rotated dims, de-interleaved in registers.
+        # One contiguous load of the 2R rotated dims, de-interleaved in registers.
         c = tl.arange(0, 2 * BLOCK_R)[None, None, :]
         mask = head_mask & (c < 2 * R)
         x = tl.load(x_head + c, mask=mask, other=0.0).to(tl.float32)
@@ -119,7 +119,7 @@ _rope = eager_or_custom(_rope_op, _setup_context, _forward, _grads, _rope_op, _f
 
 
 def apply_rope(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool = False) -> Tensor:
-    """Rotate the first 2R dims of each head (apply_rope_reference); the gradient is x's only."""
+    """apply_rope_reference; the gradient is x's only."""
     check("x_BSHD", x_BSHD, ndim=4, dtypes=FLOAT_DTYPES)
     check("cos_BSR", cos_BSR, ndim=3, dtypes=FLOAT_DTYPES, device=x_BSHD.device)
     check("sin_BSR", sin_BSR, ndim=3, dtypes=FLOAT_DTYPES, device=x_BSHD.device)

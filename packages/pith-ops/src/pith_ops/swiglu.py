@@ -12,7 +12,7 @@ from torch import Tensor
 from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, eager_or_custom, use_triton
 from pith_ops.fp8_quant import FP8, _cast, _interpreted_cast, _pow2_scale, quantize_rows_reference
 
-# Rows per program and warps (the interpreter gets one); columns in blocks of 256 (F=768: three, unmasked).
+# Rows per program and warps; columns in blocks of 256 (F=768: three, unmasked).
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in ((8, 4), (4, 4), (16, 8), (8, 8), (32, 8))]
 
 
@@ -31,7 +31,7 @@ def _swiglu_kernel(
     mask = (rows[:, None] < N) & (cols[None, :] < F)
     x_row = x_ptr + rows[:, None] * (2 * F)
     if OSS:
-        # One contiguous [BLOCK_N, 2*BLOCK_F] load keeps the access vectorised; split de-interleaves.
+        # One contiguous load keeps the access vectorised; split de-interleaves.
         cols2 = col_block * 2 * BLOCK_F + tl.arange(0, 2 * BLOCK_F)
         mask2 = (rows[:, None] < N) & (cols2[None, :] < 2 * F)
         x = tl.load(x_row + cols2[None, :], mask=mask2, other=0.0).to(tl.float32)
@@ -76,7 +76,7 @@ def _swiglu_fp8_kernel(x_ptr, y_ptr, q_ptr, s_ptr, N, F, BLOCK_N: tl.constexpr, 
         amax = tl.maximum(amax, tl.max(tl.abs(y.to(tl.float32)), 1))
     scale, inv = _pow2_scale(amax)
     tl.store(s_ptr + rows, scale, mask=rows < N)
-    tl.debug_barrier()  # this program's stores of y are visible to all its threads
+    tl.debug_barrier()  # y's stores visible to all this program's threads
     for f0 in range(0, F, BLOCK_F):
         cols = f0 + tl.arange(0, BLOCK_F)
         mask = (rows[:, None] < N) & (cols[None, :] < F)
@@ -85,12 +85,11 @@ def _swiglu_fp8_kernel(x_ptr, y_ptr, q_ptr, s_ptr, N, F, BLOCK_N: tl.constexpr, 
         tl.store(q_ptr + rows[:, None] * F + cols[None, :], q, mask=mask)
 
 
-# (rows, columns) a step of the FP8 variant, whose programs take whole rows (the row amax).
+# (rows, columns) a step of the FP8 variant, whose programs take whole rows.
 FP8_TILE = (4, 128) if INTERPRET else (8, 256)
 
 
 def _forward_fp8(x_N2F: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (y_NF, y8_NF, scale_N): swiglu(x) and quantize_rows(swiglu(x), out_dtype) in one pass."""
     if not use_triton(x_N2F):
         y = swiglu_reference(x_N2F).contiguous()
         return y, *quantize_rows_reference(y, out_dtype)
@@ -211,7 +210,7 @@ def _apply(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
 
 
 def swiglu(x_N2F: Tensor) -> Tensor:
-    """silu(gate) * up (swiglu_reference)."""
+    """swiglu_reference."""
     return _apply(x_N2F, False, 1.0, 0.0)
 
 
@@ -224,7 +223,7 @@ def swiglu_fp8(x_N2F: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def swiglu_oss(x_N2F: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
-    """GPT-OSS's clamped SwiGLU over interleaved columns (swiglu_oss_reference)."""
+    """swiglu_oss_reference."""
     if not limit > 0:
         raise ValueError(f"limit: expected a positive clamp limit, got {limit}")
     return _apply(x_N2F, True, float(alpha), float(limit))
