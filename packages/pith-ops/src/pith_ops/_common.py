@@ -1,14 +1,14 @@
-"""Input checks, the kernel-or-reference decision and the eager/compiled switch shared by the
-operators; the grouped-GEMM and kept-cast switches live here because pith_ops' functions grouped_gemm
-and cast shadow their modules' names."""
+"""Helpers shared by the operators; the A/B switches live here as the functions grouped_gemm and cast
+shadow their modules' names."""
 
+import functools
 import os
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-# Triton runs on CUDA tensors, and on CPU tensors only under its interpreter (how CI tests kernels).
+# Triton runs on CPU tensors only under its interpreter (how CI tests kernels).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -38,12 +38,11 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def eager_or_custom(
-    custom_op: Callable, setup_context: Callable, forward_fn: Callable, backward_fn: Callable
-) -> Callable:
-    """-> custom_op under torch.compile (one opaque node), else an autograd.Function of forward_fn,
-    setup_context and backward_fn(ctx, *grads): ~4 us a call against ~50 (CPU, trivial bodies). Its
-    forward is ctx-style: a separate setup_context makes apply bind arguments by signature (~60 us)."""
+def eager_or_custom(custom_op, setup_context, forward_fn, grads, op_backward, eager_backward) -> Callable:
+    """Registers grads(op_backward, ctx, *dy) as custom_op's autograd -> custom_op under torch.compile,
+    else an autograd.Function (~4 us a call against ~50, CPU) whose backward is grads(eager_backward, ..).
+    Its forward is ctx-style: a separate setup_context makes apply bind arguments by signature (~60 us)."""
+    custom_op.register_autograd(functools.partial(grads, op_backward), setup_context=setup_context)
 
     class _Eager(torch.autograd.Function):
         @staticmethod
@@ -52,14 +51,10 @@ def eager_or_custom(
             setup_context(ctx, inputs, output)
             return output
 
-        backward = staticmethod(backward_fn)
+        backward = staticmethod(functools.partial(grads, eager_backward))
 
     eager = _Eager.apply
-
-    def call(*inputs):
-        return custom_op(*inputs) if torch.compiler.is_compiling() else eager(*inputs)
-
-    return call
+    return lambda *inputs: custom_op(*inputs) if torch.compiler.is_compiling() else eager(*inputs)
 
 
 # torch's grouped matmul where it applies (faster than the Triton kernel: the README). False: A/B runs.

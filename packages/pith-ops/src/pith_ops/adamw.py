@@ -1,12 +1,9 @@
 """AdamW update of one fp32 tensor with its gradient scaled by a device scalar (the clip coefficient).
 
-Shape legend: N elements (any shape, contiguous; all four tensors alike).
-
 The scale read from device memory spares the clipping a host sync and a pass over the gradients (~6
 ms a step on the pith-train bench, H200); a non-finite one skips the update, so the trainer need not
-check the loss on the host. The math is torch.optim.AdamW's single-tensor path, in its operation
-order. p's kept copies are rewritten in the same pass (FP8: delayed scaling with a history of one
-step, the new amax reduced by atomics for the next update).
+check the loss on the host. p's kept copies are rewritten in the same pass (FP8: delayed scaling with
+a history of one step, the new amax reduced by atomics for the next update).
 """
 
 import torch
@@ -33,7 +30,7 @@ def _adamw_kernel(
     rest1, beta2, rest2, eps, COPY: tl.constexpr, FP8: tl.constexpr, ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """BLOCK elements of p (flat); with FP8, p is [B, R, C] flat and element i of batch entry i // RC."""
+    """BLOCK elements of p (flat); with FP8 element i is of batch entry i // RC."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     scale = tl.load(scale_ptr)
@@ -52,19 +49,19 @@ def _adamw_kernel(
             tl.store(copy_ptr + offs, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
-        if FP8:  # quantize_weight's copy in p's layout, of the new p with the scale of the old amax
+        if FP8:  # quantize_weight's copy of the new p with the old amax's scale
             b, amax = _entry_amax(amax_ptr, offs, mask, RC, ALIGNED, BLOCK)
             _, inv = _pow2_scale(amax)
             tl.store(q_ptr + offs, _cast(p, inv).to(q_ptr.dtype.element_ty), mask=mask)
             _amax_into(amax_new_ptr, b, tl.abs(p), mask, ALIGNED)
-    elif FP8:  # nothing changes, nor do the copies: the amax stays the old one
+    elif FP8:  # nothing changes: the amax stays the old one
         b, amax = _entry_amax(amax_ptr, offs, mask, RC, ALIGNED, BLOCK)
         _amax_into(amax_new_ptr, b, amax, mask, ALIGNED)
 
 
 @triton.jit
 def _amax_into(amax_ptr, b, values, mask, ALIGNED: tl.constexpr):
-    """amax[b] = max(amax[b], values): one atomic a block when ALIGNED (b a scalar), else one per element."""
+    """amax[b] = max(amax[b], values): one atomic a block when ALIGNED, else one per element."""
     if ALIGNED:
         tl.atomic_max(amax_ptr + b, tl.max(tl.where(mask, values, 0.0), 0))
     else:
@@ -72,8 +69,8 @@ def _amax_into(amax_ptr, b, values, mask, ALIGNED: tl.constexpr):
 
 
 def step_constants(lr: float, beta1: float, beta2: float, step: int | Tensor, device=None) -> Tensor:
-    """(step size, sqrt of the second bias correction) of update `step` (1-based): [..., 2] fp32, in
-    double as torch.optim.AdamW computes them; for a tensor of steps, on its device (no host read)."""
+    """(step size, sqrt of the second bias correction) of update `step`: [..., 2] fp32, computed in
+    double as torch.optim.AdamW does."""
     step = torch.as_tensor(step, dtype=torch.float64, device=device)
     return torch.stack([lr / (1 - beta1**step), (1 - beta2**step).sqrt()], -1).float()
 
@@ -83,11 +80,10 @@ def adamw_(
     lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, step: int | Tensor,
     copy: Tensor | None = None, fp8: FP8Weight | None = None,
 ) -> None:  # fmt: skip
-    """In place: AdamW step `step` (1-based; or a Tensor: its step_constants) of p with gradient g * scale
-    and moments m, v (fp32, contiguous, one shape; g may be bf16); nothing is written when scale (one
-    fp32 element) is not finite. copy (bf16): set to the new p, kept as p's cast. fp8 (FP8Weight's
-    fields): set to quantize_weight(new p, old amax), kept with the new p's amax. Other kept copies of p
-    are dropped."""
+    """In place: AdamW step `step` (or its step_constants) of p with gradient g * scale and moments m, v
+    (fp32, contiguous, one shape; g may be bf16); nothing is written when scale is not finite. copy
+    (bf16): set to the new p, kept. fp8 (FP8Weight): set to quantize_weight(new p, old amax), kept with
+    the new p's amax. Other kept copies of p are dropped."""
     fp32, bf16 = (torch.float32,), (torch.bfloat16,)
     tensors = [("p", p, fp32), ("g", g, (*fp32, *bf16)), ("m", m, fp32), ("v", v, fp32), ("copy", copy, bf16)]
     for name, t, dtypes in tensors[:4] if copy is None else tensors:
@@ -122,9 +118,9 @@ def adamw_(
         p.numel(), per_entry, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps,
         COPY=copy is not None, FP8=fp8 is not None, ALIGNED=per_entry % BLOCK == 0, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
-    if fp8 is not None:  # the scales and the transposed copy of what the kernel wrote (fp8_quant)
+    if fp8 is not None:  # the scales and the transposed copy
         weight_copies(fp8, gate=scale)
-    # The kernel's writes leave p's version counter as it was: the copies are stamped consistent.
+    # The kernel's writes leave p's version counter as it was.
     _rekeep(p, copy, None if fp8 is None else fp8._replace(amax=amax_new))
 
 
@@ -134,8 +130,7 @@ def adamw_reference_(
     lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, step: int | Tensor,
     copy: Tensor | None = None, fp8: FP8Weight | None = None,
 ) -> None:  # fmt: skip
-    """adamw_ in plain PyTorch: torch.optim.AdamW's single-tensor path on g * scale (a non-finite scale
-    selects the old values, no host read)."""
+    """adamw_ in plain PyTorch: torch.optim.AdamW's single-tensor path on g * scale."""
     step_size, bc2_sqrt = step if isinstance(step, Tensor) else step_constants(lr, beta1, beta2, step)
     g = g.to(p.dtype) * scale
     p_new, m_new, v_new = p * (1 - lr * weight_decay), m.lerp(g, 1 - beta1), v * beta2
@@ -157,7 +152,7 @@ def adamw_reference_(
 
 
 def _rekeep(p: Tensor, copy: Tensor | None, fp8: FP8Weight | None) -> None:
-    """Keep the copies an update rewrote, drop any other (its values are of the old p)."""
+    """Keep the copies an update rewrote, drop any other."""
     p.__dict__.pop("_pith_copies", None)
     if copy is not None:
         keep(p, copy)

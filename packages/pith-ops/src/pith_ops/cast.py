@@ -1,20 +1,13 @@
-"""A differentiable dtype cast whose backward casts the gradient back with a vectorised kernel (torch's
-dtype-converting copy is not: 8.4 ms a step, 47% of copy, on the pith-train bench's 2.7B expert and
-lm_head weight gradients, H200).
+"""A differentiable dtype cast whose backward widens the gradient with a vectorised kernel (torch's
+cast: 47% of copy; the README).
 
-Shape legend: N elements (any shape; a contiguous bf16/fp16 gradient cast to fp32 takes the kernel).
+Kept copies. A trainable weight (not a DTensor) cast to bf16 with grad mode on keeps its cast, valid
+while x's version counter and storage hold; adamw_ rewrites it in its update pass (bench: ~1.3 ms for
+~3.8 ms of casts, H200). A write to x that bypasses the version counter must go through `keep`.
 
-Kept copies. A trainable weight (a leaf that requires grad; not FSDP's DTensor, which casts on its own)
-cast to bf16 with grad mode on keeps its cast in `x._pith_copies`, stamped with x's version counter
-and storage; later casts reuse it while the stamp holds. pith_ops.adamw_ rewrites it in its update
-pass: 2 bytes an element, not a 6-byte cast per use (bench: ~1.3 ms for ~3.8 ms of casts, H200). A
-write to x that bypasses the version counter (x.data, a raw kernel) must go through `keep`.
-
-Kept gradients. A weight marked by `keep_grads` gets its kept cast's gradient held in bf16 beside
-`w.grad` (read by `grad(w)`), not widened into it: every bf16 value is an fp32 one, so the update is
-the same, without the widening pass and the wider reads (bench: 4.1 and 1.8 ms a step, H200). A
-second micro-batch's gradient is added in fp32; one that also reaches w by another edge (a tied
-embedding) lands in w.grad, and `grad(w)` adds the two.
+Kept gradients. A weight marked by `keep_grads` has its kept cast's gradient held in bf16 (read by
+`grad(w)`), not widened into w.grad: the same update without the widening pass and wider reads
+(bench: 4.1 and 1.8 ms a step, H200).
 """
 
 import torch
@@ -54,7 +47,7 @@ class _Cast(torch.autograd.Function):
     def forward(ctx, x, dtype, copy):
         ctx.dtype = x.dtype
         ctx.holder = x if copy is not None and x.__dict__.get("_pith_keep_grad") else None
-        # No gradient stays None (a weight gradient deferred to a queue): no zeros cast and accumulated.
+        # No gradient stays None (a deferred weight gradient): no zeros cast and accumulated.
         ctx.set_materialize_grads(False)
         return x.to(dtype) if copy is None else copy.view_as(copy)
 
@@ -66,19 +59,19 @@ class _Cast(torch.autograd.Function):
 
 
 def kept_copy(x: Tensor, kind: torch.dtype = torch.bfloat16):
-    """x's kept bf16 cast (or with kind float8_e4m3fn its FP8Weight) if still valid, else None."""
+    """x's kept bf16 cast (kind float8_e4m3fn: its FP8Weight) if still valid, else None."""
     kept = x.__dict__.get("_pith_copies", {}).get(kind)
     return kept[1] if kept is not None and kept[0] == (x._version, x.data_ptr()) else None
 
 
 def keep(x: Tensor, copy, kind: torch.dtype = torch.bfloat16) -> None:
-    """Record `copy` as x's kept copy of this kind (of x's values now), valid until x changes."""
+    """Record `copy` as x's kept copy of this kind, valid until x changes."""
     # The storage too: a copied tensor (deepcopy copies __dict__) starts its own version count.
     x.__dict__.setdefault("_pith_copies", {})[kind] = ((x._version, x.data_ptr()), copy)
 
 
 def weight_grad(x: Tensor, g: Tensor) -> Tensor | None:
-    """g as x's gradient: held by x (-> None) when x keeps its gradients and g is bf16, else widened."""
+    """g as x's gradient: held by x (-> None) when x keeps its gradients, else widened."""
     if not (x.__dict__.get("_pith_keep_grad") and g.dtype == torch.bfloat16 and x.dtype == torch.float32):
         return _cast_back(g, x.dtype)
     held = x.__dict__.get("_pith_grad")
@@ -92,13 +85,13 @@ def weight_grad(x: Tensor, g: Tensor) -> Tensor | None:
 
 
 def keep_grads(params) -> None:
-    """Mark `params` as read through `grad` (their kept casts hold their gradients)."""
+    """Mark `params` as read through `grad`."""
     for p in params:
         p._pith_keep_grad = True
 
 
 def grad(x: Tensor) -> Tensor | None:
-    """x.grad, the gradient x's kept cast holds, or their sum (folded into x.grad) when both hold one."""
+    """x.grad, the gradient x's kept cast holds, or their sum (into x.grad)."""
     held = x.__dict__.get("_pith_grad")
     if held is None or x.grad is None:
         return x.grad if held is None else held
@@ -132,9 +125,8 @@ def _copy_for(x: Tensor, dtype: torch.dtype) -> Tensor | None:
 
 
 def stand_in(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """x in dtype without its values (zeros, strides 0; a plain x of dtype itself), the gradient going
-    back as cast's: for an op reading x through other copies (linear_cross_entropy with w8), so that
-    no cast of x is kept (the bench's lm_head: 0.6 GiB)."""
+    """x in dtype without its values (the README), so that no cast of x is kept (the bench's lm_head:
+    0.6 GiB)."""
     check("x", x, dtypes=FLOAT_DTYPES)
     if x.dtype == dtype and type(x) in (Tensor, torch.nn.Parameter):
         return x
@@ -142,7 +134,7 @@ def stand_in(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """x.to(dtype), the gradient cast back to x's dtype; from x's kept copy when it has a valid one."""
+    """x.to(dtype), the gradient cast back; x's kept copy when valid."""
     check("x", x, dtypes=FLOAT_DTYPES)
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype: expected one of {[str(d) for d in FLOAT_DTYPES]}, got {dtype}")

@@ -1,10 +1,10 @@
-"""Fused lm_head + cross-entropy: loss(h @ w.T, labels) without the full logits. How the chunks,
-gradients and FP8 GEMMs are arranged, and what they measured: the pith-ops README.
+"""Fused lm_head + cross-entropy: loss(h @ w.T, labels) without the full logits (the chunks, the
+FP8 GEMMs and their measurements: the pith-ops README).
 
 Shape legend: T tokens, C tokens in one chunk, D model dim, V vocabulary.
 
-The gradients are computed in the forward (a chunk's logits overwritten with d loss / d logits) and
-kept; the backward only scales them. dw accumulates in w's dtype (fp32 inside each matmul): an fp32
+The gradients are computed in the forward (over a chunk's logits) and kept; the backward only scales
+them. dw accumulates in w's dtype (fp32 inside each matmul): an fp32
 accumulator would add ~3.7 GB of traffic a chunk (estimated). Labels outside [0, V) other than
 ignore_index are checked only for CPU tensors in eager mode; on CUDA such a row's loss is its lse.
 """
@@ -44,13 +44,12 @@ FP8_WGRAD_PARTS = 2
 
 
 def fp8_chunk_rows(V: int) -> int:
-    """Tokens per chunk under FP8: a power of two (at least 16) within CHUNK_LOGITS logits (2048 at V =
-    151,936 runs the GEMMs faster than 3520: the README)."""
+    """Tokens per chunk under FP8: a power of two (2048 at V = 151,936: faster GEMMs than 3520, README)."""
     return max(16, 1 << (max(1, CHUNK_LOGITS // max(V, 1)).bit_length() - 1))
 
 
 def fp8_wgrad_part_ends(T: int, V: int) -> list[int]:
-    """The token ends of the FP8 weight gradient's parts (at most FP8_WGRAD_PARTS, whole chunks)."""
+    """The token ends of the FP8 weight gradient's parts."""
     C, per_part = fp8_chunk_rows(V), -(-T // FP8_WGRAD_PARTS)
     P = max(1, -(-per_part // C)) * C
     return [*range(P, T, P), T] if T else []
@@ -62,7 +61,7 @@ def _ce_rows_kernel(
     WRITE_GRAD: tl.constexpr, WRITE_G8: tl.constexpr, BLOCK_V: tl.constexpr, STEPS: tl.constexpr,
 ):  # fmt: skip
     """Per row: loss = lse - logit[label] (0 if ignored); WRITE_GRAD: row <- g = (softmax - onehot) *
-    scale; WRITE_G8: g8 row, g8 scale <- quantize_rows of the fp32 g."""
+    scale; WRITE_G8: g8, g8 scale <- quantize_rows(g in fp32)."""
     row = tl.program_id(0)
     base = logits_CV_ptr + row.to(tl.int64) * V
     label = tl.load(labels_ptr + row).to(tl.int32)
@@ -109,9 +108,8 @@ def _ce_rows_kernel(
 
 
 def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=None):
-    """The kernel over a chunk's rows, or its math in torch (CPU without the interpreter; float64). g8:
-    (g8_CV, g8_scale_C) buffers for the gradient's quantize_rows, or None."""
-    if use_triton(logits_CV) and logits_CV.dtype != torch.float64:  # g8 None: loss_C stands in, unread
+    """The kernel, or its math in torch (CPU, float64). g8: (g8_CV, g8_scale_C) buffers, or None."""
+    if use_triton(logits_CV) and logits_CV.dtype != torch.float64:  # without g8 loss_C stands in, unread
         _ce_rows_kernel[(logits_CV.shape[0],)](
             logits_CV, labels_C, loss_C, scale, *(g8 or (loss_C, loss_C)), logits_CV.shape[1], ignore_index,
             WRITE_GRAD=write_grad, WRITE_G8=g8 is not None, BLOCK_V=BLOCK_V, num_warps=1 if INTERPRET else 8,
@@ -135,12 +133,11 @@ def _ce_rows(logits_CV, labels_C, loss_C, scale, ignore_index, write_grad, g8=No
 def _fp8_wgrad(
     g8_TV: Tensor, g8_scale_T: Tensor, h8_TD: Tensor, h8_scale_T: Tensor, dw_VD: Tensor, add: bool
 ) -> None:
-    """dw = g.T @ h into dw_VD (add: added to it) from the e4m3 rows of g and h, requantised by columns
-    over the T tokens (fp8_linear's wgrad operands), FP8_WGRAD_ROWS vocabulary rows a GEMM."""
+    """dw_VD (+)= g.T @ h from the e4m3 rows of g and h, as fp8_linear's wgrad, FP8_WGRAD_ROWS rows a GEMM."""
     h8c_DT, h8c_scale_D = cols_from_rows(h8_TD, h8_scale_T)
     for v0 in range(0, g8_TV.shape[1], FP8_WGRAD_ROWS):
         g8c_VT, g8c_scale_V = cols_from_rows(g8_TV[:, v0 : v0 + FP8_WGRAD_ROWS], g8_scale_T)
-        # fp32 promotion: it contracts over the tokens (as fp8_linear.wgrad)
+        # fp32 promotion: it contracts over the tokens
         rows = dw_VD[v0 : v0 + FP8_WGRAD_ROWS]
         out = rows if rows.dtype == torch.bfloat16 and not add else None
         y = _mm(g8c_VT, g8c_scale_V[0], h8c_DT, h8c_scale_D[0], False, out)
@@ -149,25 +146,17 @@ def _fp8_wgrad(
 
 
 def _grad_scale(labels_T: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
-    """-> (n_valid, the gradient scale): 1 / n_valid for the mean, on the device (no host sync)."""
+    """-> (n_valid, the gradient scale), on the device (no host sync)."""
     n_valid = (labels_T != ignore_index).sum(dtype=torch.float32)
     return n_valid, 1.0 / n_valid.clamp(min=1.0) if reduction == "mean" else torch.ones_like(n_valid)
 
 
 @torch.library.custom_op("pith::linear_cross_entropy", mutates_args=())
 def _lce_op(
-    h_TD: Tensor,
-    w_VD: Tensor,
-    labels_T: Tensor,
-    ignore_index: int,
-    reduction: str,
-    grad_h: bool,
-    grad_w: bool,
-    w8_VD: Tensor | None = None,
-    w8_scale_V: Tensor | None = None,
-    w8t_DV: Tensor | None = None,
+    h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, ignore_index: int, reduction: str, grad_h: bool,
+    grad_w: bool, w8_VD: Tensor | None = None, w8_scale_V: Tensor | None = None, w8t_DV: Tensor | None = None,
     w8t_scale_D: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """w8_*: quantize_weight(w_VD) for the FP8 GEMMs, or None."""
     T, V = h_TD.shape[0], w_VD.shape[0]
     n_valid, scale = _grad_scale(labels_T, ignore_index, reduction)
@@ -175,7 +164,7 @@ def _lce_op(
     dh = torch.empty_like(h_TD) if grad_h else h_TD.new_empty(0)
     fp8 = w8_VD is not None
     dw = w_VD.new_empty(0)
-    if grad_w:  # contiguous, whatever w_VD's strides (a stand-in's are 0)
+    if grad_w:  # contiguous, whatever w_VD's strides
         dw = (torch.empty if fp8 and T else torch.zeros)(w_VD.shape, dtype=w_VD.dtype, device=w_VD.device)
     C = max(1, CHUNK_LOGITS // max(V, 1))
     if fp8:
@@ -243,18 +232,14 @@ _lce_op.register_autograd(_backward, setup_context=_setup)
 
 
 def linear_cross_entropy(
-    h_TD: Tensor,
-    w_VD: Tensor,
-    labels_T: Tensor,
-    ignore_index: int = -100,
-    reduction: str = "mean",
+    h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, ignore_index: int = -100, reduction: str = "mean",
     w8: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """cross_entropy(h @ w.T, labels) as an fp32 scalar: "mean" over non-ignored tokens, or "sum".
     w8: quantize_weight(w_VD) of w's current values, for FP8 GEMMs (on CUDA T, D and V multiples of
     16); the gradient still reaches w through w_VD."""
     check("h_TD", h_TD, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
-    # With w8 w_VD's values are not read: any strides (pith_ops.stand_in).
+    # With w8 w_VD's values are not read (pith_ops.stand_in).
     check("w_VD", w_VD, ndim=2, dtypes=(h_TD.dtype,), device=h_TD.device, contiguous=w8 is None)
     check("labels_T", labels_T, ndim=1, dtypes=INDEX_DTYPES, device=h_TD.device, contiguous=True)
     V, D = w_VD.shape
@@ -292,14 +277,14 @@ def linear_cross_entropy(
 def linear_cross_entropy_reference(
     h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, ignore_index: int = -100, reduction: str = "mean"
 ) -> Tensor:
-    """cross_entropy(h @ w.T, labels) in fp32 (float64 inputs: float64); "mean" over kept tokens, or "sum"."""
+    """cross_entropy(h @ w.T, labels) in fp32 (float64 inputs: float64)."""
     acc = torch.promote_types(h_TD.dtype, torch.float32)
     logits = h_TD.to(acc) @ w_VD.to(acc).T
     return F.cross_entropy(logits, labels_T, ignore_index=ignore_index, reduction=reduction)
 
 
 def dequantized(h_TD: Tensor, w_VD: Tensor) -> tuple[Tensor, Tensor]:
-    """The FP8 operands in float64: h by rows (quantize_rows_reference), w by quantize_weight_reference."""
+    """The FP8 operands h8, w8 in float64."""
     q, scale_V, _, _ = quantize_weight_reference(w_VD[None])
     return dequantize_rows(*quantize_rows_reference(h_TD)), dequantize_rows(q[0], scale_V[0])
 

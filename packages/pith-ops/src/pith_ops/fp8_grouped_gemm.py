@@ -2,20 +2,16 @@
 
 Shape legend: N grouped rows, I input features, O output features, E experts (groups).
 
-As pith_ops.fp8_linear: y = x8 @ w8[e], dx = dy8 @ w8[e].T, dw[e] = x8c[e] @ dy8c[e].T, with x8 and
-dy8 by rows, w8 = quantize_weight(w) (one scale per expert), x8c and dy8c requantised by columns over
-each expert's rows, transposed. On CUDA (torch._scaled_grouped_mm, fast accumulation) every group end
-must be a multiple of GROUP_ALIGN = 16 (moe_permute(..., align=16)): the wgrad contracts over each
-group's rows, where CUTLASS asserts on the device otherwise (checking would cost a host sync).
+As pith_ops.fp8_linear, one weight scale per expert and x8c, dy8c requantised over each expert's
+rows. On CUDA (torch._scaled_grouped_mm) every group end must be a multiple of GROUP_ALIGN: the wgrad
+contracts over each group's rows, where CUTLASS asserts on the device otherwise (checking: a host sync).
 """
-
-import functools
 
 import torch
 from torch import Tensor
 
 from pith_ops._common import FLOAT_DTYPES, INDEX_DTYPES, check, eager_or_custom
-from pith_ops.fp8_linear import _backward, _rows_op, _weight, _weight_fake
+from pith_ops.fp8_linear import _backward, _rows_op, _weight, _weight_fake, fp8_linear_weight
 from pith_ops.fp8_linear import backward as _linear_backward
 from pith_ops.fp8_quant import (
     FP8,
@@ -25,18 +21,17 @@ from pith_ops.fp8_quant import (
     dequantize_rows,
     quantize_rows,
     quantize_rows_reference,
-    quantize_weight,
     quantize_weight_reference,
 )
 from pith_ops.grouped_gemm import _zero_tail, grouped_gemm_reference
 
-GROUP_ALIGN = 16  # rows: what every group end must be a multiple of on CUDA (moe_permute's align)
+GROUP_ALIGN = 16  # every group end's multiple on CUDA (moe_permute's align)
 
 
 def _gmm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, ends: Tensor) -> Tensor:
     """Grouped (a_q * a_scale) @ (b_q * b_scale) in bf16, b column-major: a [M, K] (rows in groups, scale
     [M]) with b [E, K, N] (scale [E, N]) -> [M, N]; or a [M, Kt] with b [Kt, N], the contraction in
-    groups (scales [E*M], [E*N]) -> [E, M, N]. On CPU (no grouped FP8 GEMM in torch): a loop, in fp32."""
+    groups (scales [E*M], [E*N]) -> [E, M, N]. On CPU: a loop, in fp32."""
     if a_q.is_cuda:
         y = torch._scaled_grouped_mm(
             a_q, b_q, a_scale, b_scale, offs=ends, out_dtype=torch.bfloat16, use_fast_accum=True
@@ -56,12 +51,12 @@ def _gmm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, ends: Tenso
 
 
 def dgrad(dy8_NO: Tensor, dy8_scale_N: Tensor, w8_EIO: Tensor, w8_scale_EI: Tensor, ends: Tensor) -> Tensor:
-    """dx_NI = dy[rows of e] @ w[e].T through the weight copy in w's layout."""
+    """dx_NI = dy[rows of e] @ w[e].T."""
     return _gmm(dy8_NO, dy8_scale_N, w8_EIO.transpose(1, 2), w8_scale_EI, ends)
 
 
 def wgrad(dy8_NO: Tensor, dy8_scale_N: Tensor, x8_NI: Tensor, x8_scale_N: Tensor, ends: Tensor) -> Tensor:
-    """dw_EIO[e] = x[rows of e].T @ dy[rows of e] (bf16) from both e4m3 row copies."""
+    """dw_EIO[e] = x[rows of e].T @ dy[rows of e] (bf16)."""
     x8c_IN, x8c_scale_EI = cols_from_rows(x8_NI, x8_scale_N, ends)
     dy8c_ON, dy8c_scale_EO = cols_from_rows(dy8_NO, dy8_scale_N, ends)
     # CUTLASS wants the contracted N a multiple of 16 too: both operands widened to their storage
@@ -75,8 +70,7 @@ def _forward(
     x_NI: Tensor, w_EIO: Tensor, w8_EIO: Tensor, w8_scale_EI: Tensor, w8t_EOI: Tensor, w8t_scale_EO: Tensor,
     ends: Tensor, x8_NI: Tensor | None = None, x8_scale_N: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """w_EIO is not read (it is what the weight gradient is for), nor x when x8 is given. -> (y, the x8
-    this made: empty when given)."""
+    """w_EIO is not read, nor x when x8 is given. -> (y, the x8 made or empties)."""
     made = quantize_rows(x_NI) if x8_NI is None else (x_NI.new_empty(0, dtype=FP8), x_NI.new_empty(0))
     x8 = made if x8_NI is None else (x8_NI, x8_scale_N)
     return _gmm(*x8, w8t_EOI.transpose(1, 2), w8t_scale_EO, ends).to(x_NI.dtype), *made
@@ -113,7 +107,7 @@ def _(x_NI, w_EIO, w8_EIO, w8_scale_EI, w8t_EOI, w8t_scale_EO, ends, x8_NI=None,
 def _setup(ctx, inputs, output):
     _, *made = output
     ctx.mark_non_differentiable(*made)
-    ctx.set_materialize_grads(False)  # the fp8 and scale outputs get no zero-filled gradients
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the fp8 outputs
     x8 = made if len(inputs) < 8 or inputs[7] is None else inputs[7:9]
     ctx.save_for_backward(*x8, *inputs[2:4], inputs[6])
     ctx.dtypes = inputs[0].dtype, inputs[1].dtype
@@ -124,28 +118,19 @@ def backward(saved, dy_NO: Tensor, need_dx: bool, x_dtype: torch.dtype, ops=(qua
     return _linear_backward(saved, dy_NO, need_dx, x_dtype, ops)
 
 
-_op.register_autograd(
-    functools.partial(_backward, ops=(_rows_op, _dgrad_op, _wgrad_op)), setup_context=_setup
-)
 _fp8_grouped_gemm = eager_or_custom(
-    _op, _setup, _forward, functools.partial(_backward, ops=(quantize_rows, dgrad, wgrad))
+    _op, _setup, _forward, _backward, (_rows_op, _dgrad_op, _wgrad_op), (quantize_rows, dgrad, wgrad)
 )
 
 
 def fp8_grouped_gemm_weight(w_EIO: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """quantize_weight(w) without autograd (the gradient reaches w through fp8_grouped_gemm's own w), one
-    graph node under torch.compile."""
-    if torch.compiler.is_compiling():
-        return _weight_op(w_EIO.detach())
-    with torch.no_grad():
-        return quantize_weight(w_EIO)
+    return fp8_linear_weight(w_EIO, _weight_op)
 
 
 def forward(
     x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, w8=None, x8=(None, None)
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """fp8_grouped_gemm's forward without autograd, for a caller running `backward` itself: -> (y_NO,
-    saved)."""
+    """fp8_grouped_gemm's forward without autograd, for a caller running `backward`: -> (y, saved)."""
     w8 = fp8_grouped_gemm_weight(w_EIO) if w8 is None else w8
     ends = group_ends_E.to(torch.int32).contiguous()
     y, *made = _forward(x_NI if x8[0] is not None else x_NI.contiguous(), w_EIO, *w8[:4], ends, *x8)
@@ -153,9 +138,9 @@ def forward(
 
 
 def fp8_grouped_gemm(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, w8=None, x8=(None, None)) -> Tensor:
-    """grouped_gemm through FP8 GEMMs, in x's dtype; w may be fp32. w8: as fp8_linear's. x8: (x8_NI,
-    x8_scale_N) = quantize_rows(x) made by the pass that wrote x (swiglu_fp8, moe_permute's FP8Rows),
-    or Nones; given, x is not read. On CUDA I, O and the group ends must be multiples of 16."""
+    """grouped_gemm through FP8 GEMMs, in x's dtype. w8: as fp8_linear's. x8: quantize_rows(x) made by
+    the pass that wrote x (swiglu_fp8, FP8Rows), or Nones. On CUDA I, O and the group ends must be
+    multiples of 16."""
     check("x_NI", x_NI, ndim=2, dtypes=FLOAT_DTYPES, contiguous=x8[0] is None)
     check("w_EIO", w_EIO, ndim=3, dtypes=FLOAT_DTYPES, device=x_NI.device, contiguous=w8 is None)
     check("group_ends_E", group_ends_E, ndim=1, dtypes=INDEX_DTYPES, device=x_NI.device)
@@ -174,7 +159,7 @@ def fp8_grouped_gemm(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, w8=None,
 def fp8_grouped_gemm_reference(
     x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, dy_NO: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The specification in float64 from the module docstring's operands, dequantised: -> (y, dx, dw)."""
+    """The module docstring's GEMMs in float64, dequantised: -> (y, dx, dw)."""
     ends = group_ends_E.to(torch.int32)
     q, scale_EI, _, _ = quantize_weight_reference(w_EIO)
     w8 = q.double() * scale_EI.double()[..., None]

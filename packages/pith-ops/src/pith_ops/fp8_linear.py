@@ -2,15 +2,11 @@
 
 Shape legend: T rows (tokens; leading dims are flattened), D input features, O output features.
 
-Each GEMM's operands are scaled along the axis it contracts (the recipe and its measurements: the
-pith-ops README): y = x8 @ w8.T, dx = dy8 @ w8t.T, dw = dy8c @ x8c.T, with x8 and dy8 by rows
-(quantize_rows), w8 = quantize_weight(w) and w8t its transposed copy, dy8c and x8c the row copies
-requantised by columns over T, transposed (cols_from_rows). The forward keeps x8 (half the bytes of
-the bf16 input). The GEMMs are torch._scaled_mm, with fast accumulation except in the wgrad, which
-contracts over all the tokens.
+Each GEMM's operands are scaled along the axis it contracts (the pith-ops README): y = x8 @ w8.T,
+dx = dy8 @ w8t.T, dw = dy8c @ x8c.T, with x8 and dy8 by rows (quantize_rows), w8 = quantize_weight(w)
+and w8t its transposed copy, dy8c and x8c requantised by columns over T (cols_from_rows). The forward
+keeps x8 (half the bytes of the bf16 input).
 """
-
-import functools
 
 import torch
 from torch import Tensor
@@ -34,8 +30,7 @@ from pith_ops.fp8_quant import (
 def _mm(
     a_q: Tensor, a_s: Tensor, bt_q: Tensor, bt_s: Tensor, fast: bool = True, out: Tensor | None = None
 ) -> Tensor:
-    """(a_q * a_s[:, None]) @ (bt_q * bt_s[:, None]).T in bf16, [M, K] and [N, K], into out if given.
-    fast: Hopper's fast FP8 accumulation, else fp32 promotion."""
+    """(a_q * a_s[:, None]) @ (bt_q * bt_s[:, None]).T in bf16; fast: Hopper's fast FP8 accumulation."""
     if a_q.shape[0] * bt_q.shape[0] * a_q.shape[1] == 0:
         y = torch.zeros(a_q.shape[0], bt_q.shape[0], dtype=torch.bfloat16, device=a_q.device)
         return y if out is None else out.copy_(y)
@@ -45,12 +40,12 @@ def _mm(
 
 
 def dgrad(dy8_TO: Tensor, dy8_scale_T: Tensor, w8t_DO: Tensor, w8t_scale_D: Tensor) -> Tensor:
-    """dx_TD = dy @ w through the transposed weight copy."""
+    """dx_TD = dy @ w."""
     return _mm(dy8_TO, dy8_scale_T, w8t_DO, w8t_scale_D)
 
 
 def wgrad(dy8_TO: Tensor, dy8_scale_T: Tensor, x8_TD: Tensor, x8_scale_T: Tensor) -> Tensor:
-    """dw_OD = dy.T @ x (bf16) from both e4m3 row copies, requantised by columns."""
+    """dw_OD = dy.T @ x (bf16)."""
     dy8c_OT, dy8c_scale = cols_from_rows(dy8_TO, dy8_scale_T)
     x8c_DT, x8c_scale = cols_from_rows(x8_TD, x8_scale_T)
     # Contracting over all the tokens, fast accumulation doubled the error for 6% less time (README).
@@ -61,8 +56,8 @@ def _forward(
     x_TD: Tensor, w_OD: Tensor, w8_OD: Tensor, w8_scale_O: Tensor, w8t_DO: Tensor, w8t_scale_D: Tensor,
     x8_TD: Tensor, x8_scale_T: Tensor,
 ) -> Tensor:  # fmt: skip
-    """x_TD and w_OD are not read: they are the inputs the gradients are for. x8 comes from its own op
-    (_rows_of), which a compiled graph of projections of one input (q, k and v) runs once."""
+    """x_TD and w_OD are not read. x8 comes from its own op (_rows_of), which a compiled graph of
+    projections of one input (q, k and v) runs once."""
     return _mm(x8_TD, x8_scale_T, w8_OD, w8_scale_O).to(x_TD.dtype)
 
 
@@ -119,8 +114,8 @@ def _setup(ctx, inputs, output):
 
 def backward(saved, dy_TO: Tensor, need_dx: bool, x_dtype: torch.dtype, ops=(quantize_rows, dgrad, wgrad)):
     """The backward in two halves from the forward's `saved` (x8_TD, x8_scale_T, w8t_DO, w8t_scale_D, then
-    what both GEMMs take: fp8_grouped_gemm's ends) -> (dx_TD in x_dtype, or None without need_dx; a
-    closure computing dw_OD in bf16). ops: the three functions, or their custom ops (compiled graphs)."""
+    what both GEMMs take) -> (dx_TD or None, a closure computing dw_OD in bf16). ops: the three
+    functions, or their custom ops."""
     rows, dgrad_fn, wgrad_fn = ops
     x8, x8_scale, w8t, w8t_scale, *extra = saved
     dy8, dy8_scale = rows(dy_TO.contiguous())
@@ -128,26 +123,22 @@ def backward(saved, dy_TO: Tensor, need_dx: bool, x_dtype: torch.dtype, ops=(qua
     return dx, lambda: wgrad_fn(dy8, dy8_scale, x8, x8_scale, *extra)
 
 
-def _backward(ctx, dy, *_, ops):
+def _backward(ops, ctx, dy, *_):
     """Also fp8_grouped_gemm's; ops as backward's."""
     dx, dw = backward(ctx.saved_tensors, dy, ctx.needs_input_grad[0], ctx.dtypes[0], ops)
     dw = _cast_back(dw(), ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
     return dx, dw, *(None for _ in ctx.needs_input_grad[2:])
 
 
-_op.register_autograd(
-    functools.partial(_backward, ops=(_rows_op, _dgrad_op, _wgrad_op)), setup_context=_setup
-)
 _fp8_linear = eager_or_custom(
-    _op, _setup, _forward, functools.partial(_backward, ops=(quantize_rows, dgrad, wgrad))
+    _op, _setup, _forward, _backward, (_rows_op, _dgrad_op, _wgrad_op), (quantize_rows, dgrad, wgrad)
 )
 
 
-def fp8_linear_weight(w_OD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """quantize_weight(w) without autograd (the gradient reaches w through fp8_linear's own w), one
-    graph node under torch.compile."""
+def fp8_linear_weight(w_OD: Tensor, op=_weight_op) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """quantize_weight(w) without autograd, one graph node (op) under torch.compile."""
     if torch.compiler.is_compiling():
-        return _weight_op(w_OD.detach())
+        return op(w_OD.detach())
     with torch.no_grad():
         return quantize_weight(w_OD)
 
@@ -158,8 +149,7 @@ def _rows_of(x_TD: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def forward(x_TD: Tensor, w_OD: Tensor, w8=None) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """fp8_linear's forward on 2-D x without autograd, for a caller running `backward` itself: -> (y_TO,
-    saved)."""
+    """fp8_linear's forward on 2-D x without autograd, for a caller running `backward`: -> (y, saved)."""
     _check(x_TD, w_OD, w_OD.requires_grad, w8)
     w8 = fp8_linear_weight(w_OD) if w8 is None else w8
     x8 = _rows_of(x_TD.contiguous())
@@ -167,9 +157,8 @@ def forward(x_TD: Tensor, w_OD: Tensor, w8=None) -> tuple[Tensor, tuple[Tensor, 
 
 
 def fp8_linear(x_TD: Tensor, w_OD: Tensor, w8=None) -> Tensor:
-    """x @ w.T (w [out, in]) through FP8 GEMMs, in x's dtype; x may have leading dims. w8:
-    fp8_linear_weight(w) of w's current values (or w's kept copies), or None. On CUDA the feature sizes
-    (and the rows, when w needs a gradient) must be multiples of 16."""
+    """x @ w.T through FP8 GEMMs, in x's dtype. w8: fp8_linear_weight(w) of w's current values, or None.
+    On CUDA the feature sizes (and the rows, when w needs a gradient) must be multiples of 16."""
     _check(x_TD, w_OD, torch.is_grad_enabled() and w_OD.requires_grad, w8)
     w8 = fp8_linear_weight(w_OD) if w8 is None else w8
     x2 = x_TD.reshape(-1, w_OD.shape[1]).contiguous()
@@ -177,7 +166,7 @@ def fp8_linear(x_TD: Tensor, w_OD: Tensor, w8=None) -> Tensor:
 
 
 def _check(x_TD: Tensor, w_OD: Tensor, training: bool, w8) -> None:
-    check("x_TD", x_TD, dtypes=FLOAT_DTYPES)  # w is read only when w8 is not given (else a stand-in may do)
+    check("x_TD", x_TD, dtypes=FLOAT_DTYPES)  # w is read only without w8 (else a stand-in may do)
     check("w_OD", w_OD, ndim=2, dtypes=FLOAT_DTYPES, device=x_TD.device, contiguous=w8 is None)
     D, O = w_OD.shape[1], w_OD.shape[0]
     if x_TD.ndim == 0 or x_TD.shape[-1] != D:
@@ -194,7 +183,7 @@ def _check(x_TD: Tensor, w_OD: Tensor, training: bool, w8) -> None:
 
 
 def fp8_linear_reference(x_TD: Tensor, w_OD: Tensor, dy_TO: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The specification in float64 from the module docstring's operands, dequantised: -> (y, dx, dw)."""
+    """The module docstring's GEMMs in float64, dequantised: -> (y, dx, dw)."""
     x8, dy8 = quantize_rows_reference(x_TD), quantize_rows_reference(dy_TO)
     q, scale_O, _, _ = quantize_weight_reference(w_OD[None])
     w8 = dequantize_rows(q[0], scale_O[0])

@@ -1,14 +1,12 @@
-"""FP8 (e4m3) quantisation with power-of-two scales, in the three forms the FP8 GEMMs take (the recipe
-and its measurements: the pith-ops README): quantize_rows, cols_from_rows, quantize_weight.
+"""FP8 (e4m3) quantisation with power-of-two scales, in the three forms the FP8 GEMMs take (recipe
+and measurements: the pith-ops README).
 
-Shape legend: M rows, K columns, G row groups (contiguous row segments ending at group_ends; 1
-otherwise), B batch entries (the experts of a stacked weight; 1 otherwise), R and C a weight's rows
-and columns.
+Shape legend: M rows, K columns, G row groups (ending at group_ends), B batch entries (a stacked
+weight's experts), R and C a weight's rows and columns.
 
 scale = the smallest power of two with amax / scale <= 448 (e4m3's largest finite value), so
 quantisation and dequantisation are exact in fp32 and kernels and references agree bit for bit; an
-all-zero row gets 2^-126. Values past 448 * scale (a weight whose amax grew since its scale was set)
-saturate at +-448.
+all-zero row gets 2^-126. Values past 448 * scale (a weight grown since its scale) saturate.
 """
 
 from typing import NamedTuple
@@ -25,8 +23,7 @@ FP8_MAX = 448.0
 
 
 class FP8Weight(NamedTuple):
-    """A weight's kept FP8 copies: quantize_weight's four outputs (the GEMMs' w8) and the amax the next
-    update's scale comes from (adamw_ rewrites them)."""
+    """quantize_weight's four outputs (the GEMMs' w8) and the amax of the next update's scale."""
 
     q: Tensor  # [B, R, C] or [R, C], e4m3
     scale_rows: Tensor  # [B, R] or [R]
@@ -36,16 +33,16 @@ class FP8Weight(NamedTuple):
 
 
 class FP8Rows(NamedTuple):
-    """Rows in e4m3 (quantize_rows) and a tensor of the rows' dtype and shape carrying their gradient:
-    the rows (fp8_rows), or a stand-in once the e4m3 rows have moved (moe_permute, an EP exchange)."""
+    """Rows in e4m3 (quantize_rows) and x carrying their gradient: the rows, or a stand-in once the
+    e4m3 rows have moved (moe_permute, an EP exchange)."""
 
-    x: Tensor  # [M, K]: the rows, or a stand-in (strides 0)
+    x: Tensor  # [M, K]
     q: Tensor  # [M, K] e4m3
     scale: Tensor  # [M] fp32
 
 
 def fp8_rows(x_MK: Tensor) -> FP8Rows:
-    """x with its e4m3 rows and scales (quantize_rows, outside autograd)."""
+    """x with quantize_rows(x), outside autograd."""
     return FP8Rows(x_MK, *quantize_rows(x_MK.detach()))
 
 
@@ -72,13 +69,6 @@ def _cast(x, inv):
 
 
 @triton.jit
-def _store_transposed(out_ptr, rows, cols, s_out, y, mask):
-    """out[cols, rows] = y[rows, cols] in out's dtype (its rows s_out apart)."""
-    out = out_ptr + cols.to(tl.int64)[:, None] * s_out + rows[None, :]
-    tl.store(out, tl.trans(y).to(out_ptr.dtype.element_ty), mask=tl.trans(mask))
-
-
-@triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
@@ -98,8 +88,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K
 
 @triton.jit
 def _group_scale_kernel(s_ptr, ends_ptr, scale_ptr, f_ptr, M, K, G, BLOCK: tl.constexpr):
-    """Group g: S = its largest row scale (2^-126 if empty), scale[g, :] = S, f = s / S for its rows (0
-    past the last group)."""
+    """Group g: S = its largest row scale, scale[g, :] = S, f = s / S for its rows (0 past the last)."""
     g = tl.program_id(0)
     end = tl.load(ends_ptr + g)
     start = tl.minimum(tl.load(ends_ptr + g - 1, mask=g > 0, other=0), end)
@@ -122,23 +111,22 @@ def _group_scale_kernel(s_ptr, ends_ptr, scale_ptr, f_ptr, M, K, G, BLOCK: tl.co
 def _cols_kernel(
     q_ptr, f_ptr, out_ptr, M, K, s_qb, s_qm, s_ob, s_out, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 ):  # fmt: skip
-    """A tile of batch entry program_id(2), rescaled by f (None: 1), stored transposed. The masks use M
-    and K, whose alignment the compiler knows: bounded by the last group end (read from memory) the
-    loads did not vectorise, 9% of copy bandwidth (H200)."""
+    """A tile of batch entry program_id(2), rescaled by f (None: 1), stored transposed. Masks by M and K,
+    whose alignment the compiler knows: by the last group end loads did not vectorise (9% of copy, H200)."""
     b = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     m = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(q_ptr + b * s_qb + rows.to(tl.int64)[:, None] * s_qm + cols[None, :], mask=m, other=0.0)
     f = 1.0 if f_ptr is None else tl.load(f_ptr + rows, mask=rows < M, other=0.0)[:, None]
-    _store_transposed(out_ptr + b * s_ob, rows, cols, s_out, _cast(x.to(tl.float32), f), m)
+    out = out_ptr + b * s_ob + cols.to(tl.int64)[:, None] * s_out + rows[None, :]
+    tl.store(out, tl.trans(_cast(x.to(tl.float32), f)).to(out_ptr.dtype.element_ty), mask=tl.trans(m))
 
 
 @triton.jit
 def _entry_amax(amax_ptr, offs, mask, RC, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """-> (b, amax[b]) of a block's flat offsets into [B, R, C] (RC = R * C). ALIGNED (RC a multiple of
-    BLOCK): scalars, one load a block (per element, AdamW with FP8 copies took 24.4-31.9 ms a step on
-    the pith-train bench against 21.8 with bf16 copies, H200)."""
+    """-> (b, amax[b]) of a block's flat offsets into [B, R, C]. ALIGNED (R * C a multiple of BLOCK): one
+    load a block (per element, AdamW with FP8 copies took 24.4-31.9 ms a step against 21.8, H200)."""
     if ALIGNED:
         b = (tl.program_id(0).to(tl.int64) * BLOCK) // RC
         amax = tl.load(amax_ptr + b)
@@ -150,7 +138,7 @@ def _entry_amax(amax_ptr, offs, mask, RC, ALIGNED: tl.constexpr, BLOCK: tl.const
 
 @triton.jit
 def _weight_rows_kernel(w_ptr, q_ptr, amax_ptr, N, RC, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """q = w / scale in w's layout, elementwise over [B, R, C] flat, scale from amax[b]."""
+    """q = w / scale(amax[b]) over [B, R, C] flat."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     _, inv = _pow2_scale(_entry_amax(amax_ptr, offs, mask, RC, ALIGNED, BLOCK)[1])
@@ -160,7 +148,7 @@ def _weight_rows_kernel(w_ptr, q_ptr, amax_ptr, N, RC, ALIGNED: tl.constexpr, BL
 
 @triton.jit
 def _weight_scales_kernel(amax_ptr, s_rows_ptr, s_cols_ptr, gate_ptr, R, C, BLOCK: tl.constexpr):
-    """Entry b's scale repeated along its R rows and C columns, unless the value at gate_ptr is not finite."""
+    """Entry b's scale repeated along its R rows and C columns, unless gate is not finite."""
     b = tl.program_id(0).to(tl.int64)
     scale, _ = _pow2_scale(tl.load(amax_ptr + b))
     gate = 0.0 if gate_ptr is None else tl.load(gate_ptr)
@@ -172,7 +160,6 @@ def _weight_scales_kernel(amax_ptr, s_rows_ptr, s_cols_ptr, gate_ptr, R, C, BLOC
 
 
 def pow2_scale(amax: Tensor) -> Tensor:
-    """_pow2_scale's scale, in torch."""
     bits = amax.float().view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
     return (e.clamp(1, 253) << 23).view(torch.float32)
@@ -183,18 +170,18 @@ def _quantize(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
 
 
 def _interpreted_cast(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
-    """Triton's CPU interpreter drops the carry when e4m3 rounding crosses into the next binade (127.85
-    -> 64, not 128); interpreted kernels write the exact fp32 quotients and torch casts them."""
+    """Triton's interpreter drops the carry when e4m3 rounding crosses a binade (127.85 -> 64, not 128):
+    interpreted kernels write fp32 quotients and torch casts them."""
     return q.to(FP8), scale
 
 
 def empty_cols(K: int, M: int, dtype: torch.dtype = FP8, device=None, batch: tuple = ()) -> Tensor:
-    """[*batch, K, M] with rows padded in storage to 16 elements: an FP8 GEMM operand for any M."""
+    """[*batch, K, M], rows padded in storage to 16 elements: an FP8 GEMM operand for any M."""
     return torch.empty(*batch, K, (M + 15) // 16 * 16, dtype=dtype, device=device)[..., :M]
 
 
 def quantize_rows(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, Tensor]:
-    """-> q_MK (x / scale in out_dtype; float32: the quotients before the cast), scale_M (fp32)."""
+    """-> q_MK (x / scale in out_dtype), scale_M (fp32): quantize_rows_reference."""
     check("x_MK", x_MK, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     if not use_triton(x_MK):
         return quantize_rows_reference(x_MK, out_dtype)
@@ -212,9 +199,9 @@ def quantize_rows(x_MK: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, T
 def cols_from_rows(
     q_MK: Tensor, scale_M: Tensor, group_ends_G: Tensor | None = None, out_dtype: torch.dtype = FP8
 ) -> tuple[Tensor, Tensor]:
-    """-> qc_KM (empty_cols), scale_GK (fp32): quantize_rows' q_MK * scale_M with one scale per row
-    group (its rows' largest), transposed. q_MK may be a slice of columns (any row stride).
-    group_ends_G: non-decreasing, last <= M; None: one group. Rows past the last end give zero columns."""
+    """-> qc_KM (empty_cols), scale_GK: q_MK * scale_M requantised with one scale per row group,
+    transposed (cols_from_rows_reference); q_MK may be a slice of columns. group_ends_G: non-decreasing,
+    last <= M; None: one group."""
     check("q_MK", q_MK, ndim=2, dtypes=(FP8, torch.float32))
     M, K = q_MK.shape
     if K > 1 and q_MK.stride(1) != 1:
@@ -235,7 +222,7 @@ def cols_from_rows(
         return out.copy_(q32), scale
     ends = group_ends_G.to(torch.int32).contiguous()
     scale, f = q_MK.new_empty(G, K, dtype=torch.float32), torch.empty_like(scale_M)
-    if G:  # a block holds a group's rows (one program per group; 8192 at most: a dense layer's 16384 in 2)
+    if G:  # a block holds a group's rows (8192 at most: a dense layer's 16384 in 2)
         block = 64 if INTERPRET else min(8192, max(1024, triton.next_power_of_2(triton.cdiv(M, G))))
         warps = 4 if block <= 1024 else 8
         _group_scale_kernel[(G,)](scale_M, ends, scale, f, M, K, G, BLOCK=block, num_warps=warps)
@@ -248,9 +235,8 @@ def cols_from_rows(
 
 
 def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torch.dtype = FP8):
-    """-> (q_BRC, scale_BR, qT_BCR, scale_BC): one scale per batch entry, repeated per row and column;
-    qT by empty_cols. A 2-D w is a batch of one (2-D outputs, 1-D scales). amax_B (fp32 [B]): the amax
-    the scale comes from (pith_ops.adamw_'s, of the values before its update); None: w's own."""
+    """-> (q_BRC, scale_BR, qT_BCR, scale_BC) as quantize_weight_reference's, qT by empty_cols; a 2-D w
+    is a batch of one. amax_B (fp32 [B]): the scale's amax (adamw_'s, before its update); None: w's."""
     check("w_BRC", w_BRC, dtypes=FLOAT_DTYPES, contiguous=True)
     if w_BRC.ndim not in (2, 3):
         raise ValueError(f"w_BRC: expected 2 or 3 dimensions, got shape {tuple(w_BRC.shape)}")
@@ -282,8 +268,8 @@ def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torc
 
 def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
     """Writes copies' scales and transposed copy from q and amax (the scales stay where gate, adamw_'s
-    clip scale, is not finite). q has its own kernel: one storing an e4m3 tile in both layouts lost a
-    quarter of its transposed values on an H200 (Triton 3.6)."""
+    clip scale, is not finite). Not fused with q's kernel: storing an e4m3 tile in both layouts lost a
+    quarter of its transposed values (H200, Triton 3.6)."""
     q3, qt3 = (copies.q, copies.qt) if copies.q.ndim == 3 else (copies.q[None], copies.qt[None])
     B, R, C = q3.shape
     if B:
@@ -300,14 +286,14 @@ def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
 
 def copies_of_quantized(q_BRC: Tensor, amax_B: Tensor, into: FP8Weight | None = None) -> FP8Weight:
     """quantize_weight(w, amax_B)'s copies, bit for bit, from q alone (a weight gathered in e4m3). into:
-    an earlier call's copies on q's storage, rewritten in place (a backward may have saved them)."""
+    an earlier call's copies on q's storage, rewritten in place."""
     q3 = q_BRC if q_BRC.ndim == 3 else q_BRC[None]
     B, R, C = q3.shape
     if into is not None:
         qt, s_rows, s_cols = (
             t if q_BRC.ndim == 3 else t[None] for t in (into.qt, into.scale_rows, into.scale_cols)
         )
-    else:  # quantize_weight's layouts: the reference's transposed copy is a view of q
+    else:  # quantize_weight's layouts (the reference's qT is a view of q)
         qt = empty_cols(C, R, q3.dtype, q3.device, (B,)) if use_triton(q3) else q3.mT
         s_rows, s_cols = (q3.new_empty(B, n, dtype=torch.float32) for n in (R, C))
     if use_triton(q3):
@@ -322,7 +308,7 @@ def copies_of_quantized(q_BRC: Tensor, amax_B: Tensor, into: FP8Weight | None = 
 
 
 def weight_amax(w_BRC: Tensor) -> Tensor:
-    """amax_B (fp32) of a 3-D weight's batch entries, or [1] of a 2-D one."""
+    """amax_B (fp32) of a 3-D weight's entries, or [1] of a 2-D one."""
     w3 = w_BRC.detach().flatten(1) if w_BRC.ndim == 3 else w_BRC.detach().reshape(1, -1)
     if not w3.numel():
         return w3.new_zeros(w3.shape[0], dtype=torch.float32)
@@ -364,12 +350,12 @@ def quantize_weight_reference(w_BRC: Tensor, amax_B: Tensor | None = None, out_d
 
 
 def dequantize_rows(q_MK: Tensor, scale_M: Tensor) -> Tensor:
-    """q * scale in float64 (exact: the scales are powers of two)."""
+    """q * scale in float64 (exact)."""
     return q_MK.double() * scale_M.double()[:, None]
 
 
 def dequantize_cols(qc_KM: Tensor, scale_GK: Tensor, group_ends_G: Tensor) -> Tensor:
-    """The inverse of cols_from_rows in float64, still [K, M]; rows past the last end 0."""
+    """The inverse of cols_from_rows in float64, still [K, M]."""
     ends = group_ends_G.long().cpu()
     sizes = torch.diff(ends, prepend=ends.new_zeros(1)).clamp(min=0)
     scale_KM = scale_GK.double().T.repeat_interleave(sizes.to(scale_GK.device), dim=1)

@@ -1,6 +1,5 @@
-"""Grouped GEMM over contiguous per-expert row segments: y[rows of e] = x[rows of e] @ w[e]; its two
-implementations (torch's grouped matmul, faster where it applies, and Triton kernels) and the zeroed
-rows past group_ends[-1]: the pith-ops README.
+"""Grouped GEMM over contiguous per-expert row segments: y[rows of e] = x[rows of e] @ w[e], by
+torch's grouped matmul where it applies (faster: the pith-ops README), else Triton kernels.
 
 Shape legend: N grouped rows, I input features, O output features, E experts (groups).
 """
@@ -21,7 +20,7 @@ TILES = (32, 32, 32, 1, 1) if INTERPRET else (128, 128, 64, 8, 3)
 
 @triton.jit
 def _group_of_tile(ends_ptr, tile, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
-    """-> (group, first row, end row) of row tile `tile` when each group is cut into BLOCK_M tiles."""
+    """-> (group, first row, end row) of row tile `tile`, each group cut into BLOCK_M tiles."""
     e = tl.arange(0, E_P2)
     end = tl.load(ends_ptr + e, mask=e < E, other=0)
     start = tl.load(ends_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
@@ -40,7 +39,7 @@ def _grouped_mm_kernel(
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     group, row0, row_end = _group_of_tile(ends_ptr, tl.program_id(0), E, BLOCK_M, E_P2)
-    if group >= E:  # the grid has room for the worst case; the spare programs leave at once
+    if group >= E:  # the grid has room for the worst case
         return
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -93,18 +92,17 @@ def _zero_tail_kernel(y_ptr, ends_ptr, E, N, O, ROWS: tl.constexpr, BLOCK_N: tl.
     tail = (rows >= last) & (rows < N)
     for c0 in range(0, O, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
-        p = y_ptr + rows.to(tl.int64)[:, None] * O + cols[None, :]
+        zero = tl.zeros([ROWS, BLOCK_N], dtype=y_ptr.dtype.element_ty)
         tl.store(
-            p,
-            tl.zeros([ROWS, BLOCK_N], dtype=y_ptr.dtype.element_ty),
+            y_ptr + rows.to(tl.int64)[:, None] * O + cols[None, :],
+            zero,
             mask=tail[:, None] & (cols[None, :] < O),
         )
 
 
 def _zero_tail(y_NO: Tensor, ends: Tensor) -> Tensor:
     N, O = y_NO.shape
-    rows = 64
-    _zero_tail_kernel[(triton.cdiv(N, rows),)](y_NO, ends, ends.shape[0], N, O, ROWS=rows, BLOCK_N=128)
+    _zero_tail_kernel[(triton.cdiv(N, 64),)](y_NO, ends, ends.shape[0], N, O, ROWS=64, BLOCK_N=128)
     return y_NO
 
 
@@ -118,7 +116,8 @@ def _torch_path(x: Tensor, *sizes: int) -> bool:
     )
 
 
-def _mm(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> Tensor:
+@torch.library.custom_op("pith::grouped_gemm", mutates_args=())
+def _grouped_gemm_op(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> Tensor:
     """y = grouped x @ w[e]; w may be a transposed view (dX's)."""
     N, E, O = x_NI.shape[0], w_EIO.shape[0], w_EIO.shape[2]
     if N * O * w_EIO.shape[1] == 0:  # empty sums
@@ -128,7 +127,7 @@ def _mm(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> Tensor:
     else:
         y = x_NI.new_empty(N, O)
         bm, bn, bk, warps, stages = TILES
-        # Each non-empty group adds at most one partial tile, and at most min(E, N) groups are non-empty.
+        # Each of at most min(E, N) non-empty groups adds at most one partial tile.
         grid = (triton.cdiv(N, bm) + min(E, N), triton.cdiv(O, bn))
         _grouped_mm_kernel[grid](
             x_NI, w_EIO, y, ends, E, w_EIO.shape[1], O, *x_NI.stride(), *w_EIO.stride(), *y.stride(),
@@ -138,13 +137,8 @@ def _mm(x_NI: Tensor, w_EIO: Tensor, ends: Tensor) -> Tensor:
     return _zero_tail(y, ends)
 
 
-@torch.library.custom_op("pith::grouped_gemm", mutates_args=())
-def _grouped_gemm_op(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor) -> Tensor:
-    return _mm(x_NI, w_EIO, group_ends_E)
-
-
 @_grouped_gemm_op.register_fake
-def _(x_NI, w_EIO, group_ends_E):
+def _(x_NI, w_EIO, ends):
     return x_NI.new_empty(x_NI.shape[0], w_EIO.shape[2])
 
 
@@ -185,8 +179,8 @@ def _backward(ctx, dy_NO):
 def grouped_gemm_backward(
     x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor, dy_NO: Tensor, need_dx: bool = True
 ) -> tuple[Tensor | None, Callable[[], Tensor]]:
-    """grouped_gemm's backward in two halves, for a schedule that runs the weight gradient later: -> (dx_NI
-    or None without need_dx, a closure computing dw_EIO), bit for bit a plain backward's."""
+    """grouped_gemm's backward in two halves (the weight gradient run later): -> (dx_NI or None, a
+    closure computing dw_EIO), bit for bit a plain backward's."""
     dy_NO = dy_NO.contiguous()
     if not use_triton(x_NI):
         return _reference_backward(x_NI, w_EIO, group_ends_E, dy_NO, need_dx)
@@ -196,7 +190,6 @@ def grouped_gemm_backward(
 
 
 def _reference_backward(x_NI, w_EIO, group_ends_E, dy_NO, need_dx):
-    """Autograd through grouped_gemm_reference (recomputed), asked for dx now and dw when called."""
     x, w = x_NI.detach().requires_grad_(need_dx), w_EIO.detach().requires_grad_()
     with torch.enable_grad():
         y_NO = grouped_gemm_reference(x, w, group_ends_E)
@@ -228,7 +221,7 @@ def grouped_gemm(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor) -> Tensor:
 
 def grouped_gemm_reference(x_NI: Tensor, w_EIO: Tensor, group_ends_E: Tensor) -> Tensor:
     """y[rows of group e] = x[rows of group e] @ w[e], rows past the last end 0; fp32 accumulation
-    (float64 for float64 inputs)."""
+    (float64 inputs: float64)."""
     acc = torch.promote_types(x_NI.dtype, torch.float32)
     y = x_NI.new_zeros(x_NI.shape[0], w_EIO.shape[2])
     start = 0

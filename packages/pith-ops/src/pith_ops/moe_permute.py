@@ -1,14 +1,12 @@
-"""Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute). How the
-launches overlap and what they measured: the pith-ops README. One concern over ~450 lines: the two
-are each other's backward and share the index pass, its kernels and the FP8 rows' variant.
+"""Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute), each
+other's backward. How the launches overlap and what they measured: the pith-ops README.
 
-Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows (T*K, plus per-expert
-padding when align > 1, or the caller's `rows`), C chunks of CT tokens (CT * K <= CHUNK routed entries),
-R rows of a tile.
+Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows, C chunks of CT tokens
+(CT * K <= CHUNK entries), R rows of a tile.
 
-A negative expert id routes nowhere, so a caller can route a subset of the entries (expert
-parallelism's rows by destination rank) with a static `rows`. Ids >= E and a `rows` too small are
-caught only for CPU tensors in eager mode (on CUDA a host sync per call). No row of moe_unpermute's y
+A negative expert id routes nowhere, so a caller can route a subset of the entries (EP's rows by
+destination rank) with a static `rows`. Ids >= E and a `rows` too small are caught only for CPU
+tensors in eager mode (on CUDA: a host sync). No row of moe_unpermute's y
 may be referenced by two (t, k) entries (true for moe_permute's slots).
 """
 
@@ -36,7 +34,7 @@ CHUNK = tl.constexpr(128)
 
 @triton.jit
 def _chunk_ids(ids_TK_ptr, c, T, K: tl.constexpr, CT: tl.constexpr):
-    """-> (entries, ok, ids) of chunk c's CT * K entries in CHUNK lanes; ids -1 where not ok."""
+    """-> (entries, ok, ids) of chunk c's CT * K entries in CHUNK lanes."""
     j = tl.arange(0, CHUNK)
     entries = c * CT * K + j
     ok = (j < CT * K) & (entries < T * K)
@@ -47,9 +45,8 @@ def _chunk_ids(ids_TK_ptr, c, T, K: tl.constexpr, CT: tl.constexpr):
 def _chunk_histogram_kernel(
     ids_TK_ptr, counts_CE_ptr, arrivals_ptr, T, E, K: tl.constexpr, CT: tl.constexpr, ET: tl.constexpr
 ):  # fmt: skip
-    """counts[c, e] = entries of expert e in chunk c; program 0 also resets the scan's arrival counter.
-    Compares rather than tl.histogram, whose GPU lowering costs O(bins) per value and wants a
-    power-of-two, compile-time bin count."""
+    """counts[c, e] = entries of expert e in chunk c; program 0 resets the scan's arrival counter.
+    Compares, as tl.histogram costs O(bins) per value and wants a power-of-two constexpr bin count."""
     c = tl.program_id(0)
     if c == 0:
         tl.store(arrivals_ptr, 0)
@@ -66,8 +63,7 @@ def _histogram_scan_kernel(
     CB: tl.constexpr, EB: tl.constexpr, E_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Per expert (EB a program): pre[c, e] = entries of e in chunks < c; total[e] = all of them. The
-    last program to finish turns the totals into group starts and ends (padded to `align`), which the
-    slot kernel gathers instead of scanning E totals in each program."""
+    last program to finish turns the totals into group starts and ends (padded to `align`)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     experts = tl.program_id(0) * EB + tl.arange(0, EB)
@@ -81,7 +77,7 @@ def _histogram_scan_kernel(
         tl.store(pre_CE_ptr + p, carry[None, :] + tl.cumsum(counts, 0) - counts, mask=m)
         carry += tl.sum(counts, 0)
     tl.store(total_E_ptr + experts, carry, mask=e_ok)
-    tl.debug_barrier()  # all of this program's totals are written before its arrival (a release) counts
+    tl.debug_barrier()  # the totals are written before the arrival (a release) counts
     if tl.atomic_add(arrivals_ptr, 1) == tl.num_programs(0) - 1:
         every = tl.arange(0, E_P2)
         # Written by programs on other SMs: read at L2 (.cg), past this SM's L1.
@@ -98,9 +94,8 @@ def _store_rows(
     K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """out[slots[t, k]] = src[t] (slots < 0 skipped); WEIGHTED: out[slots[t, k]] = w[t, k] * src[t] and
-    dw[t, k] = <src[t], y[slots[t, k]]>. A src tile is loaded once, stored K times (a gather by output
-    row would read src K times, and src outgrows L2). The slots are loaded in the column loop: hoisted,
-    K [ROWS, BLOCK_D] pointer broadcasts stay live (sm_90: spills)."""
+    dw[t, k] = <src[t], y[slots[t, k]]>. A src tile is loaded once, stored K times (a gather would read
+    src K times). Slots are loaded in the column loop: hoisted, K pointer broadcasts spill (sm_90)."""
     tok_ok = tokens < T
     src_rows = tokens.to(tl.int64)[:, None] * D
     ks = tl.arange(0, K_P2)
@@ -129,7 +124,6 @@ def _store_rows(
 # Store tile (TILE elements: CT rows x TILE / CT columns) and warps of the slots + scatter kernel. Several
 # programs an SM let one's row stores hide another's index work (sm_90, top-8: 95 registers with a 4096
 # tile, 5 programs an SM; 128 with 16384 at 8 warps, 2). Whole rows a store win at D=2048 (README).
-# The interpreter runs every config, so it gets one.
 _SLOTS_CONFIGS = [
     triton.Config({"TILE": t}, num_warps=w)
     for t, w in ((4096, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 8), (32768, 16), (32768, 32))
@@ -145,14 +139,13 @@ def _slots_scatter_kernel(
     PDL: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     """Per chunk: slot = start[e] + pre[c, e] + earlier entries of e in the chunk (-1 for ids < 0), the
-    map row -> entry (HAS_OWNER), then the token rows to their K slots. PDL: the in-chunk ranks are
-    computed before waiting for the scan."""
+    map row -> entry (HAS_OWNER), then the token rows to their K slots. PDL: ranks before the wait."""
     BLOCK_D: tl.constexpr = TILE // CT if TILE // CT < D_P2 else D_P2
     c = tl.program_id(0)
     entries, ok, ids = _chunk_ids(ids_TK_ptr, c, T, K, CT)
     routed = ok & (ids >= 0)
     j = tl.arange(0, CHUNK)
-    # Equal ids only: the -1 of unrouted entries and empty lanes never adds to a routed entry's rank.
+    # Equal ids only: unrouted entries and empty lanes (-1) never add to a routed entry's rank.
     earlier = (ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None])
     rank = tl.sum(earlier.to(tl.int32), axis=1)
     if PDL:
@@ -170,7 +163,7 @@ def _slots_scatter_kernel(
     )  # fmt: skip
 
 
-# Elements per program (ROWS = ELEMS / BLOCK_D token rows, at least one) and warps of the row kernels.
+# Elements per program (ELEMS / BLOCK_D token rows, at least one) and warps of the row kernels.
 _CONFIGS = [
     triton.Config({"ELEMS": e}, num_warps=w)
     for e, w in ((4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16), (2048, 4))
@@ -184,7 +177,6 @@ def _scatter_rows_kernel(
     src_TD_ptr, slots_TK_ptr, w_TK_ptr, y_ND_ptr, out_ND_ptr, dw_TK_ptr, T, D,
     K: tl.constexpr, K_P2: tl.constexpr, BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
 ):  # fmt: skip
-    """The weighted _store_rows over given slots (moe_unpermute's backward), ROWS tokens a program."""
     ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     _store_rows(
@@ -195,19 +187,16 @@ def _scatter_rows_kernel(
 
 @triton.jit
 def _zero_unowned_rows_kernel(out_ND_ptr, owner_N_ptr, N, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows no (t, k) entry wrote (owner < 0: padding, or rows a caller's slots skip) become zero."""
+    """Rows no (t, k) entry wrote (owner < 0) become zero."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     free = tl.load(owner_N_ptr + rows, mask=rows < N, other=0) < 0
     if tl.max(free.to(tl.int32), 0) == 0:  # nearly every program: all its rows are owned
         return
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
+        zero = tl.zeros([ROWS, BLOCK_D], dtype=out_ND_ptr.dtype.element_ty)
         p = out_ND_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
-        tl.store(
-            p,
-            tl.zeros([ROWS, BLOCK_D], dtype=out_ND_ptr.dtype.element_ty),
-            mask=free[:, None] & (cols[None, :] < D),
-        )
+        tl.store(p, zero, mask=free[:, None] & (cols[None, :] < D))
 
 
 @triton.autotune(_CONFIGS, key=["D", "K", "HAS_W"])
@@ -216,8 +205,8 @@ def _combine_kernel(
     y_ND_ptr, slots_TK_ptr, w_TK_ptr, out_TD_ptr, T, D,
     K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
 ):  # fmt: skip
-    """out[t] = sum_k w[t, k] * y[slots[t, k]] in fp32 (slots < 0 skipped; w = 1 without HAS_W); K
-    unrolled so that the K row gathers are in flight together."""
+    """out[t] = sum_k w[t, k] * y[slots[t, k]] in fp32 (w = 1 without HAS_W); K unrolled so that the K
+    row gathers are in flight together."""
     ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -242,10 +231,6 @@ def _block_d(D: int) -> int:
     return min(triton.next_power_of_2(max(D, 1)), 1024)
 
 
-def _rows(meta: dict, block_d: int) -> int:
-    return triton.cdiv(meta["ELEMS"], block_d)
-
-
 def _zero_unowned(out_ND: Tensor, owner_N: Tensor) -> None:
     N, D = out_ND.shape
     if N * D:
@@ -261,7 +246,8 @@ def _combine(y_ND, slots_TK, w_TK=None):
     block_d = _block_d(D)
     if T * D == 0:
         return out
-    _combine_kernel[lambda meta: (triton.cdiv(T, _rows(meta, block_d)), triton.cdiv(D, block_d))](
+    grid = lambda meta: (triton.cdiv(T, triton.cdiv(meta["ELEMS"], block_d)), triton.cdiv(D, block_d))
+    _combine_kernel[grid](
         y_ND, slots_TK, w_TK if w_TK is not None else slots_TK, out, T, D,
         K=K, HAS_W=w_TK is not None, BLOCK_D=block_d,
     )  # fmt: skip
@@ -270,7 +256,7 @@ def _combine(y_ND, slots_TK, w_TK=None):
 
 @functools.cache
 def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (a kernel starting while the one before it finishes): sm_90 on."""
+    """Programmatic dependent launch (a kernel starting while the one before finishes): sm_90 on."""
     return not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
 
 
@@ -290,7 +276,7 @@ def _permute_forward(
     ids = expert_ids_TK.contiguous()
     x_ND = torch.empty(N, D, dtype=x_TD.dtype, device=dev)
     slots = torch.empty(T, K, dtype=torch.int64, device=dev)
-    # The owner map finds the rows no entry owns (padding, and those past the entries in a given N).
+    # Finds the rows no entry owns (padding, those past the entries in a given N).
     owner = torch.full((N,), -1, dtype=torch.int32, device=dev) if rows is not None or align > 1 else None
     if T * K == 0:
         ends = torch.zeros(E, dtype=torch.int32, device=dev)
@@ -351,24 +337,18 @@ def _permute_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _permute_grads(ctx, dx_ND, _dslots, _dends, backward):
+def _permute_grads(backward, ctx, dx_ND, _dslots, _dends):
     (slots_TK,) = ctx.saved_tensors
     return backward(dx_ND, slots_TK), None, None, None, None
 
 
-_permute_op.register_autograd(
-    functools.partial(_permute_grads, backward=_permute_backward_op), setup_context=_permute_setup
-)
 _permute = eager_or_custom(
-    _permute_op,
-    _permute_setup,
-    _permute_forward,
-    functools.partial(_permute_grads, backward=_permute_backward),
+    _permute_op, _permute_setup, _permute_forward, _permute_grads, _permute_backward_op, _permute_backward
 )
 
 
 class _StandIn(torch.autograd.Function):
-    """Zeros [N, D] of strides 0 standing for x's rows permuted by slots, with moe_permute's gradient."""
+    """Zeros [N, D] of strides 0 standing for x's permuted rows, with moe_permute's gradient."""
 
     @staticmethod
     def forward(ctx, x_TD: Tensor, slots_TK: Tensor, N: int) -> Tensor:
@@ -403,13 +383,9 @@ def _permute_fp8(x8: FP8Rows, expert_ids_TK: Tensor, num_experts: int, align: in
 
 
 def moe_permute(
-    x_TD: Tensor | FP8Rows,
-    expert_ids_TK: Tensor,
-    num_experts: int,
-    align: int = 1,
-    *,
+    x_TD: Tensor | FP8Rows, expert_ids_TK: Tensor, num_experts: int, align: int = 1, *,
     rows: int | None = None,
-) -> tuple[Tensor | FP8Rows, Tensor, Tensor]:
+) -> tuple[Tensor | FP8Rows, Tensor, Tensor]:  # fmt: skip
     """-> (x_ND, slots_TK int64, group_ends_E int32), laid out as moe_permute_reference's. x_TD may be
     bytes (uint8: no gradient), or FP8Rows (fp8_rows), which give FP8Rows."""
     if isinstance(x_TD, FP8Rows):
@@ -455,7 +431,7 @@ def _unpermute_backward(
 ) -> tuple[Tensor, Tensor]:
     (T, K), (N, D), dev = slots_TK.shape, y_ND.shape, y_ND.device
     flat = slots_TK.reshape(-1)
-    # Owner map for the zero fill; row N is a sink for slots < 0 (a boolean mask would sync).
+    # Row N is a sink for slots < 0 (a boolean mask would sync).
     owner = torch.full((N + 1,), -1, dtype=torch.int32, device=dev)
     owner.scatter_(
         0, torch.where(flat < 0, N, flat).long(), torch.arange(T * K, dtype=torch.int32, device=dev)
@@ -464,7 +440,7 @@ def _unpermute_backward(
     dw = torch.empty(T, K, dtype=torch.float32, device=dev)
     if T:
         block_d = _block_d(D)
-        _scatter_rows_kernel[lambda meta: (triton.cdiv(T, _rows(meta, block_d)),)](
+        _scatter_rows_kernel[lambda meta: (triton.cdiv(T, triton.cdiv(meta["ELEMS"], block_d)),)](
             dout_TD.contiguous(), slots_TK.contiguous(), weights_TK.contiguous(), y_ND, dy, dw, T, D,
             K=K, K_P2=triton.next_power_of_2(K), BLOCK_D=block_d,
         )  # fmt: skip
@@ -492,25 +468,23 @@ def _unpermute_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _unpermute_grads(ctx, dout_TD, backward):
+def _unpermute_grads(backward, ctx, dout_TD):
     dy, dw = backward(dout_TD, *ctx.saved_tensors)
     return dy, None, dw
 
 
-_unpermute_op.register_autograd(
-    functools.partial(_unpermute_grads, backward=_unpermute_backward_op),
-    setup_context=_unpermute_setup,
-)
 _unpermute = eager_or_custom(
     _unpermute_op,
     _unpermute_setup,
     _unpermute_forward,
-    functools.partial(_unpermute_grads, backward=_unpermute_backward),
+    _unpermute_grads,
+    _unpermute_backward_op,
+    _unpermute_backward,
 )
 
 
 def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
-    """out_TD = sum_k weights[t, k] * y[slots[t, k]]: moe_unpermute_reference."""
+    """moe_unpermute_reference."""
     check("y_ND", y_ND, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check("slots_TK", slots_TK, ndim=2, dtypes=INDEX_DTYPES, device=y_ND.device)
     check("weights_TK", weights_TK, ndim=2, dtypes=FLOAT_DTYPES, device=y_ND.device)
@@ -549,9 +523,8 @@ def moe_permute_reference(
     slots = torch.empty_like(flat).scatter_(0, order, starts[e_sorted] + rank_in_expert)
     slots = torch.where(routed, slots, -1)
     N = _static_rows(T, K, E, align, rows)
-    # Each row's token, T (a zero row appended to x) where no entry owns it; unrouted entries write to
-    # a sink N, cut off (index writes rather than a boolean mask: no host sync). A gather of the N rows
-    # rather than a scatter of T*K copies: far fewer when most entries are unrouted (EP's receiver).
+    # Each row's token, T (a zero row appended to x) where unowned; unrouted entries write to a sink N
+    # (no boolean mask: no host sync). A gather of N rows, not a scatter of T*K: fewer under EP.
     token_N = torch.full((N + 1,), T, dtype=torch.long, device=flat.device)
     token_N.scatter_(0, torch.where(routed, slots, N), torch.arange(T * K, device=flat.device) // K)
     x_ND = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])[token_N[:N]]
@@ -560,9 +533,9 @@ def moe_permute_reference(
 
 def moe_unpermute_reference(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
     """out[t] = sum_k weights[t, k] * y[slots[t, k]] (slots < 0 contribute nothing), fp32 sum, y's dtype."""
-    acc = torch.promote_types(y_ND.dtype, torch.float32)  # float64 stays float64 for the tests
+    acc = torch.promote_types(y_ND.dtype, torch.float32)
     valid = slots_TK >= 0
-    # Slots < 0 read a zero row N appended to y (so an empty y works too).
+    # Slots < 0 read a zero row appended to y (an empty y works too).
     y_ND = torch.cat([y_ND, y_ND.new_zeros(1, y_ND.shape[1])])
     rows = y_ND[torch.where(valid, slots_TK, y_ND.shape[0] - 1)].to(acc)  # [T, K, D]
     w = torch.where(valid, weights_TK.to(acc), 0.0)

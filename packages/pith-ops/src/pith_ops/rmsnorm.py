@@ -1,5 +1,5 @@
-"""RMSNorm, fused forward and backward (dx and dweight), plain `w` and `(1 + w)` weight forms; how the
-passes and the weight gradient's partial sums are arranged: the pith-ops README.
+"""RMSNorm, fused forward and backward (dx and dweight); the passes and the weight gradient's partial
+sums: the pith-ops README.
 
 Shape legend: N rows (leading dims flattened), D normalised width; weight_D.
 """
@@ -13,9 +13,8 @@ from torch import Tensor
 
 from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, eager_or_custom, use_triton
 
-# ELEMS elements per program (ROWS = ELEMS / BLOCK_D rows, at least one) and warps: D=2048 and D=128
-# want different shapes. The backward also tunes programs per SM (PER_SM: more hide latency, fewer
-# write fewer partials; 60-128 registers a thread on sm_90, so 1 to 4 fit). The interpreter gets one.
+# ELEMS elements per program and warps: D=2048 and D=128 want different shapes. The backward also tunes
+# programs per SM (more hide latency, fewer write fewer partials; 60-128 registers a thread, sm_90).
 _SHAPES = ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16))
 _CONFIGS = [triton.Config({"ELEMS": e}, num_warps=w) for e, w in _SHAPES]
 _BACKWARD_CONFIGS = [
@@ -45,7 +44,7 @@ def _rms_norm_forward_kernel(x_ptr, w_ptr, y_ptr, N, D, eps, BLOCK_D: tl.constex
 def _rms_norm_backward_kernel(
     x_ptr, w_ptr, dy_ptr, dx_ptr, dw_partial_ptr, N, D, eps,
     BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
-    PER_SM: tl.constexpr,  # programs per SM: sizes the grid, read by the launcher
+    PER_SM: tl.constexpr,  # programs per SM: read by the launcher
 ):  # fmt: skip
     """dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * w; dw partial = sum over rows of dy * xhat.
     Program p owns tiles [p * n / P, (p + 1) * n / P), loading tile i + 1 before computing tile i."""
@@ -56,7 +55,7 @@ def _rms_norm_backward_kernel(
     cols = tl.arange(0, BLOCK_D)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     row_end = tl.minimum(end * ROWS, N)  # this program's rows end here
-    # Only the scalar first row is carried and advanced: 2D int64 offsets cost registers per element.
+    # Only the scalar first row is advanced: 2D int64 offsets cost registers per element.
     r = tl.arange(0, ROWS)
     tile_offs = r[:, None] * D + cols[None, :]
     col_mask = cols[None, :] < D
@@ -84,7 +83,7 @@ def _rms_norm_backward_kernel(
 
 @triton.jit
 def _sum_partials_kernel(dw_partial_ptr, dw_ptr, P, D, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dw[c] = sum over the P partial rows, cast to the weight dtype by the store."""
+    """dw[c] = sum over the P partial rows."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
@@ -153,22 +152,17 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_ND, weight_D)
 
 
-def _grads(ctx, dy_ND, backward):
+def _grads(backward, ctx, dy_ND):
     x_ND, weight_D = ctx.saved_tensors
     dx_ND, dw_D = backward(dy_ND, x_ND, weight_D, ctx.eps)
     return dx_ND, dw_D, None
 
 
-_rms_norm_op.register_autograd(
-    functools.partial(_grads, backward=_rms_norm_backward_op), setup_context=_setup_context
-)
-_rms_norm = eager_or_custom(
-    _rms_norm_op, _setup_context, _forward, functools.partial(_grads, backward=_backward)
-)
+_rms_norm = eager_or_custom(_rms_norm_op, _setup_context, _forward, _grads, _rms_norm_backward_op, _backward)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """rms_norm_reference over the last dim."""
+    """rms_norm_reference."""
     check("x", x, dtypes=FLOAT_DTYPES)
     check("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
     if x.ndim == 0 or x.shape[-1] != weight.shape[0] or weight.shape[0] == 0:
@@ -183,7 +177,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x / sqrt(mean(x^2) + eps) * w, in fp32 (float64 for float64 input), out in x.dtype."""
+    """x / sqrt(mean(x^2) + eps) * w, in fp32 (float64 input: float64), out in x.dtype."""
     acc = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(acc)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

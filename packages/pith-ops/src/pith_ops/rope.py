@@ -2,8 +2,7 @@
 interleaved pairs, partial rotary; x and dy may be strided views (q sliced from a fused qkv
 projection) whose last dim is contiguous.
 
-Shape legend: B batch, S sequence, H heads, D head dim, R rotated pairs per head (2R <= D; the last
-D - 2R dims pass through unchanged). cos_BSR / sin_BSR may have batch 1 (shared by the batch).
+Shape legend: B batch (cos and sin: B or 1), S sequence, H heads, D head dim, R rotated pairs (2R <= D).
 """
 
 import functools
@@ -37,7 +36,7 @@ def _rope_kernel(
     out_head = out_ptr + (tokens * H * D)[:, None, None] + heads[None, :, None] * D
     head_mask = (tokens[:, None, None] < T) & (heads[None, :, None] < H)
     if INTERLEAVED:
-        # Pairs (2i, 2i+1): one contiguous load of the 2R rotated dims, de-interleaved in registers.
+        # One contiguous load of the 2R rotated dims, de-interleaved in registers.
         c = tl.arange(0, 2 * BLOCK_R)[None, None, :]
         mask = head_mask & (c < 2 * R)
         x = tl.load(x_head + c, mask=mask, other=0.0).to(tl.float32)
@@ -59,8 +58,7 @@ def _rope_kernel(
 
 @functools.cache
 def _blocks(T: int, H: int, D: int, R: int, elems: int) -> tuple[int, int, int, int, int]:
-    """Blocks and warps for ~elems elements a program (4096: one q token's 32 heads, or 8 tokens of a
-    4-head k); cached, as this Python is a visible share of a ~10 us launch."""
+    """Blocks and warps for ~elems elements a program; cached: a visible share of a ~10 us launch."""
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_H = min(triton.next_power_of_2(H), max(1, elems // BLOCK_D))
     BLOCK_T = min(triton.next_power_of_2(T), max(1, elems // (BLOCK_H * BLOCK_D)))
@@ -72,8 +70,7 @@ def _blocks(T: int, H: int, D: int, R: int, elems: int) -> tuple[int, int, int, 
 def _launch(
     x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool, inverse: bool, elems: int = 4096
 ) -> Tensor:
-    """elems: the tile size (the benchmark's sweep: 4096 gets q to 95% of copy on H200). The inputs are
-    read in place (an expanded cos: batch stride 0) unless their last stride is not 1."""
+    """elems: the tile size (the benchmark's sweep: 4096 gets q to 95% of copy on H200)."""
     x_BSHD, cos_BSR, sin_BSR = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (x_BSHD, cos_BSR, sin_BSR)
     )
@@ -113,17 +110,16 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(cos_BSR, sin_BSR)
 
 
-def _grads(ctx, dy_BSHD, rotate):
+def _grads(rotate, ctx, dy_BSHD):
     cos_BSR, sin_BSR = ctx.saved_tensors
     return rotate(dy_BSHD, cos_BSR, sin_BSR, ctx.interleaved, not ctx.inverse), None, None, None, None
 
 
-_rope_op.register_autograd(functools.partial(_grads, rotate=_rope_op), setup_context=_setup_context)
-_rope = eager_or_custom(_rope_op, _setup_context, _forward, functools.partial(_grads, rotate=_forward))
+_rope = eager_or_custom(_rope_op, _setup_context, _forward, _grads, _rope_op, _forward)
 
 
 def apply_rope(x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool = False) -> Tensor:
-    """Rotate the first 2R dims of each head (apply_rope_reference); the gradient is x's only."""
+    """apply_rope_reference; the gradient is x's only."""
     check("x_BSHD", x_BSHD, ndim=4, dtypes=FLOAT_DTYPES)
     check("cos_BSR", cos_BSR, ndim=3, dtypes=FLOAT_DTYPES, device=x_BSHD.device)
     check("sin_BSR", sin_BSR, ndim=3, dtypes=FLOAT_DTYPES, device=x_BSHD.device)
@@ -141,7 +137,7 @@ def apply_rope_reference(
     x_BSHD: Tensor, cos_BSR: Tensor, sin_BSR: Tensor, interleaved: bool = False
 ) -> Tensor:
     """Rotate pairs (i, i+R), or interleaved (2i, 2i+1), of each head's first 2R dims; the rest pass
-    through. In fp32 (float64 for float64 input), out in x.dtype."""
+    through. In fp32 (float64 input: float64), out in x.dtype."""
     R = cos_BSR.shape[-1]
     acc = torch.promote_types(x_BSHD.dtype, torch.float32)
     xf = x_BSHD.to(acc)

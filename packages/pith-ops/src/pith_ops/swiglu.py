@@ -1,12 +1,8 @@
 """SwiGLU activations, fused forward and backward: silu(gate) * up, and GPT-OSS's clamped variant.
 
-Shape legend: N rows (tokens; leading dims are flattened), F hidden width. x_N2F holds gate and up:
-split halves [gate | up] for `swiglu`, interleaved columns (gate, up, gate, up, ...) for `swiglu_oss`.
-
-Memory-bound: each pass touches memory once, the activation recomputed in fp32 rather than saved.
+Shape legend: N rows (leading dims flattened), F hidden width; x_N2F holds gate and up (halves for
+`swiglu`, interleaved for `swiglu_oss`). The backward recomputes the activation rather than saving it.
 """
-
-import functools
 
 import torch
 import triton
@@ -16,7 +12,7 @@ from torch import Tensor
 from pith_ops._common import FLOAT_DTYPES, INTERPRET, check, eager_or_custom, use_triton
 from pith_ops.fp8_quant import FP8, _cast, _interpreted_cast, _pow2_scale, quantize_rows_reference
 
-# Rows per program and warps (the interpreter gets one); columns in blocks of 256 (F=768: three, unmasked).
+# Rows per program and warps; columns in blocks of 256 (F=768: three, unmasked).
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in ((8, 4), (4, 4), (16, 8), (8, 8), (32, 8))]
 
 
@@ -26,7 +22,7 @@ def _swiglu_kernel(
     x_ptr, dy_ptr, out_ptr, N, F, alpha, limit,
     BLOCK_F: tl.constexpr, OSS: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Forward: out = y_NF. Backward: out = dx_N2F from dy_NF (x is reread, the activation recomputed)."""
+    """Forward: out = y_NF. Backward: out = dx_N2F from dy_NF (the activation recomputed)."""
     # Column blocks vary fastest, so programs running together cover whole rows (contiguous memory).
     col_blocks = tl.cdiv(F, BLOCK_F)
     rows = ((tl.program_id(0) // col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -35,7 +31,7 @@ def _swiglu_kernel(
     mask = (rows[:, None] < N) & (cols[None, :] < F)
     x_row = x_ptr + rows[:, None] * (2 * F)
     if OSS:
-        # One contiguous [BLOCK_N, 2*BLOCK_F] load keeps the access vectorised; split de-interleaves.
+        # One contiguous load keeps the access vectorised; split de-interleaves.
         cols2 = col_block * 2 * BLOCK_F + tl.arange(0, 2 * BLOCK_F)
         mask2 = (rows[:, None] < N) & (cols2[None, :] < 2 * F)
         x = tl.load(x_row + cols2[None, :], mask=mask2, other=0.0).to(tl.float32)
@@ -45,8 +41,7 @@ def _swiglu_kernel(
     else:
         gate = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_row + F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = gate
-        u = up
+        g, u = gate, up
     s = tl.sigmoid(alpha * g)
     if BACKWARD:
         dy = tl.load(dy_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -68,8 +63,7 @@ def _swiglu_kernel(
 
 @triton.jit
 def _swiglu_fp8_kernel(x_ptr, y_ptr, q_ptr, s_ptr, N, F, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
-    """y = silu(gate) * up for BLOCK_N whole rows, then quantize_rows(y) from the y it stored (pass 1 takes
-    the amax, pass 2 rereads y from L2)."""
+    """y = silu(gate) * up for BLOCK_N whole rows, then quantize_rows(y) (pass 2 rereads y from L2)."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     amax = tl.zeros([BLOCK_N], dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):
@@ -82,7 +76,7 @@ def _swiglu_fp8_kernel(x_ptr, y_ptr, q_ptr, s_ptr, N, F, BLOCK_N: tl.constexpr, 
         amax = tl.maximum(amax, tl.max(tl.abs(y.to(tl.float32)), 1))
     scale, inv = _pow2_scale(amax)
     tl.store(s_ptr + rows, scale, mask=rows < N)
-    tl.debug_barrier()  # this program's stores of y are visible to all its threads
+    tl.debug_barrier()  # y's stores visible to all this program's threads
     for f0 in range(0, F, BLOCK_F):
         cols = f0 + tl.arange(0, BLOCK_F)
         mask = (rows[:, None] < N) & (cols[None, :] < F)
@@ -91,12 +85,11 @@ def _swiglu_fp8_kernel(x_ptr, y_ptr, q_ptr, s_ptr, N, F, BLOCK_N: tl.constexpr, 
         tl.store(q_ptr + rows[:, None] * F + cols[None, :], q, mask=mask)
 
 
-# (rows, columns) a step of the FP8 variant, whose programs take whole rows (the row amax).
+# (rows, columns) a step of the FP8 variant, whose programs take whole rows.
 FP8_TILE = (4, 128) if INTERPRET else (8, 256)
 
 
 def _forward_fp8(x_N2F: Tensor, out_dtype: torch.dtype = FP8) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (y_NF, y8_NF, scale_N): swiglu(x) and quantize_rows(swiglu(x), out_dtype) in one pass."""
     if not use_triton(x_N2F):
         y = swiglu_reference(x_N2F).contiguous()
         return y, *quantize_rows_reference(y, out_dtype)
@@ -166,15 +159,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_N2F)
 
 
-def _grads(ctx, dy_NF, backward):
+def _grads(backward, ctx, dy_NF):
     (x_N2F,) = ctx.saved_tensors
     return backward(dy_NF, x_N2F, ctx.oss, ctx.alpha, ctx.limit), None, None, None
 
 
-_swiglu_op.register_autograd(
-    functools.partial(_grads, backward=_swiglu_backward_op), setup_context=_setup_context
-)
-_swiglu = eager_or_custom(_swiglu_op, _setup_context, _forward, functools.partial(_grads, backward=_backward))
+_swiglu = eager_or_custom(_swiglu_op, _setup_context, _forward, _grads, _swiglu_backward_op, _backward)
 
 
 _swiglu_fp8_op = torch.library.custom_op("pith::swiglu_fp8", _forward_fp8, mutates_args=())
@@ -195,15 +185,12 @@ def _setup_fp8(ctx, inputs, output):
     _setup_context(ctx, (inputs[0], False, 1.0, 0.0), output)
 
 
-def _grads_fp8(ctx, dy_NF, *_, backward):
-    return _grads(ctx, dy_NF, backward)[0], None
+def _grads_fp8(backward, ctx, dy_NF, *_):
+    return _grads(backward, ctx, dy_NF)[0], None
 
 
-_swiglu_fp8_op.register_autograd(
-    functools.partial(_grads_fp8, backward=_swiglu_backward_op), setup_context=_setup_fp8
-)
 _swiglu_fp8 = eager_or_custom(
-    _swiglu_fp8_op, _setup_fp8, _forward_fp8, functools.partial(_grads_fp8, backward=_backward)
+    _swiglu_fp8_op, _setup_fp8, _forward_fp8, _grads_fp8, _swiglu_backward_op, _backward
 )
 
 
@@ -223,13 +210,12 @@ def _apply(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
 
 
 def swiglu(x_N2F: Tensor) -> Tensor:
-    """silu(gate) * up (swiglu_reference)."""
+    """swiglu_reference."""
     return _apply(x_N2F, False, 1.0, 0.0)
 
 
 def swiglu_fp8(x_N2F: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (y_NF = swiglu(x) of 2-D x; y8_NF, scale_N = quantize_rows(y), not differentiable) in one pass:
-    fp8_grouped_gemm's x8."""
+    """-> (y_NF = swiglu(x), and quantize_rows(y) undifferentiable: fp8_grouped_gemm's x8) in one pass."""
     _check_x(x_N2F)
     if x_N2F.ndim != 2:
         raise ValueError(f"x_N2F: expected 2 dimensions [N, 2F], got shape {tuple(x_N2F.shape)}")
@@ -237,7 +223,7 @@ def swiglu_fp8(x_N2F: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def swiglu_oss(x_N2F: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
-    """GPT-OSS's clamped SwiGLU over interleaved columns (swiglu_oss_reference)."""
+    """swiglu_oss_reference."""
     if not limit > 0:
         raise ValueError(f"limit: expected a positive clamp limit, got {limit}")
     return _apply(x_N2F, True, float(alpha), float(limit))
