@@ -129,6 +129,7 @@ KINDS = {
     bool: st.booleans(),
     str: st.sampled_from(WORDS) | st.text(),
 }
+KINDS |= {list[str]: st.lists(KINDS[str], max_size=3), list[float]: st.lists(KINDS[float], max_size=3)}
 
 
 @st.composite
