@@ -36,8 +36,9 @@ def kept_bytes(name: str, B: int, S: int, ac: str) -> float:
     and outputs and the tensors its ops save, distinct storages, less the parameters; the CPU attention's
     fp32 S x S scores included (the plan counts them on CPU only: the flash kernels on CUDA keep none)."""
     model = pith_models.build(name, "cpu")
-    run = _Run(Stages(model, parallel.SINGLE, ac=ac), [(torch.ones(B, S, dtype=torch.long),) * 2 + (None, None)],
-               torch.tensor(B * S), Aux(), True)  # fmt: skip
+    ids = torch.ones(B, S, dtype=torch.long)
+    stages = Stages(model, parallel.SINGLE, ac=ac)
+    run = _Run(stages, [(ids, ids, None, None)], torch.tensor(B * S), Aux(), True)
     seen = {}
 
     def keep(t):
