@@ -1,22 +1,5 @@
-"""Checkpoints: torch.distributed.checkpoint (DCP) in a canonical layout, made visible atomically.
-
-Canonical layout: keys are the model's own names with global layer indices, and each stacked expert
-parameter [E, ...] is stored as E entries, one per global expert ("...experts.w_gate_up.17"), its
-optimizer state split the same way. Nothing depends on the parallel layout, so a checkpoint loads
-under any other one: DCP reads the slices of a dense weight each rank holds, and every expert lives
-whole on exactly one rank (FSDP shards an EP rank's experts along the expert dim), which writes and
-reads its entries straight into its shard rows. Loading is in place (entries are views).
-The routers' `expert_bias` buffers are saved whether or not a model registers them as persistent.
-So is the scale of each FP8 weight's kept e4m3 copies, which the update wrote with the old weight's
-amax (delayed scaling, pith_ops.adamw_); loading requantises the weight with it.
-
-A checkpoint is a directory: the DCP files, `files` written by rank 0, `rng.{rank}.pt`, and
-`manifest.json` (every other file's size and SHA-256). It is written under NAME.tmp, the manifest
-last, and renamed to NAME when every rank has finished, so a process killed while saving leaves the
-earlier checkpoints intact and at most a *.tmp (`prune` removes it). Saving a step that exists moves
-the old one to NAME.old until the new one is in place (`tidy` puts back an orphan). `load` verifies
-the manifest first (CorruptCheckpoint); `latest_intact` moves damaged checkpoints aside.
-"""
+"""Checkpoints: torch.distributed.checkpoint (DCP) in a canonical, layout-independent layout, made
+visible atomically, with a manifest verified before loading (the pith-engine README, Checkpoints)."""
 
 import hashlib
 import json

@@ -12,19 +12,22 @@ from pathlib import Path
 def cmd_prepare_data(args: argparse.Namespace) -> None:
     from pith_train.prepare import find_inputs, padded_vocab, prepare
 
-    tokenizer, vocab = args.tokenizer or "byte", args.train_tokenizer
+    tokenizer, vocab, files = (
+        args.tokenizer or "byte",
+        args.train_tokenizer,
+        find_inputs(args.inputs, args.glob),
+    )
     if args.chat:
         from pith_train.chat import prepare_chat
 
         drop = args.too_long == "drop"
-        meta = prepare_chat(find_inputs(args.inputs, args.glob), args.out, tokenizer, args.max_tokens, drop)
+        meta = prepare_chat(files, args.out, tokenizer, args.max_tokens, drop)
         print(
             f"{args.out}: {meta['num_docs']:,} conversations, {meta['num_tokens']:,} tokens"
             f" ({meta['assistant_tokens']:,} the assistant's, which the loss counts); {meta['truncated']:,}"
             f" truncated, {meta['dropped']:,} dropped as longer than {args.max_tokens:,} tokens"
         )
         return
-    files = find_inputs(args.inputs, args.glob)
     meta = prepare(files, args.out, tokenizer, args.text_field, args.workers, train_vocab=vocab)
     print(f"{args.out}: {meta['num_tokens']:,} tokens in {meta['num_docs']:,} documents")
     if vocab:
@@ -308,19 +311,11 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("prepare-data", help="tokenize text, JSONL or Parquet files into a packed dataset")
     p.add_argument("inputs", nargs="+", help="files, or directories searched for .txt, .jsonl, .parquet")
-    p.add_argument(
-        "--glob", help="the files to take from directories instead, e.g. '*.py' (each one document)"
-    )
+    p.add_argument("--glob", help="the files to take from directories instead, e.g. '*.py'")
     p.add_argument("--out", required=True, help="dataset directory to create")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--tokenizer", help="'byte' (the default) or a Hugging Face tokenizer.json")
-    which.add_argument(
-        "--train-tokenizer",
-        type=int,
-        default=0,
-        metavar="VOCAB",
-        help="train a byte-level BPE of VOCAB tokens on the inputs instead, written to OUT/tokenizer.json",
-    )
+    which.add_argument("--train-tokenizer", type=int, default=0, metavar="VOCAB", help="train a BPE instead")
     p.add_argument("--text-field", default="text", help="the JSONL field or Parquet column holding the text")
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: one per CPU)")
     p.add_argument("--chat", action="store_true", help='.jsonl {"messages": [...]} in the chat template')
@@ -335,9 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         " [--nproc-per-node N] [--print-config]",
     )
     p.add_argument("--run-dir", help="where config, metrics and checkpoints go (default runs/TIMESTAMP)")
-    p.add_argument(
-        "--nproc-per-node", type=int, metavar="N", help="N processes on this machine, as torchrun starts them"
-    )
+    p.add_argument("--nproc-per-node", type=int, metavar="N", help="N processes here, as torchrun's")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(run=cmd_pretrain)
 
@@ -355,25 +348,17 @@ def main(argv: list[str] | None = None) -> None:
     for name, what in (("eval", "loss and perplexity on a dataset"), ("generate", "text from a prompt")):
         p = sub.add_parser(name, help=f"{what} with a checkpoint's weights (or a Hugging Face directory)")
         p.add_argument("checkpoint", help="RUN/checkpoints/step_N, a converted checkpoint or an HF directory")
-        p.add_argument(
-            "--tokenizer", help="default: the checkpoint's tokenizer.json, or its run's byte tokenizer"
-        )
+        p.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, or its run's")
         p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         # As train.cpu_threads: eval of 96 windows of tiny-moe, busy 2-core machine: 20-23 s with one
         # thread, 47-56 s with torch's default (two).
-        p.add_argument(
-            "--cpu-threads", type=int, default=1, help="intra-op threads on CPU (0: torch's default)"
-        )
+        p.add_argument("--cpu-threads", type=int, default=1, help="intra-op threads (0: torch's default)")
     eval_p, gen_p = sub.choices["eval"], sub.choices["generate"]
     eval_p.add_argument("--data", required=True, help="a prepare-data dataset")
     eval_p.add_argument("--seq-len", type=int, help="window length (default: the run config's data.seq_len)")
     eval_p.add_argument("--batch", type=int, default=8, help="windows per forward")
     eval_p.add_argument("--max-windows", type=int, default=0, help="score only the first N windows (0: all)")
-    eval_p.add_argument(
-        "--document-mask",
-        action=argparse.BooleanOptionalAction,
-        help="each document alone (default: as the run)",
-    )
+    eval_p.add_argument("--document-mask", action=argparse.BooleanOptionalAction, help="default: the run's")
     eval_p.set_defaults(run=cmd_eval)
     gen_p.add_argument("--prompt", required=True)
     gen_p.add_argument("--max-new-tokens", type=int, default=64)
@@ -387,9 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("src", help="a Hugging Face directory or a Pith checkpoint (checkpoints/step_N)")
     p.add_argument("dst", help="the directory to write")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="for HF output")
-    p.add_argument(
-        "--refuse-routing-bias", action="store_true", help="stop if the routing bias is nonzero (see README)"
-    )
+    p.add_argument("--refuse-routing-bias", action="store_true", help="stop on a nonzero routing bias")
     p.set_defaults(run=cmd_convert)
 
     p = sub.add_parser("bench", help="training throughput on the reference MoE workload (bench.py)")
