@@ -72,10 +72,13 @@ def byte_data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def bad_data(byte_data, tmp_path_factory):
-    """byte_data with its middle token 300, past the micro model's vocabulary (meta.json unchanged)."""
+    """byte_data with its middle token 300, past the micro model's vocabulary, and no max_token_id in
+    meta.json (as datasets prepared before it was recorded: the check reads the tokens)."""
     bad = tmp_path_factory.mktemp("data") / "bad"
     shutil.copytree(byte_data, bad)
     meta = json.loads((bad / "meta.json").read_text())
+    meta.pop("max_token_id", None)
+    (bad / "meta.json").write_text(json.dumps(meta))
     tokens = np.memmap(bad / "tokens.bin", dtype=meta["dtype"], mode="r+")
     tokens[len(tokens) // 2] = 300
     tokens.flush()

@@ -59,13 +59,17 @@ def test_plan_measure_prints_measured_beside_planned(capsys):
     assert "step without communication" in out
 
 
-@pytest.mark.parametrize("flags", [["--rank=2"], ["--rank=-1"], ["--steps=0"]])
-def test_plan_measure_refuses_a_rank_outside_the_layout_before_it_builds(capsys, flags):
+@pytest.mark.parametrize(
+    "flags, why",
+    [(["--rank=2"], "expected a rank 0 to 1"), (["--rank=-1"], "expected a rank 0 to 1"),
+     (["--steps=0"], "--steps must be >= 1, got 0")],
+)  # fmt: skip
+def test_plan_measure_refuses_a_rank_outside_the_layout_before_it_builds(capsys, flags, why):
     from pith_train.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["plan", *(f"--{o}" for o in BASE), "--parallel.ep=2", "--measure", *flags])
-    assert e.value.code == 1 and "expected a rank 0 to 1, steps >= 1" in capsys.readouterr().err
+    assert e.value.code == 1 and why in capsys.readouterr().err
     import torch.distributed as dist
 
     assert not dist.is_initialized()

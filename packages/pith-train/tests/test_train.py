@@ -22,7 +22,7 @@ from pith_models import qwen3_moe
 from pith_train import rundir, stopping, train
 from pith_train.cli import main
 from pith_train.config import load_config, model_config, to_toml
-from pith_train.data import WindowLoader
+from pith_train.data import Blend
 from pith_train.optim import build_optimizer, lr_at
 from pith_train.optim import build_optimizer as train_build
 from pith_train.prepare import prepare, stdlib_corpus
@@ -103,8 +103,8 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint_and_resume_uses_it(
 
 
 def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(micro_config, micro_hf, tmp_path):
-    # An infinite learning rate turns the weights into inf/nan at the first update.
-    cfg = micro_config("--train.lr=inf", "--checkpoint.every=1")
+    # A learning rate of 1e38 (an infinite one is refused) turns the weights into inf/nan at the first update.
+    cfg = micro_config("--train.lr=1e38", "--checkpoint.every=1")
     with pytest.raises(FloatingPointError, match=r"loss is nan .*at step 2;.*step_000001"):
         pretrain(cfg, tmp_path)
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")] == ["step_000001"]
@@ -153,7 +153,7 @@ def test_a_token_id_past_the_model_vocabulary_is_refused_at_start(
 
 
 def test_a_data_error_mid_run_saves_the_steps_trained(micro_config, tmp_path, monkeypatch):
-    real = WindowLoader.step_batch
+    real = Blend.step_batch
 
     def third_step_bad(self, cursor, *args):  # the file changed under the run after two steps
         micro = real(self, cursor, *args)
@@ -161,7 +161,7 @@ def test_a_data_error_mid_run_saves_the_steps_trained(micro_config, tmp_path, mo
             micro[0][0][0, 0] = 300
         return micro
 
-    monkeypatch.setattr(WindowLoader, "step_batch", third_step_bad)
+    monkeypatch.setattr(Blend, "step_batch", third_step_bad)
     with pytest.raises(ValueError, match="token id 300 .* in step 3's windows; saved step 2"):
         pretrain(micro_config("--checkpoint.every=0"), tmp_path)
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")] == ["step_000002"]
@@ -681,13 +681,14 @@ def test_the_resume_hint_under_torchrun_is_its_launch_line(monkeypatch):
     )
 
 
-@pytest.mark.parametrize("n", ["0", "-1", "4"])
-def test_a_local_launch_must_start_the_layouts_processes(micro_args, tmp_path, capsys, n):
+@pytest.mark.parametrize(
+    "n, why",
+    [("0", "must be >= 1, got 0"), ("-1", "must be >= 1, got -1"), ("4", "4: the layout pp*dp*cp*ep = 1")],
+)
+def test_a_local_launch_must_start_the_layouts_processes(micro_args, tmp_path, capsys, n, why):
     with pytest.raises(SystemExit) as e:
         main(["pretrain", "--nproc-per-node", n, *micro_args, "--run-dir", str(tmp_path)])
-    assert (
-        e.value.code == 1 and f"--nproc-per-node {n}: the layout pp*dp*cp*ep = 1" in capsys.readouterr().err
-    )
+    assert e.value.code == 1 and f"--nproc-per-node {why}" in capsys.readouterr().err
 
 
 @pytest.mark.distributed
@@ -704,7 +705,7 @@ def test_init_from_needs_a_runs_checkpoint_with_the_same_optimizer(micro_config,
     with pytest.raises(ValueError, match="holds adamw's optimizer state: set optim.name=adamw"):
         pretrain(micro_config(f"--checkpoint.init_from={ckpt}", "--optim.name=muon"), tmp_path / "a")
     main(["convert", str(micro_hf), str(tmp_path / "converted")])
-    with pytest.raises(ValueError, match=f"without a run's optimizer state: use --model.name={tmp_path}"):
+    with pytest.raises(ValueError, match=f"is weights only .*: use --model.name={tmp_path}"):
         pretrain(micro_config(f"--checkpoint.init_from={tmp_path / 'converted'}"), tmp_path / "b")
 
 
