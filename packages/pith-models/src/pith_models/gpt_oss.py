@@ -1,4 +1,6 @@
-"""GPT-OSS (openai/gpt-oss-20b, gpt-oss-120b), as transformers' GptOss:
+"""GPT-OSS (openai/gpt-oss-20b, gpt-oss-120b), as transformers' GptOss.
+
+Architectural choices:
 - pre-norm decoder, every layer MoE;
 - grouped-query attention, q/k/v/o biases, free head_dim, scale head_dim**-0.5, a trained sink logit
   per head in every softmax denominator; layers sliding-window (key visible when pos_q - pos_k <
@@ -10,7 +12,7 @@
 - experts: clamped SwiGLU on interleaved gate/up columns (pith_ops.swiglu_oss), a bias after each
   projection, gathered per row by its expert.
 
-Shapes: B batch, S sequence, T = B*S, D hidden, H / G query / kv heads, Dh head dim, R = Dh/2, E
+Shape legend: B batch, S sequence, T = B*S, D hidden, H / G query / kv heads, Dh head dim, R = Dh/2, E
 experts (E_held: held here), F expert width, K top-k, N rows grouped by expert, V vocabulary.
 """
 
