@@ -247,9 +247,8 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
             if (top := agreed(max(int(x.max()) for batch in micro for x in batch[:2]), device)) >= V:
                 saved = save(step) if step else "nothing trained"
                 raise ValueError(
-                    f"data.path {cfg.data.path}: token id {top} >= the model's vocabulary {V} in step"
-                    f" {step + 1}'s"
-                    f" windows; saved step {step} ({saved})"
+                    f"data {', '.join(cfg.data.path) or 'RUN/data'}: token id {top} >= the model's vocabulary"
+                    f" {V} in step {step + 1}'s windows; saved step {step} ({saved})"
                 )
             lr = lr_at(step, cfg)
             try:
