@@ -166,23 +166,15 @@ def test_cuda_flex_path_with_documents_matches_the_reference(window, sinks):
 
 @pytest.mark.distributed
 def test_document_masked_training_under_cp2_equals_one_process(
-    micro_config, micro_args, pretrains_in_ranks, tmp_path
+    micro_config, micro_args, pretrains_in_ranks, short_docs, tmp_path
 ):
     """A deterministic case the config-space draw may miss: documents of 0-11 bytes (plus EOS) span
     the zigzag chunks of cp=2, which trains like one process (fp32, rel 1e-5)."""
     import json
-    import random
-    from pathlib import Path
 
-    from pith_train.prepare import prepare, stdlib_corpus
     from pith_train.train import pretrain
 
-    rng, text = random.Random(1), Path(stdlib_corpus()[0]).read_text()
-    docs = tmp_path / "docs.jsonl"
-    starts = (rng.randrange(len(text) - 12) for _ in range(600))
-    docs.write_text("".join(json.dumps({"text": text[i : i + rng.randint(0, 11)]}) + "\n" for i in starts))
-    prepare([str(docs)], str(tmp_path / "docs"), "byte", progress=False, workers=1)
-    args = [f"--data.path={tmp_path / 'docs'}", "--data.document_mask=true", "--data.seq_len=16"]
+    args = [f"--data.path={short_docs}", "--data.document_mask=true", "--data.seq_len=16"]
     args += ["--train.steps=3", "--checkpoint.every=0", "--log.tensorboard=false", "--optim.eps=1e-3"]
     pretrain(micro_config(*args), tmp_path / "one")
     layouts = {"cp2": ["--parallel.cp=2"]}

@@ -226,12 +226,17 @@ def test_a_cuda_graph_step_needs_one_cuda_process(micro_hf):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile", [False, True])
-def test_cuda_graph_steps_train_like_eager_steps(micro_config, micro_hf, byte_data, compile):
+@pytest.mark.parametrize("compile, docs", [(False, False), (True, False), (False, True), (True, True)])
+def test_cuda_graph_steps_train_like_eager_steps(
+    micro_config, micro_hf, byte_data, short_docs, compile, docs
+):
     """StepGraph (eager first step, captured second, replayed after) against eager steps: the same
-    kernels on the same data, so the same losses and weights (two micro-batches: an overlapped pair)."""
-    cfg, dev = micro_config(), torch.device("cuda")
-    loader = WindowLoader(PackedDataset(str(byte_data)), cfg.data.seq_len, cfg.data.val_windows, 0)
+    kernels on the same data, so the same losses and weights (two micro-batches: an overlapped pair).
+    docs: document-masked windows of short documents, other boundaries each step, so a replay that
+    kept the first step's block masks would differ."""
+    cfg, dev = micro_config(f"--data.document_mask={docs}"), torch.device("cuda")
+    data = PackedDataset(str(short_docs if docs else byte_data))
+    loader = WindowLoader(data, cfg.data.seq_len, cfg.data.val_windows, 0, docs=docs)
     G, mb = cfg.train.global_batch, cfg.train.micro_batch
     runs = []
     for graph in (False, True):
@@ -246,6 +251,7 @@ def test_cuda_graph_steps_train_like_eager_steps(micro_config, micro_hf, byte_da
     with pytest.raises(ValueError, match="written outside the optimizer"):
         train_step(stages, optimizer, batches[0], 1e-2, *settings)
     (eager, eager_params), (graphed, graphed_params) = runs
+    assert not docs or all((m[2][:, 1:] == 0).any() for b in batches for m in b)  # documents start inside
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(a[:3], b[:3], rtol=1e-5, atol=1e-6)
     for a, b in zip(eager_params, graphed_params):

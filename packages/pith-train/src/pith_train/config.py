@@ -310,8 +310,6 @@ def validate(cfg: Config) -> None:
         raise ValueError(
             "train.fp8_all_gather gathers the FP8 GEMMs' weights: set train.fp8 (or turn it off)"
         )
-    if t.cuda_graph and cfg.data.document_mask:  # a graph would replay its first block masks
-        raise ValueError("train.cuda_graph and data.document_mask: turn one off")
     if t.cuda_graph and world > 1:
         raise ValueError(f"train.cuda_graph runs on one process, got pp*dp*cp*ep = {world}: turn it off")
     if o.schedule not in ("cosine", "wsd"):
