@@ -6,8 +6,9 @@ tests run there and must fail. Prints the table mutant -> caught (the first fail
     uv run python packages/pith-train/benchmarks/mutants.py [NAME ...] [--baseline]
 
 A mutant only multiple processes can show runs the config-space test's multi-process draw alone,
-its layouts pinned (CONFIG_SPACE_LAYOUTS) to one with the axis it breaks; a micro-batch mutant runs
-the transformers oracle, then the one-process draws (a bias mutant those alone, pinned to the bias
+its layouts pinned (CONFIG_SPACE_LAYOUTS) to one with the axis it breaks (and, where one numerics'
+tolerance would hide the bug, its options to another: CONFIG_SPACE_OPTIONS); a micro-batch mutant
+runs the transformers oracle, then the one-process draws (a bias mutant those alone, pinned to the bias
 update on and load balancing off, CONFIG_SPACE_OPTIONS: the oracle has no bias, and only then may
 the plain run merge the micro-batches). Slow (each mutant trains the draws: about a minute to
 several on 2 cores), so not part of the suite. --baseline runs the unmutated copy first.
@@ -41,6 +42,8 @@ TRAIN, EXPERTS = (
 DATA, CP, PP, EP = "1,2,1,1", "1,1,2,1", "2,1,1,1", "1,1,1,2"
 # The one-process draws pinned to a bias update with micro-batches merged in the plain run.
 BIAS = "--train.lbl_coef=0.0 --train.bias_rate=1e-2"
+# No FP8 anywhere (fp8_lm_head is drawn under fp8 but works alone): the fp32 tolerances apply.
+FP32 = "--train.fp8=false --train.fp8_lm_head=false --train.fp8_all_gather=false"
 
 
 NO_SHRINK = """
@@ -140,6 +143,12 @@ MUTANTS = [
     Mutant(
         "fsdp_grad_mean", "FSDP's default gradient division (a mean over dp x cp x ep, not a sum)", PARALLEL,
         "            m.set_gradient_divide_factor(1.0)\n", "", CP,
+    ),
+    Mutant(  # -2.5e-4 on the step-1 gradient norm, < 1e-5 on the losses (AdamW): FP8's 1e-3 missed it
+        "fsdp_expert_grad_mean", "FSDP's default gradient division on the experts' unit alone (/ dp x cp)",
+        PARALLEL, "            m.set_gradient_divide_factor(1.0)\n",
+        "            m.set_gradient_divide_factor(1.0) if m not in _expert_modules(model) else None\n",
+        CP, FP32,
     ),
     Mutant(  # y * R - y * (R - 1): the same rows forward (exactly), R times their gradient backward
         "expert_grad_x_ep", "expert rows' gradient x the expert-parallel degree", EXPERTS,
