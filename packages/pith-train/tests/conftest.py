@@ -70,14 +70,16 @@ def byte_data(tmp_path_factory):
     return out
 
 
-def write_short_docs(path: Path, n: int, seed: int) -> Path:
-    """A byte-level dataset of n documents of 0-11 bytes (plus EOS) from the standard library's text."""
+def write_short_docs(path: Path, n: int, seed: int, longest: int = 11) -> Path:
+    """A byte-level dataset of n documents of 0-`longest` bytes (plus EOS) of the standard library's text."""
     import random
 
     rng, text = random.Random(seed), Path(stdlib_corpus()[0]).read_text()
-    starts = (rng.randrange(len(text) - 12) for _ in range(n))
+    starts = (rng.randrange(len(text) - longest - 1) for _ in range(n))
     docs = path.with_suffix(".jsonl")
-    docs.write_text("".join(json.dumps({"text": text[i : i + rng.randint(0, 11)]}) + "\n" for i in starts))
+    docs.write_text(
+        "".join(json.dumps({"text": text[i : i + rng.randint(0, longest)]}) + "\n" for i in starts)
+    )
     prepare([str(docs)], str(path), "byte", progress=False, workers=1)
     return path
 
@@ -86,6 +88,12 @@ def write_short_docs(path: Path, n: int, seed: int) -> Path:
 def short_docs(tmp_path_factory):
     """write_short_docs of 800 documents: windows of 16 or more tokens cross several documents."""
     return write_short_docs(tmp_path_factory.mktemp("data") / "short_docs", 800, 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_docs(tmp_path_factory):
+    """write_short_docs of 5000 documents of 1-3 tokens (~10K tokens)."""
+    return write_short_docs(tmp_path_factory.mktemp("data") / "tiny_docs", 5000, 2, 2)
 
 
 @pytest.fixture(scope="session")
