@@ -89,8 +89,8 @@ def read_safetensors(path: Path, rows: dict[str, range] | None = None) -> dict[s
             if k.endswith("_scales"):
                 continue
             if rows is None:
-                shape = piece.get_shape()
-                sd[x] = torch.empty(shape if k == x else (shape[0], shape[2] * 32, shape[1]), device="meta")
+                s = piece.get_shape()
+                sd[x] = torch.empty(s if k == x else (s[0], s[2] * 32, s[1]), device="meta")
             elif x in rows:
                 r = slice(rows[x].start, rows[x].stop)
                 mx = k != x and dequantize_mxfp4(piece[r], where[x + "_scales"].get_slice(x + "_scales")[r])
@@ -154,9 +154,8 @@ def _part(r: range, j: int, n: int) -> range:
 def from_pretrained(
     path: str | Path, device: str | torch.device = "cpu", mesh: Mesh | None = None, param_dtype=None, chunk=0
 ) -> nn.Module:
-    """Load strictly (every tensor must match), fp32; under `mesh` reading only this rank's part (found
-    by running from_hf_state_dict on int64 HF row ids), `chunk` elements at a time (0: a quarter of the
-    largest tensor's)."""
+    """Load strictly (every tensor must match), fp32; under `mesh` reading only this rank's part (how:
+    pith-models README); `chunk` HF elements at a time (0: a quarter of the largest tensor's)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: expected a Hugging Face model directory with a config.json, found none")
@@ -167,7 +166,7 @@ def from_pretrained(
     model = build_empty(cfg, device, mesh, param_dtype)
     held = _held_experts(model, mesh or SINGLE)
     expert = {k: int(e[1]) for k in shapes if (e := _PER_EXPERT.search(k))}
-    seen = {  # the rows passed: those of the held experts (whole per-expert tensors), all of the rest
+    seen = {  # rows passed: the held experts', all of the rest
         k: held if ".experts." in k and k not in expert else range(len(t))
         for k, t in shapes.items()
         if k not in expert or expert[k] in held
@@ -185,9 +184,9 @@ def from_pretrained(
     for k, r in seen.items():
         lo, hi = torch.searchsorted(need, torch.tensor([first[k], first[k] + len(r)])).tolist()
         cut[k] = range(int(need[lo]) - first[k], int(need[hi - 1]) - first[k] + 1) if hi > lo else range(0)
-    # A layer (the embedding, norm and lm_head: one more) in n passes, the j-th reading the j-th of n
-    # pieces of its held experts and other tensors' rows. A pass holds at most 4 copies of its elements
-    # (slices, file pages, conversion, rows copied out): the default keeps it within one fp32 tensor.
+    # A layer (the embedding, norm and lm_head: one more) in n passes of the j-th of n pieces of its held
+    # experts and other tensors' rows. A pass holds <= 4 copies of its elements (slices, file pages,
+    # conversion, rows copied out): the default keeps it within one fp32 tensor.
     layer = {k: k.split(".")[2] if k.startswith("model.layers.") else "" for k in seen}
     chunk = chunk or max(t.numel() for t in shapes.values()) // 4
     for g in set(layer.values()):
@@ -195,14 +194,14 @@ def from_pretrained(
         n = -(-sum(len(c) * shapes[k][0].numel() for k, c in mine.items()) // chunk)
         for j in range(n):
             part = _part(held, j, n)
-            hold = part or held  # no part: `held`, whose per-expert tensors come empty
+            hold = part or held  # no part: `held`, per-expert tensors empty
             rows = {k: _part(c, j, n) for k, c in mine.items() if k not in expert}
             rows |= {k: mine[k] if part else range(0) for k in expert if expert[k] in hold}
             sd = read_safetensors(path, {k: seen[k][r.start : r.stop] for k, r in rows.items()})
             sd = module.from_hf_state_dict(sd, cfg, hold)
             got = module.from_hf_state_dict({k: ids[k][r.start : r.stop] for k, r in rows.items()}, cfg, hold)
             for name, p in model.named_parameters():
-                if got[name].numel():  # rows by their least HF id (an expert's: of all its rows)
+                if got[name].numel():  # rows by their least HF id
                     have, order = got[name].unsqueeze(-1).flatten(1).amin(1).sort()
                     want, local = wanted[name].unsqueeze(-1).flatten(1).amin(1), local_rows(p)[0]
                     hit = torch.isin(want, have)
