@@ -240,6 +240,8 @@ def test_an_mxfp4_checkpoint_loads_dequantised_as_transformers_loads_it(tmp_path
     cfg = dataclasses.replace(CFG, intermediate_size=64)  # MXFP4 blocks are 32 wide: D and F multiples
     packed = write_mxfp4(make(cfg)[0], tmp_path)
     ours = pith_models.from_pretrained(tmp_path)
+    chunked = pith_models.from_pretrained(tmp_path, chunk=1000).state_dict()  # several passes a layer
+    assert not [k for k, t in ours.state_dict().items() if not torch.equal(chunked[k], t)]
     dequantize = transformers.Mxfp4Config(dequantize=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, dtype=torch.float32, quantization_config=dequantize

@@ -3,6 +3,7 @@
 Shape legend: B batch, S sequence, V vocabulary.
 """
 
+import collections
 import dataclasses
 import json
 import os
@@ -10,7 +11,7 @@ import os
 import pith_models
 import pytest
 import torch
-from pith_models import hf, qwen3_moe
+from pith_models import deepseek_v2, gpt_oss, hf, qwen3_moe
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
@@ -186,3 +187,33 @@ def test_a_from_hf_state_dict_that_mixes_rows_is_a_value_error_naming_the_tensor
     monkeypatch.setattr(qwen3_moe, "from_hf_state_dict", transposing)
     with pytest.raises(ValueError, match=r"into layers\.0\.self_attn\.o_proj\.weight .* one HF row per row"):
         pith_models.from_pretrained(hf_dir)
+
+
+@pytest.mark.parametrize(
+    "module", [qwen3_moe, deepseek_v2, gpt_oss], ids=["qwen3_moe", "deepseek_v2", "gpt_oss"]
+)
+def test_a_load_in_chunks_reads_a_chunk_at_a_time_and_equals_the_whole(module, tmp_path, monkeypatch):
+    """from_pretrained(chunk=c) reads and converts at most c elements at a time (a row of each of a
+    layer's tensors and one expert's per-expert tensors more), several times per layer, and holds
+    bit for bit what a load of a layer at a time (a chunk above any layer's size) holds; so does the
+    default chunk."""
+    pith_models.save_pretrained(pith_models.build(module.TINY, "cpu", 1), tmp_path)
+    whole = pith_models.from_pretrained(tmp_path, chunk=10**9).state_dict()
+    shapes, rows = hf.read_safetensors(tmp_path), collections.Counter()
+    for k, t in shapes.items():
+        rows[k.split(".")[2] if k.startswith("model.layers.") else ""] += t[0].numel()
+    expert = sum(t.numel() for k, t in shapes.items() if ".layers.1.mlp.experts.0." in k)
+    layer = sum(t.numel() for k, t in shapes.items() if k.startswith("model.layers.1."))
+    read, reads = hf.read_safetensors, []
+
+    def counting(path, rows=None):
+        sd = read(path, rows)
+        reads.extend([sum(t.numel() for t in sd.values())] if rows is not None else [])
+        return sd
+
+    monkeypatch.setattr(hf, "read_safetensors", counting)
+    chunked = pith_models.from_pretrained(tmp_path, chunk=2000).state_dict()
+    assert max(reads) <= 2000 + max(rows.values()) + expert < layer / 2, (reads, layer)
+    for got in (chunked, pith_models.from_pretrained(tmp_path).state_dict()):
+        assert got.keys() == whole.keys()
+        assert not [k for k, t in whole.items() if not torch.equal(got[k], t)]

@@ -10,17 +10,18 @@ Each model is the trainer's sharded build (pith_models.build with the layout's m
 experts and FSDP shards only, drawn from the seed); the layout is the trainer's own
 (train.parallel_layout from a Config's [parallel]). A checkpoint written under dp2 x ep2 after 2 steps
 resumes on one process and under dp2 to the uninterrupted losses. A bf16 Hugging Face directory of
-each family loaded sharded under dp2, ep2, pp2, dp2 x ep2 and pp2 x ep2 holds exactly the
-single-process load's tensors, and each rank reads (through safetensors slices) exactly its shard's
-bytes: its pipeline rank's layers, its experts (per-expert tensors for Qwen3-MoE and DeepSeek-V2,
-slices of stacked ones for GPT-OSS), its FSDP rows of every other tensor. train.fp8
-under dp2 (FSDP) with ac=selective, ep2 with ac=full and cp2 trains like one process in FP8 to the
-tolerances that FP8's per-layout rounding allows (check_fp8_layouts).
+each family loaded sharded under dp2, ep2, pp2, dp2 x ep2 and pp2 x ep2 (in the default chunks and in
+chunks of 300 elements) holds exactly the single-process load's tensors, and each rank reads (through
+safetensors slices) exactly its shard's bytes: its pipeline rank's layers, its experts (per-expert
+tensors for Qwen3-MoE and DeepSeek-V2, slices of stacked ones for GPT-OSS), its FSDP rows of every
+other tensor. train.fp8 under dp2 (FSDP) with ac=selective, ep2 with ac=full and cp2 trains like one
+process in FP8 to the tolerances that FP8's per-layout rounding allows (check_fp8_layouts).
 """
 
 import collections
 import contextlib
 import dataclasses
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -171,9 +172,10 @@ def counting_reads():
 
 
 def check_sharded_hf_loads(tmp: Path, world: int) -> None:
-    """Every rank's sharded load of a bf16 Hugging Face directory holds exactly the single-process
-    load's tensors, and reads exactly its shard's bytes: of its pipeline rank's layers only (no
-    embedding or lm_head off pp rank 0), its experts, and of each dense tensor its FSDP rows."""
+    """Every rank's sharded load of a bf16 Hugging Face directory, in the default chunks and in chunks
+    of 300 elements (many passes per layer), holds exactly the single-process load's tensors, and
+    reads exactly its shard's bytes: of its pipeline rank's layers only (no embedding or lm_head off
+    pp rank 0), its experts, and of each dense tensor its FSDP rows."""
     rank = dist.get_rank()
     for name, model_cfg in HF_MODELS.items():
         hf_dir = tmp / f"hf_{name}_{world}"
@@ -181,11 +183,11 @@ def check_sharded_hf_loads(tmp: Path, world: int) -> None:
             pith_models.save_pretrained(pith_models.build(model_cfg, "cpu", 1), hf_dir)
         dist.barrier()
         whole = pith_models.from_pretrained(hf_dir).state_dict()
-        for shape in HF_LAYOUTS[world]:
+        for shape, chunk in itertools.product(HF_LAYOUTS[world], (None, 300)):
             mesh = build_mesh(shape, torch.device("cpu"))
             with counting_reads() as read:
-                model = pith_models.from_pretrained(hf_dir, "cpu", mesh)
-            where = f"{name} {shape} rank {rank}"
+                model = pith_models.from_pretrained(hf_dir, "cpu", mesh, chunk=chunk)
+            where = f"{name} {shape} chunk {chunk} rank {rank}"
             got = full_state(model, mesh)
             assert got and got.keys() <= whole.keys(), where
             bad = [k for k, t in got.items() if not torch.equal(t, whole[k])]

@@ -364,8 +364,7 @@ def init_weights(model: Model, seed: int, mesh: Mesh = SINGLE) -> None:
 
 def from_hf_state_dict(sd: dict[str, Tensor], cfg: Config, experts: range | None = None) -> dict[str, Tensor]:
     moe_layers = filter(cfg.is_moe, range(cfg.num_hidden_layers))
-    held = range(cfg.n_routed_experts) if experts is None else experts
-    return from_hf_swiglu_state_dict(sd, moe_layers, cfg.n_routed_experts, cfg.tie_word_embeddings, held)
+    return from_hf_swiglu_state_dict(sd, moe_layers, cfg.n_routed_experts, cfg.tie_word_embeddings, experts)
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:

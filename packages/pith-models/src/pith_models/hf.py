@@ -89,8 +89,8 @@ def read_safetensors(path: Path, rows: dict[str, range] | None = None) -> dict[s
             if k.endswith("_scales"):
                 continue
             if rows is None:
-                shape = piece.get_shape()
-                sd[x] = torch.empty(shape if k == x else (shape[0], shape[2] * 32, shape[1]), device="meta")
+                s = piece.get_shape()
+                sd[x] = torch.empty(s if k == x else (s[0], s[2] * 32, s[1]), device="meta")
             elif x in rows:
                 r = slice(rows[x].start, rows[x].stop)
                 mx = k != x and dequantize_mxfp4(piece[r], where[x + "_scales"].get_slice(x + "_scales")[r])
@@ -99,13 +99,15 @@ def read_safetensors(path: Path, rows: dict[str, range] | None = None) -> dict[s
 
 
 def check_tensors(got: dict[str, Tensor], expected: dict[str, Tensor], where: str) -> None:
-    shapes = [
-        f"{k}: expected {tuple(expected[k].shape)}, got {tuple(got[k].shape)}"
-        for k in sorted(set(got) & set(expected))
-        if got[k].shape != expected[k].shape
-    ]
-    found = {"missing tensors": set(expected) - set(got), "unexpected tensors": set(got) - set(expected)}
-    found = {k: sorted(v) for k, v in found.items()} | {"wrong shapes": shapes}
+    found = {
+        "missing tensors": sorted(set(expected) - set(got)),
+        "unexpected tensors": sorted(set(got) - set(expected)),
+        "wrong shapes": [
+            f"{k}: expected {tuple(t.shape)}, got {tuple(got[k].shape)}"
+            for k, t in sorted(expected.items())
+            if k in got and got[k].shape != t.shape
+        ],
+    }
     problems = [f"{what} {items}" for what, items in found.items() if items]
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
@@ -132,18 +134,10 @@ def _held_experts(model: nn.Module, mesh: Mesh) -> range:
     return range(0)
 
 
-def _seen(k: str, rows: int, held: range) -> range | None:
-    """The rows of file tensor k that a rank holding experts `held` passes (None: not passed)."""
-    e = _PER_EXPERT.search(k)
-    if e is not None:
-        return range(rows) if int(e[1]) in held else None
-    return held if ".experts." in k else range(rows)
-
-
 def _wanted(ids: Tensor, p: Tensor, name: str, module: ModuleType, experts) -> Tensor:
     """HF row ids of this rank's rows of p."""
     if name in experts:
-        return ids.flatten()
+        return ids.flatten(1)
     if ids.dtype != torch.int64 or ids.numel() != ids.shape[0] or ids.shape[0] != p.shape[0]:
         raise ValueError(
             f"{module.__name__}.from_hf_state_dict turns int64 HF row ids into {name} "
@@ -152,12 +146,16 @@ def _wanted(ids: Tensor, p: Tensor, name: str, module: ModuleType, experts) -> T
     return ids.flatten()[local_rows(p)[1]]
 
 
+def _part(r: range, j: int, n: int) -> range:
+    return r[j * len(r) // n : (j + 1) * len(r) // n]  # the j-th of n pieces
+
+
 @torch.no_grad()
 def from_pretrained(
-    path: str | Path, device: str | torch.device = "cpu", mesh: Mesh | None = None, param_dtype=None
+    path: str | Path, device: str | torch.device = "cpu", mesh: Mesh | None = None, param_dtype=None, chunk=0
 ) -> nn.Module:
-    """Load strictly (every tensor must match), fp32; under `mesh` reading only this rank's part, found
-    by running from_hf_state_dict on int64 HF row ids first, then on the slices read and their ids."""
+    """Load strictly (every tensor must match), fp32; under `mesh` reading only this rank's part (how:
+    pith-models README); `chunk` HF elements at a time (0: a quarter of the largest tensor's)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: expected a Hugging Face model directory with a config.json, found none")
@@ -167,7 +165,12 @@ def from_pretrained(
     check_tensors(shapes, module.to_hf_state_dict(build_empty(cfg).state_dict(), cfg), str(path))
     model = build_empty(cfg, device, mesh, param_dtype)
     held = _held_experts(model, mesh or SINGLE)
-    seen = {k: r for k, t in shapes.items() if (r := _seen(k, t.shape[0], held)) is not None}
+    expert = {k: int(e[1]) for k in shapes if (e := _PER_EXPERT.search(k))}
+    seen = {  # rows passed: the held experts', all of the rest
+        k: held if ".experts." in k and k not in expert else range(len(t))
+        for k, t in shapes.items()
+        if k not in expert or expert[k] in held
+    }
     first = dict(zip(seen, [0, *itertools.accumulate(len(r) for r in seen.values())]))
     ids = {
         k: torch.arange(first[k], first[k] + len(r)).view(-1, *[1] * (shapes[k].ndim - 1))
@@ -176,33 +179,36 @@ def from_pretrained(
     origin = module.from_hf_state_dict(ids, cfg, held)
     experts = expert_param_names(model)
     wanted = {name: _wanted(origin[name], p, name, module, experts) for name, p in model.named_parameters()}
-    need = torch.cat(list(wanted.values())).unique()
+    need = torch.cat([w.flatten() for w in wanted.values()]).unique()
     cut = {}
     for k, r in seen.items():
         lo, hi = torch.searchsorted(need, torch.tensor([first[k], first[k] + len(r)])).tolist()
-        cut[k] = slice(int(need[lo]) - first[k], int(need[hi - 1]) - first[k] + 1) if hi > lo else slice(0)
-    # A layer at a time (the others as empty rows): a rank's peak is its shard plus one layer's slices
-    # and their conversion (measured: pith-models README), not plus its share read and converted.
+        cut[k] = range(int(need[lo]) - first[k], int(need[hi - 1]) - first[k] + 1) if hi > lo else range(0)
+    # A layer (the embedding, norm and lm_head: one more) in n passes of the j-th of n pieces of its held
+    # experts and other tensors' rows. A pass holds <= 4 copies of its elements (slices, file pages,
+    # conversion, rows copied out): the default keeps it within one fp32 tensor.
     layer = {k: k.split(".")[2] if k.startswith("model.layers.") else "" for k in seen}
+    chunk = chunk or max(t.numel() for t in shapes.values()) // 4
     for g in set(layer.values()):
-        mine = {k: c if layer[k] == g else slice(0) for k, c in cut.items()}
-        sd = module.from_hf_state_dict(
-            read_safetensors(path, {k: seen[k][c] for k, c in mine.items()}), cfg, held
-        )
-        got = module.from_hf_state_dict({k: ids[k][c] for k, c in mine.items()}, cfg, held)
-        for name, p in model.named_parameters():
-            local, have = local_rows(p)[0], got[name].flatten()
-            if name in experts and len(have):
-                local.copy_(sd[name])
-            if name in experts or not len(have):  # not this layer's
-                continue
-            order = have.argsort()
-            at = order[torch.searchsorted(have[order], wanted[name])]
-            assert torch.equal(have[at], wanted[name]), name
-            local.copy_(sd[name][at])
-        for name, b in model.named_buffers():
-            b.copy_(sd[name])
-        del sd, got
+        mine = {k: c if layer[k] == g else range(0) for k, c in cut.items()}
+        n = -(-sum(len(c) * shapes[k][0].numel() for k, c in mine.items()) // chunk)
+        for j in range(n):
+            part = _part(held, j, n)
+            hold = part or held  # no part: `held`, per-expert tensors empty
+            rows = {k: _part(c, j, n) for k, c in mine.items() if k not in expert}
+            rows |= {k: mine[k] if part else range(0) for k in expert if expert[k] in hold}
+            sd = read_safetensors(path, {k: seen[k][r.start : r.stop] for k, r in rows.items()})
+            sd = module.from_hf_state_dict(sd, cfg, hold)
+            got = module.from_hf_state_dict({k: ids[k][r.start : r.stop] for k, r in rows.items()}, cfg, hold)
+            for name, p in model.named_parameters():
+                if got[name].numel():  # rows by their least HF id
+                    have, order = got[name].unsqueeze(-1).flatten(1).amin(1).sort()
+                    want, local = wanted[name].unsqueeze(-1).flatten(1).amin(1), local_rows(p)[0]
+                    hit = torch.isin(want, have)
+                    local[hit] = sd[name][order[torch.searchsorted(have, want[hit])]].to(local.dtype)
+            for name, b in model.named_buffers():
+                b.copy_(sd[name])
+            del sd, got
     return model
 
 
@@ -215,8 +221,7 @@ def save_pretrained(model: nn.Module, path: str | Path, dtype: torch.dtype = tor
     # Copies: safetensors refuses views sharing storage (the gate/up halves).
     hf_sd = {k: v.detach().contiguous().to("cpu", dtype, copy=True) for k, v in hf_sd.items()}
     save_file(hf_sd, path / "model.safetensors", metadata={"format": "pt"})
-    umask = os.umask(0)  # safetensors writes 0600: the user's umask decides, as for every other file
-    os.umask(umask)
+    os.umask(umask := os.umask(0))  # safetensors writes 0600: the user's umask decides, as for any file
     os.chmod(path / "model.safetensors", 0o666 & ~umask)
     config = {**cfg.to_hf(), "torch_dtype": str(dtype).removeprefix("torch.")}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -51,11 +51,11 @@ def yarn_params_from_hf(d: dict, default_theta: float, yarn_cls: type) -> tuple[
 
 
 def from_hf_swiglu_state_dict(
-    sd: dict[str, Tensor], moe_layers: Iterable[int], E: int, tie_word_embeddings: bool, experts: range
+    sd: dict[str, Tensor], moe_layers: Iterable[int], E: int, tie_word_embeddings: bool, experts: range | None
 ) -> dict[str, Tensor]:
     """HF names and layouts -> ours: gate_proj | up_proj [F, D] fuse into gate_up_proj [2F, D]; the
-    per-expert [out, in] weights of `experts` stack into w_gate_up [E_held, D, 2F] and w_down
-    [E_held, F, D]; each MoE layer gets a zero expert_bias [E]."""
+    per-expert [out, in] weights of `experts` (None: all E) stack into w_gate_up [E_held, D, 2F] and
+    w_down [E_held, F, D]; each MoE layer gets a zero expert_bias [E]."""
     out = {}
     for k, v in sd.items():
         name = k.removeprefix("model.")
@@ -68,7 +68,7 @@ def from_hf_swiglu_state_dict(
             out[name] = v
     for i in moe_layers:
         hf, ours = f"model.layers.{i}.mlp.experts.", f"layers.{i}.mlp."
-        held = [f"{hf}{e}." for e in experts]
+        held = [f"{hf}{e}." for e in (range(E) if experts is None else experts)]
         out[ours + "experts.w_gate_up"] = torch.stack(
             [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in held]
         )
