@@ -189,6 +189,7 @@ def from_pretrained(
     # conversion, rows copied out): the default keeps it within one fp32 tensor.
     layer = {k: k.split(".")[2] if k.startswith("model.layers.") else "" for k in seen}
     chunk = chunk or max(t.numel() for t in shapes.values()) // 4
+    left = sum(len(w) for w in wanted.values())  # rows still to read
     for g in set(layer.values()):
         mine = {k: c if layer[k] == g else range(0) for k, c in cut.items()}
         n = -(-sum(len(c) * shapes[k][0].numel() for k, c in mine.items()) // chunk)
@@ -206,9 +207,11 @@ def from_pretrained(
                     want, local = wanted[name].unsqueeze(-1).flatten(1).amin(1), local_rows(p)[0]
                     hit = torch.isin(want, have)
                     local[hit] = sd[name][order[torch.searchsorted(have, want[hit])]].to(local.dtype)
+                    left -= int(hit.sum())
             for name, b in model.named_buffers():
                 b.copy_(sd[name])
             del sd, got
+    assert left == 0, f"{path}: {left} rows of this rank's parameters were never read"
     return model
 
 
