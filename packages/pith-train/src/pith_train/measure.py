@@ -75,6 +75,9 @@ class Mirror(dist.ProcessGroup):
 
         return PythonCallbackWork(fill)
 
+    _allgather_base, alltoall_base = all_gather_single, all_to_all_single  # torch 2.11's names
+    _reduce_scatter_base = reduce_scatter_single
+
     def _get_backend(self, device):  # batch_isend_irecv: no coalescing
         return self
 
