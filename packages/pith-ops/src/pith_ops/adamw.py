@@ -1,9 +1,9 @@
 """AdamW update of one fp32 tensor with its gradient scaled by a device scalar (the clip coefficient).
 
-The scale read from device memory spares the clipping a host sync and a pass over the gradients (~6
-ms a step on the pith-train bench, H200); a non-finite one skips the update, so the trainer need not
-check the loss on the host. p's kept copies are rewritten in the same pass (FP8: delayed scaling with
-a history of one step, the new amax reduced by atomics for the next update).
+A scale in device memory spares the clipping a host sync and a pass over the gradients (~6 ms a step
+on the pith-train bench, H200); a non-finite one skips the update, so the trainer need not check the
+loss on the host. p's kept copies are rewritten in the same pass (FP8: delayed scaling, the new amax
+reduced by atomics for the next update).
 """
 
 import torch

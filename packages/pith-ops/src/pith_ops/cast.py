@@ -3,11 +3,10 @@ cast: 47% of copy; the README).
 
 Kept copies. A trainable weight (not a DTensor) cast to bf16 with grad mode on keeps its cast, valid
 while x's version counter and storage hold; adamw_ rewrites it in its update pass (bench: ~1.3 ms for
-~3.8 ms of casts, H200). A write to x that bypasses the version counter must go through `keep`.
+~3.8 ms of casts, H200). A write to x bypassing the version counter must go through `keep`.
 
-Kept gradients. A weight marked by `keep_grads` has its kept cast's gradient held in bf16 (read by
-`grad(w)`), not widened into w.grad: the same update without the widening pass and wider reads
-(bench: 4.1 and 1.8 ms a step, H200).
+Kept gradients. A weight marked by `keep_grads` holds its kept cast's gradient in bf16 (`grad(w)`),
+not widened into w.grad: no widening pass, narrower reads (bench: 4.1 and 1.8 ms a step, H200).
 """
 
 import torch
@@ -125,8 +124,7 @@ def _copy_for(x: Tensor, dtype: torch.dtype) -> Tensor | None:
 
 
 def stand_in(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """x in dtype without its values (the README), so that no cast of x is kept (the bench's lm_head:
-    0.6 GiB)."""
+    """x in dtype without its values (the README): no cast of x kept (the bench's lm_head: 0.6 GiB)."""
     check("x", x, dtypes=FLOAT_DTYPES)
     if x.dtype == dtype and type(x) in (Tensor, torch.nn.Parameter):
         return x

@@ -3,10 +3,10 @@ FP8 GEMMs and their measurements: the pith-ops README).
 
 Shape legend: T tokens, C tokens in one chunk, D model dim, V vocabulary.
 
-The gradients are computed in the forward (over a chunk's logits) and kept; the backward only scales
-them. dw accumulates in w's dtype (fp32 inside each matmul): an fp32
-accumulator would add ~3.7 GB of traffic a chunk (estimated). Labels outside [0, V) other than
-ignore_index are checked only for CPU tensors in eager mode; on CUDA such a row's loss is its lse.
+The forward computes the gradients (over a chunk's logits) and keeps them; the backward scales them.
+dw accumulates in w's dtype (fp32 inside each matmul; an fp32 accumulator: ~3.7 GB more traffic a
+chunk, estimated). Labels outside [0, V) but ignore_index are caught for eager CPU tensors only; on
+CUDA such a row's loss is its lse.
 """
 
 import torch
@@ -84,9 +84,9 @@ def _ce_rows_kernel(
     if WRITE_GRAD or WRITE_G8:
         scale = tl.where(valid, tl.load(scale_ptr), 0.0)
         if WRITE_G8:
-            # The row's largest |g| (the same fp32 expressions: quantize_rows' scale) is at the label or
-            # the largest other logit: every lane's max but the label lane's, whose other values are
-            # read again (tracking it in the loop above cost a compare and a select per logit).
+            # The row's largest |g| (quantize_rows' scale, same fp32 expressions) is at the label or the
+            # largest other logit: every lane's max but the label lane's, whose other values are read
+            # again (tracking it in the loop above cost a compare and a select per logit).
             lane = tl.where(in_vocab, label % BLOCK_V, -1)
             others = tl.max(tl.where(cols == lane, -3.4e38, m), 0)
             at = lane + tl.arange(0, STEPS).to(tl.int64) * BLOCK_V

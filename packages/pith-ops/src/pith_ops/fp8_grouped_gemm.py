@@ -2,9 +2,9 @@
 
 Shape legend: N grouped rows, I input features, O output features, E experts (groups).
 
-As pith_ops.fp8_linear, one weight scale per expert and x8c, dy8c requantised over each expert's
-rows. On CUDA (torch._scaled_grouped_mm) every group end must be a multiple of GROUP_ALIGN: the wgrad
-contracts over each group's rows, where CUTLASS asserts on the device otherwise (checking: a host sync).
+As pith_ops.fp8_linear, one weight scale per expert, x8c and dy8c requantised over each expert's
+rows. On CUDA (torch._scaled_grouped_mm) every group end must be a multiple of GROUP_ALIGN, or the
+wgrad's CUTLASS asserts on the device (checking it: a host sync).
 """
 
 import torch

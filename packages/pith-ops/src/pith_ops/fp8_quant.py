@@ -4,9 +4,9 @@ and measurements: the pith-ops README).
 Shape legend: M rows, K columns, G row groups (ending at group_ends), B batch entries (a stacked
 weight's experts), R and C a weight's rows and columns.
 
-scale = the smallest power of two with amax / scale <= 448 (e4m3's largest finite value), so
-quantisation and dequantisation are exact in fp32 and kernels and references agree bit for bit; an
-all-zero row gets 2^-126. Values past 448 * scale (a weight grown since its scale) saturate.
+scale = the smallest power of two with amax / scale <= 448 (e4m3's largest finite value): exact
+in fp32, kernels and references agree bit for bit; an all-zero row gets 2^-126. Values past 448 *
+scale (a weight grown since its scale) saturate.
 """
 
 from typing import NamedTuple
@@ -268,8 +268,7 @@ def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torc
 
 def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
     """Writes copies' scales and transposed copy from q and amax (the scales stay where gate, adamw_'s
-    clip scale, is not finite). Not fused with q's kernel: storing an e4m3 tile in both layouts lost a
-    quarter of its transposed values (H200, Triton 3.6)."""
+    clip scale, is not finite). Apart from q's kernel: the README (Weights from the optimizer)."""
     q3, qt3 = (copies.q, copies.qt) if copies.q.ndim == 3 else (copies.q[None], copies.qt[None])
     B, R, C = q3.shape
     if B:
