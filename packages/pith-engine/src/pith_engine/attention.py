@@ -40,9 +40,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
 def _band_block_mask(seq_len: int, window: int | None, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def visible(b, h, q_idx, kv_idx):
-        return band_visible(q_idx - kv_idx, window)
-
+    visible = lambda b, h, q_idx, kv_idx: band_visible(q_idx - kv_idx, window)
     return create_block_mask(visible, None, None, seq_len, seq_len, device=device)
 
 
@@ -67,16 +65,9 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, doc_BS, *, scale: float, win
 
 
 def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    pos: Positions,
-    *,
-    scale: float,
-    window: int | None = None,
-    sinks_H: Tensor | None = None,
-    reference: bool = False,
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, pos: Positions, *, scale: float, window: int | None = None,
+    sinks_H: Tensor | None = None, reference: bool = False,
+) -> Tensor:  # fmt: skip
     """reference: the fp32 reference on any device (a model's reference_forward)."""
     if pos.cp_group is not None and not reference:
         return ring_attention(q, k, v, pos, scale=scale, window=window, sinks_H=sinks_H)

@@ -11,17 +11,9 @@ from torch import Tensor
 
 
 def attention_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    pos_q_BS: Tensor,
-    pos_k_BS: Tensor,
-    *,
-    scale: float,
-    window: int | None = None,
-    sinks_H: Tensor | None = None,
-    docs: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, pos_q_BS: Tensor, pos_k_BS: Tensor, *, scale: float,
+    window: int | None = None, sinks_H: Tensor | None = None, docs: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """In fp32 (fp64 for fp64 inputs) -> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] of the
     masked scores, sinks excluded). A query that sees no key gets out 0, lse -inf. docs: (query, key)
     document ids."""

@@ -9,9 +9,9 @@ micro-batch's compute while another's all-to-all is in flight:
     stage 4 (engine)  combine: the inverse exchange, handing back rows plus (slots, weights)
     stage 5 (model)   h + sum_k weights[t, k] * y[slots[t, k]]  (moe_unpermute), the layer output
 
-Under EP the engine may hand stage 5 other slots/weights than the router's (one pre-weighted row per
-destination rank); a slot < 0 contributes nothing. Models see process groups only through
-`Positions.cp_group` (the pith-engine README, "The contract").
+Under EP stage 5 may get other slots/weights than the router's (one pre-weighted row per destination
+rank); a slot < 0 contributes nothing. Models see process groups only through `Positions.cp_group`
+(the pith-engine README, "The contract").
 
 Shape legend: B batch, S sequence (local to this rank under CP), T = B*S tokens, D model dim,
 K router top-k, E experts, N rows grouped by expert (>= T*K when padded), V vocabulary,
@@ -51,8 +51,8 @@ class Stage1Out(NamedTuple):
 
 class DecoderLayer(Protocol):
     # The routed experts: a module holding only their weights [E_held, ...], called by stage3 (so FSDP's
-    # hooks run); None for a dense layer. The engine slices it under EP and shards it apart. Its `fp8`
-    # flag (pith_engine.fp8.FP8Switch) says whether stage 2 sends it FP8 rows.
+    # hooks run); None for a dense layer. Sliced under EP, sharded apart. Its `fp8` flag
+    # (pith_engine.fp8.FP8Switch): stage 2 sends it FP8 rows.
     experts: nn.Module | None
     # The router, a module stage1 calls (-> fp32 logits_TE), so FSDP can keep its weight fp32.
     router: nn.Module | None
@@ -61,8 +61,8 @@ class DecoderLayer(Protocol):
 
     def stage3(self, x_ND: Tensor, group_ends_E: Tensor) -> Tensor:
         """Expert MLPs over rows grouped by local expert (group_ends: int32 cumulative row ends; rows
-        past the last end are padding). With `experts.fp8` set, x_ND is a pith_ops.FP8Rows
-        (pith_engine.layers.expert_gemm takes it)."""
+        past the last are padding). With `experts.fp8` set, x_ND is a pith_ops.FP8Rows (for
+        pith_engine.layers.expert_gemm)."""
 
     def stage5(self, h_BSD: Tensor, y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor: ...
 

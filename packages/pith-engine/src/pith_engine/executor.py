@@ -103,8 +103,8 @@ class LocalExperts:
 
 
 class Pending:
-    """An all-to-all in flight (NCCL's stream); wait() makes the current stream wait for it without
-    blocking the host. stand_in (zeros of strides 0, pith_ops.FP8Rows' x): nothing is sent."""
+    """An all-to-all in flight (NCCL's stream); wait(): the current stream waits for it, the host does
+    not. stand_in (zeros of strides 0, pith_ops.FP8Rows' x): nothing is sent."""
 
     def __init__(
         self, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup, stand_in=False
@@ -123,7 +123,7 @@ class Pending:
 
     def host(self, *more: Tensor) -> list[int]:
         """The output (and `more`) as host integers, waiting for the exchange only (a side stream copies
-        it to pinned memory), not for the compute queued since."""
+        it to pinned memory), not the compute queued since."""
         if not self.out.is_cuda:
             self.work.wait()
             return torch.cat([*more, self.out.flatten()]).tolist()
@@ -167,10 +167,10 @@ def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: Pr
 class Tape:
     """The autograd segments of one forward (a pipeline chunk on one micro-batch). `tape(fn, *args)` runs
     fn on detached leaves of its differentiable args; `backward()` (steps) runs the segments newest
-    first from the outputs' `seed`ed gradients, each leaf's grad passed to the tensor it was detached
-    from. Gradients are kept beside their tensor, by id(): the entry keeps the tensor alive, so a
-    reused address never finds a stale gradient (a seeded aux loss once did, 9 steps in 100 wrong).
-    final: each FSDP `owner` reduces its gradients in its segment's backward (the step's last)."""
+    first from the outputs' `seed`ed gradients, each leaf's grad going to the tensor it was detached
+    from. Gradients are kept by id() beside their tensor, which the entry keeps alive: a reused address
+    never finds a stale gradient (a seeded aux loss once did, 9 steps in 100 wrong). final: each FSDP
+    `owner` reduces its gradients in its segment's backward (the step's last)."""
 
     def __init__(self, final: bool = False, trace: list | None = None, tag: str = ""):
         self.final, self.trace, self.tag = final, trace, tag
@@ -236,8 +236,8 @@ class Tape:
             if not roots:
                 continue
             sync = self.final and isinstance(owner, FSDPModule)
-            # recurse: units nested in the owner whose backward runs in its segment (a layer's fp32
-            # router unit) reduce with it; units with segments of their own (experts) are done by then.
+            # recurse: nested units whose backward runs in this segment (a layer's fp32 router) reduce
+            # with it; units with segments of their own (experts) are done by then.
             if sync:
                 owner.set_requires_gradient_sync(True)
             self._log(name)

@@ -105,7 +105,6 @@ def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> int:
 
 
 def _fp8_gather_hooks(local: Tensor, shape: tuple):
-
     def pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy):
         held = local.shape[0]
         start = mesh.get_local_rank() * held

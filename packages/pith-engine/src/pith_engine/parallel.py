@@ -162,9 +162,8 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
                 raise ValueError(f"expert weight {name} {tuple(p.shape)}: {p.shape[0]} experts over ep={ep}")
             held = p.shape[0] // ep
             setattr(m, name, nn.Parameter(p.detach()[r * held : (r + 1) * held].clone()))
-    # A group of one rank shards nothing: FSDP over it only adds copies (on an H200 the bench under
-    # torchrun on one GPU ran at 87.6% of the single process's tokens/s). Such weights stay plain: the
-    # whole model under one rank, and the experts under EP with dp = cp = 1.
+    # A group of one rank shards nothing, FSDP over it only adds copies (the bench under torchrun on one
+    # H200: 87.6% of one process's tokens/s): such weights stay plain.
     if mesh.dense_mesh is None or mesh.dense_mesh.size() == 1:
         return model
     # FSDP2 warns at every forward of a unit that returned a view (12 lines a step on the tiny default):
@@ -188,10 +187,9 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     fully_shard(model, mesh=mesh.dense_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=plain)
     register_fsdp_forward_method(model, "prologue")
     register_fsdp_forward_method(model, "epilogue")
-    # Explicit forward prefetch: under EP, dispatch waits on the host for its split sizes, so the
-    # experts' and the next layer's all-gathers would start only after that wait. Issued at the
-    # previous unit's start, they run while stage 1 (resp. stages 3-5) computes. Not under PP: the
-    # schedule, not layer order, says which unit runs next.
+    # Explicit forward prefetch: under EP dispatch waits on the host for its split sizes, which would
+    # delay the experts' and the next layer's all-gathers; issued at the previous unit's start, they
+    # run beside stage 1 (resp. 3-5). Not under PP, where the schedule picks the next unit.
     for layer, after in zip(layers, [*layers[1:], None]) if mesh.layout.pp == 1 else ():
         chain = [m for m in (layer, layer.experts, after) if isinstance(m, FSDPModule)]
         for m, nxt in zip(chain, chain[1:]):

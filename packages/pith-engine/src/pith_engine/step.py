@@ -1,8 +1,8 @@
-"""The training step of one rank: its micro-batches' forward and backward work in the pipeline
-schedule's order, each (chunk, micro-batch) forward recorded on an executor.Tape; then the gradient
-norm, the optimizer and the expert-bias update. Each data rank back-propagates its share of the
-global loss, so gradients are SUMMED over data ranks and every layout reproduces single-process
-training. The design and its costs: the pith-engine README, "The training step".
+"""One rank's training step: its micro-batches' forward and backward work in the pipeline schedule's
+order, each (chunk, micro-batch) forward recorded on an executor.Tape; then the gradient norm, the
+optimizer and the expert-bias update. Each data rank back-propagates its share of the global loss, so
+gradients are SUMMED over data ranks and every layout trains as one process does. Design and costs:
+the pith-engine README, "The training step".
 
 Shape legend: B sequences, S sequence length, T = B*S tokens, D hidden, E experts, K top-k, L layers.
 """
@@ -45,12 +45,12 @@ IGNORE_INDEX = -100
 class Stages:
     """This rank's part of the model as the step runs it.
 
-    compile: the non-expert stages (stage 3 has data-dependent group sizes). ac: "selective"
-    recomputes stage 3, whose hidden rows (T*K of 3F) are the largest activations; "full" stages 1, 3
-    and 5. dtype: the residual stream's. align: each expert's row padding (FP8's GEMM needs 16).
-    overlap: run overlapped pairs interleaved at their exchanges. wgrad: I actions leave their weight
-    gradients to W actions (under compile only the eager expert GEMMs defer). Neither overlap nor
-    wgrad changes a result (test_overlap.py).
+    compile: the non-expert stages (stage 3's group sizes are data-dependent). ac: "selective"
+    recomputes stage 3 (its T*K hidden rows of 3F: the largest activations), "full" stages 1, 3 and 5.
+    dtype: the residual stream's. align: each expert's row padding (16 for FP8's GEMM). overlap:
+    interleave overlapped pairs at their exchanges. wgrad: I actions leave weight gradients to W
+    actions (under compile only the eager expert GEMMs defer). Neither changes a result
+    (test_overlap.py).
     """
 
     class Layer:
@@ -64,24 +64,16 @@ class Stages:
             self.stage5 = compiled(full(layer.stage5))
 
     def __init__(
-        self,
-        model: nn.Module,
-        mesh: parallel.Mesh,
-        compile: bool = False,
-        ac: str = "none",
-        dtype=None,
-        align: int = 1,
-        overlap: bool = True,
-        wgrad: bool = True,
-        cuda_graph: bool = False,
-    ):
+        self, model: nn.Module, mesh: parallel.Mesh, compile: bool = False, ac: str = "none", dtype=None,
+        align: int = 1, overlap: bool = True, wgrad: bool = True, cuda_graph: bool = False,
+    ):  # fmt: skip
         if cuda_graph and (mesh.layout.world > 1 or mesh.device.type != "cuda"):
             raise ValueError(
                 f"a CUDA graph step runs on one CUDA process, got {mesh.layout.world} process(es) on"
                 f" {mesh.device.type}: turn train.cuda_graph off"
             )
-        # Under FSDP dynamo runs the stage wrapper's unshard/reshard hooks eagerly, breaking the graph
-        # there only (as TorchTitan's per-block compile): fullgraph is off for that reason alone.
+        # Off under FSDP alone: dynamo runs its unshard/reshard hooks eagerly, breaking the graph there
+        # only (as TorchTitan's per-block compile).
         fullgraph = not isinstance(model, FSDPModule)
         compiled = functools.partial(torch.compile, fullgraph=fullgraph) if compile else lambda fn: fn
         pp = mesh.layout.pp
@@ -118,9 +110,9 @@ class Stages:
                 unit.set_reshard_after_forward(False, recurse=False)
                 unit.set_reshard_after_backward(False, recurse=False)
         elif isinstance(model, FSDPModule):
-            # The root (embedding, final norm, lm_head) stays gathered through the step: the loss reads
-            # lm_head outside an FSDP call, and in an overlapped pair the end of each backward segment
-            # (FSDP's final callback) would otherwise reshard it under the other micro-batch's forward.
+            # The root (embedding, final norm, lm_head) stays gathered: the loss reads lm_head outside an
+            # FSDP call, and in an overlapped pair each backward segment's end (FSDP's final callback)
+            # would reshard it under the other micro-batch's forward.
             model.set_reshard_after_backward(False, recurse=False)
 
 
@@ -137,7 +129,7 @@ def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh, pos_
 
 def loss_sum(h_BSD: Tensor, lm_head: nn.Linear, labels_T: Tensor) -> Tensor:
     """Cross-entropy summed over the label tokens, lm_head fused; in FP8 while an FP8Switch lm_head
-    has fp8 set (the contract's lm_head may be any nn.Linear)."""
+    has fp8 set (the contract's may be any nn.Linear)."""
     w = lm_head.weight
     fp8 = isinstance(lm_head, FP8Switch) and lm_head.fp8
     w8 = FP8Switch.fp8_weight(w, fp8_linear_weight) if fp8 else None
@@ -154,8 +146,8 @@ class Aux(NamedTuple):
 
 def layer_aux(r: Routing, aux: Aux, tokens: int, mesh: parallel.Mesh) -> tuple[Tensor, Tensor]:
     """This rank's share of one MoE layer's aux losses on one micro-batch, and the layer's expert counts
-    [E] over every data rank. Global-batch load balancing: E * sum_e f_e * P_e, f_e the fraction of
-    (token, k) entries choosing e, P_e e's mean router probability over all `tokens`."""
+    [E] over all data ranks. Global-batch load balancing: E * sum_e f_e * P_e, f_e the share of (token,
+    k) entries choosing e, P_e e's mean router probability over all `tokens`."""
     E, K = r.probs_TE.shape[1], r.expert_ids_TK.shape[1]
     ids = r.expert_ids_TK.flatten()
     counts_E = torch.zeros(E, device=ids.device).index_add_(0, ids, torch.ones(ids.shape, device=ids.device))
@@ -210,7 +202,7 @@ class _Run:
     def steps(self, a: Action) -> Steps:
         queue = self.stages.queue
         if a.op is Op.F:
-            # autocast around each run of compute, not across the yields (the other side may be a backward)
+            # autocast each run of compute, not across the yields (the other side may be a backward)
             cuda = self.stages.mesh.device.type == "cuda"
             autocast = lambda: torch.autocast("cuda", torch.bfloat16, enabled=cuda)
             forward = self.forward(a)
@@ -226,8 +218,8 @@ class _Run:
                 queue.run_next()
         elif a.op is Op.B or queue is None:
             yield from self.backward(a)
-        else:  # I: weight gradients queued for a later W. Under FSDP a unit's last backward of the
-            # step reduces its gradients, so they must all be there: the queue runs first, none deferred.
+        else:  # I: weight gradients queued for a later W. A unit's last backward of the step reduces
+            # its gradients under FSDP: then the queue runs first, nothing deferred.
             final = self.tapes[(a.chunk, a.micro)][0].final and bool(self.stages.units)
             if final:
                 queue.run_all()
@@ -318,9 +310,9 @@ def train_step(
     grad_clip: float,
     bias_rate: float,
 ) -> StepResult:
-    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS[, pos_BS])]. -> device
-    tensors: no host sync, so the CPU queues the step ahead of the GPU. A non-finite loss or norm skips
-    the update (step_values raises)."""
+    """One optimizer step over this rank's micro-batches [(inputs_BS, labels_BS[, pos_BS])] -> device
+    tensors: no host sync, the CPU queues the step ahead of the GPU. A non-finite loss or norm skips the
+    update (step_values raises)."""
     mesh, model = stages.mesh, stages.model
     micro = _micro_on_device(micro, mesh)
     aux = aux._replace(micro_batches=len(micro))
@@ -342,8 +334,7 @@ def _schedule_work(stages: Stages, micro: list, aux: Aux) -> tuple[Tensor, dict[
     """-> (cross-entropy and aux sums [2], expert counts per MoE layer, global label tokens)."""
     mesh = stages.mesh
     label_tokens = parallel.all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y, *_ in micro), mesh)
-    # Reduced once, in each unit's last backward segment (Tape(final=True)): its unsharded fp32
-    # gradients live through the step (4 bytes per parameter of its chunks).
+    # Reduced once, in each unit's last backward segment (Tape(final=True)).
     for unit in stages.units:
         unit.set_requires_gradient_sync(False, recurse=False)
     run = _Run(stages, micro, label_tokens, aux, True)

@@ -13,9 +13,9 @@ from pith_engine.fp8 import FP8Switch
 
 
 class WeightGradQueue:
-    """Weight-gradient work that backward passes left for a schedule's W actions. A backward inside
-    `with queue.deferring():` computes input gradients at once and leaves its weight work here as one
-    group; `run_next()` runs the oldest group into .grad, bit for bit the plain backward's (tested)."""
+    """A backward inside `with queue.deferring():` computes input gradients at once and leaves its
+    weight work here as one group; `run_next()` runs the oldest group into .grad, bit for bit the plain
+    backward's (tested)."""
 
     def __init__(self):
         self._groups: deque[list] = deque()
