@@ -155,13 +155,9 @@ class Config:
         if yarn is not None:
             rope = {**rope, "rope_type": "yarn", **{k: v for k, v in yarn.items() if v is not None}}
         return {
-            "model_type": self.model_type,
-            "architectures": ["DeepseekV2ForCausalLM"],
-            **d,
-            **_FIXED,
-            "num_key_value_heads": self.num_attention_heads,
-            "rope_parameters": rope,
-        }
+            "model_type": self.model_type, "architectures": ["DeepseekV2ForCausalLM"], **d, **_FIXED,
+            "num_key_value_heads": self.num_attention_heads, "rope_parameters": rope,
+        }  # fmt: skip
 
 
 # Fields whose other values would change the math (not implemented).

@@ -110,21 +110,16 @@ class Config:
         if quant != "mxfp4":  # dequantised as read (pith_models.hf)
             raise ValueError(f"config field quantization_config: quant_method {quant!r}; only mxfp4 loads")
         d["rope_theta"], d["yarn"] = _rope_from_hf(d)
-        d = config_kwargs_from_hf(d, cls, _FIXED, _IGNORED)
-        return cls(**d)
+        return cls(**config_kwargs_from_hf(d, cls, _FIXED, _IGNORED))
 
     def to_hf(self) -> dict:
         d = asdict(self)
         yarn = d.pop("yarn")
         rope = {"rope_type": "yarn" if yarn else "default", "rope_theta": d.pop("rope_theta"), **(yarn or {})}
         return {
-            "model_type": self.model_type,
-            "architectures": ["GptOssForCausalLM"],
-            **d,
-            **_FIXED,
-            "layer_types": list(self.layer_types),
-            "rope_parameters": rope,
-        }
+            "model_type": self.model_type, "architectures": ["GptOssForCausalLM"], **d, **_FIXED,
+            "layer_types": list(self.layer_types), "rope_parameters": rope,
+        }  # fmt: skip
 
 
 _FIXED = {"attention_bias": True, "attention_dropout": 0.0}

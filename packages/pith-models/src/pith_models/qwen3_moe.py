@@ -116,15 +116,11 @@ class Config:
     def to_hf(self) -> dict:
         d = asdict(self)
         d["mlp_only_layers"] = list(self.mlp_only_layers)
-        rope_theta = d.pop("rope_theta")
+        rope = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
         return {
-            "model_type": self.model_type,
-            "architectures": ["Qwen3MoeForCausalLM"],
-            **d,
-            **_FIXED,
-            "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-            "use_sliding_window": False,
-        }
+            "model_type": self.model_type, "architectures": ["Qwen3MoeForCausalLM"], **d, **_FIXED,
+            "rope_parameters": rope, "use_sliding_window": False,
+        }  # fmt: skip
 
 
 # Fields whose other values would change the math (not implemented).
