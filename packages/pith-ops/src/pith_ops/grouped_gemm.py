@@ -153,8 +153,7 @@ def _wgrad_op(x_NI: Tensor, dy_NO: Tensor, group_ends_E: Tensor, E: int) -> Tens
         return torch._grouped_mm(x_NI.t(), dy_NO, offs=group_ends_E)
     dw = x_NI.new_empty(E, I, O)
     bm, bn, bk, warps, stages = TILES
-    grid = (triton.cdiv(I, bm) * triton.cdiv(O, bn), E)
-    _grouped_wgrad_kernel[grid](
+    _grouped_wgrad_kernel[(triton.cdiv(I, bm) * triton.cdiv(O, bn), E)](
         x_NI, dy_NO, dw, group_ends_E, I, O,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip

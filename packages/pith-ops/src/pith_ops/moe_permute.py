@@ -5,9 +5,9 @@ Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows, 
 (CT * K <= CHUNK entries), R rows of a tile.
 
 A negative expert id routes nowhere, so a caller can route a subset of the entries (EP's rows by
-destination rank) with a static `rows`. Ids >= E and a `rows` too small are caught only for CPU
-tensors in eager mode (on CUDA: a host sync). No row of moe_unpermute's y
-may be referenced by two (t, k) entries (true for moe_permute's slots).
+destination rank) with a static `rows`. Ids >= E and a too small `rows` are caught for eager CPU
+tensors only (on CUDA: a host sync). Two (t, k) entries may not share a row of moe_unpermute's y
+(moe_permute's slots never do).
 """
 
 import functools

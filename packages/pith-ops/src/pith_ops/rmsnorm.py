@@ -172,8 +172,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         )
     if not eps > 0:  # eps > 0 also keeps the kernels' masked padding rows finite
         raise ValueError(f"eps: expected a positive float, got {eps}")
-    D = x.shape[-1]
-    return _rms_norm(x.reshape(-1, D), weight, float(eps)).view(x.shape)
+    return _rms_norm(x.reshape(-1, x.shape[-1]), weight, float(eps)).view(x.shape)
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:

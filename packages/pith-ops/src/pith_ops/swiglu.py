@@ -205,8 +205,7 @@ def _check_x(x_N2F: Tensor) -> None:
 def _apply(x_N2F: Tensor, oss: bool, alpha: float, limit: float) -> Tensor:
     _check_x(x_N2F)
     F = x_N2F.shape[-1] // 2
-    y_NF = _swiglu(x_N2F.reshape(-1, 2 * F), oss, alpha, limit)
-    return y_NF.view(*x_N2F.shape[:-1], F)
+    return _swiglu(x_N2F.reshape(-1, 2 * F), oss, alpha, limit).view(*x_N2F.shape[:-1], F)
 
 
 def swiglu(x_N2F: Tensor) -> Tensor:
