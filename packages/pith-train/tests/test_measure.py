@@ -73,3 +73,14 @@ def test_plan_measure_refuses_a_rank_outside_the_layout_before_it_builds(capsys,
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_the_mirror_answers_a_barrier():
+    import torch.distributed as dist
+    from pith_train.measure import BACKEND
+
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=1, world_size=2)
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
