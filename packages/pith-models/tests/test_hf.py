@@ -217,3 +217,14 @@ def test_a_load_in_chunks_reads_a_chunk_at_a_time_and_equals_the_whole(module, t
     for got in (chunked, pith_models.from_pretrained(tmp_path).state_dict()):
         assert got.keys() == whole.keys()
         assert not [k for k, t in whole.items() if not torch.equal(got[k], t)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [0, 2000])
+def test_a_load_onto_cuda_equals_the_cpu_load(tmp_path, chunk):
+    """The rows read on the CPU go to the parameters' device (the trainer loads onto its GPU)."""
+    pith_models.save_pretrained(pith_models.build(gpt_oss.TINY, "cpu", 1), tmp_path)
+    want = pith_models.from_pretrained(tmp_path, chunk=chunk).state_dict()
+    got = pith_models.from_pretrained(tmp_path, "cuda", chunk=chunk).state_dict()
+    assert got.keys() == want.keys() and all(t.is_cuda for t in got.values())
+    assert not [k for k, t in want.items() if not torch.equal(got[k].cpu(), t)]
