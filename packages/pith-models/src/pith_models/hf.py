@@ -206,12 +206,14 @@ def from_pretrained(
                     have, order = got[name].unsqueeze(-1).flatten(1).amin(1).sort()
                     want, local = wanted[name].unsqueeze(-1).flatten(1).amin(1), local_rows(p)[0]
                     hit = torch.isin(want, have)
-                    local[hit] = sd[name][order[torch.searchsorted(have, want[hit])]].to(local.dtype)
+                    src = sd[name][order[torch.searchsorted(have, want[hit])]]  # read on the CPU
+                    local[hit.to(local.device)] = src.to(local.device, local.dtype)
                     left -= int(hit.sum())
             for name, b in model.named_buffers():
                 b.copy_(sd[name])
             del sd, got
-    assert left == 0, f"{path}: {left} rows of this rank's parameters were never read"
+    if left:
+        raise RuntimeError(f"{path}: {left} rows of this rank's parameters were never read")
     return model
 
 
