@@ -30,7 +30,7 @@ class StepGraph:
 
     def __call__(self, stages, micro: list, aux):
         flat = [t for m in micro for t in m if t is not None]
-        first = self.stream is None  # the eager step, on the inputs (their strides) the graph will read
+        first = self.stream is None  # the eager step, on copies of the inputs the graph will read
         if first:
             self.stream = torch.cuda.Stream(stages.mesh.device)
             self.inputs = [t.contiguous().clone() for t in flat]
