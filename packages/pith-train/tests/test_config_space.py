@@ -45,11 +45,14 @@ STEPS, SEQ = 3, 16
 # order noise (2.7e-7). FP8 quantises a weight gradient's columns over the tokens of a micro-batch on
 # one rank, so a split of the tokens that differs (a layout, micro-batches merged) rounds them
 # otherwise: the step-1 forward (loss, aux) alike (8.7e-8), the step-1 gradient norm not (1.5e-4),
-# later losses, aux and validation losses (7.3e-4); later gradient norms not compared (they follow
+# later losses and validation losses (7.3e-4), later aux (3.5e-3: a small sum over routing that the
+# weights' FP8 differences move, Qwen3 ep2 from an init checkpoint, a draw that hypothesis's constants
+# from the sources brought in); later gradient norms not compared (they follow
 # the weights' FP8 differences: 2.0e-2, and 0.33 at step 3 of DeepSeek-V2 under dp2 x ep2). Muon's
 # Newton-Schulz in bf16 (its default) turns summation-order noise into flipped bf16 roundings
 # (later: 1.2e-4, the validation loss under pp2 x ep2; test_muon: 1.6e-5).
-RTOL = {"fp32": (1e-6, 1e-5), "fp8": (1e-6, 2e-3), "fp8 grad_norm": (1e-3, math.inf), "muon": (1e-6, 5e-4)}
+RTOL = {"fp32": (1e-6, 1e-5), "fp8": (1e-6, 2e-3), "fp8 grad_norm": (1e-3, math.inf), "fp8 aux": (1e-6, 6e-3)}
+RTOL["muon"] = (1e-6, 5e-4)
 FAMILIES = {  # 4 layers (2 chunks a pipeline rank of pp2), tiny widths; qwen3_moe: conftest's micro model's
     "qwen3_moe": None,
     "deepseek_v2": dataclasses.replace(deepseek_v2.TINY, num_hidden_layers=4, max_position_embeddings=64),
