@@ -58,11 +58,15 @@ LAYOUTS = {
 }
 # Hugging Face loading: 4 layers (pp2's 4 chunks), a dense first layer whose fused gate_up [2*97, D]
 # FSDP cuts over 4 ranks in pieces of 49 (one straddles the gate/up boundary), tied embeddings.
+# Ranks holding no experts: qwen3's 2 experts over ep2 x dp2 leave one FSDP piece empty; deepseek's
+# first 3 layers are dense, so pp2's rank 1 (layers 1 and 2 of the V) holds none.
 HF_MODELS = {
     "qwen3_moe": dataclasses.replace(
-        qwen3_moe.TINY, num_hidden_layers=4, intermediate_size=97, tie_word_embeddings=True
+        qwen3_moe.TINY, num_hidden_layers=4, intermediate_size=97, tie_word_embeddings=True, num_experts=2
     ),
-    "deepseek_v2": dataclasses.replace(deepseek_v2.TINY, num_hidden_layers=4, intermediate_size=97),
+    "deepseek_v2": dataclasses.replace(
+        deepseek_v2.TINY, num_hidden_layers=4, intermediate_size=97, first_k_dense_replace=3
+    ),
     "gpt_oss": dataclasses.replace(gpt_oss.TINY, num_hidden_layers=4, layer_types=()),
 }
 HF_LAYOUTS = {2: [Layout(dp=2), Layout(ep=2), Layout(pp=2)], 4: [Layout(dp=2, ep=2), Layout(pp=2, ep=2)]}
