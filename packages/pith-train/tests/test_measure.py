@@ -59,6 +59,26 @@ def test_plan_measure_prints_measured_beside_planned(capsys):
     assert "step without communication" in out
 
 
+def test_plan_measure_runs_muon_whose_all_to_all_receives_more_than_it_sends(capsys):
+    import torch.distributed as dist
+    from pith_train.cli import main
+
+    try:  # Muon under dp2 gathers whole matrices from FSDP pieces of unequal sizes
+        main(
+            [
+                "plan",
+                *(f"--{o}" for o in BASE),
+                "--parallel.dp=2",
+                "--optim.name=muon",
+                "--measure",
+                "--steps=1",
+            ]
+        )
+    finally:
+        dist.destroy_process_group()
+    assert "step without communication" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "flags, why",
     [(["--rank=2"], "expected a rank 0 to 1"), (["--rank=-1"], "expected a rank 0 to 1"),
