@@ -52,8 +52,8 @@ class Mirror(dist.ProcessGroup):
     def reduce_scatter_single(self, out, x, opts):
         return self._done(lambda: self._sum(out.copy_(x.view(self.n, -1)[self.rank()].view_as(out)), opts))
 
-    def all_to_all_single(self, out, x, out_splits, in_splits, opts):  # the splits mirror too
-        return self._done(lambda: out.copy_(x))
+    def all_to_all_single(self, out, x, out_splits, in_splits, opts):  # the splits mirror, or x repeats
+        return self._done(lambda: _repeat_into(out.view(-1), x.reshape(-1)))
 
     def broadcast(self, tensors=(), opts=None):  # also barrier(opts=...)
         return self._done()
@@ -88,6 +88,14 @@ class Mirror(dist.ProcessGroup):
         self.name = name
 
     group_name = property(lambda self: self.name)
+
+
+def _repeat_into(out, x):
+    """out <- x, repeated or cut to out's length (Muon's FSDP pieces differ in size); x empty: zeros."""
+    if not len(x):
+        return out.zero_()
+    for i in range(0, len(out), len(x)):
+        out[i : i + len(x)].copy_(x[: len(out) - i])
 
 
 BACKEND = "pith-mirror"
