@@ -79,6 +79,22 @@ def test_plan_measure_runs_muon_whose_all_to_all_receives_more_than_it_sends(cap
     assert "step without communication" in capsys.readouterr().out
 
 
+def test_plan_measure_loads_a_pith_checkpoint_under_dp2(capsys, tmp_path):
+    import pith_models
+    import torch.distributed as dist
+    from pith_engine import checkpoint
+    from pith_train.cli import main
+
+    model = pith_models.build(pith_models.MODELS["qwen3-moe-tiny"], "cpu", 1)
+    checkpoint.save(tmp_path / "step_1", model, files={"config.json": json.dumps(model.cfg.to_hf())})
+    try:  # DCP's load plan is gathered to rank 0 and scattered back: mirrored, the rank reads alone
+        main(["plan", *(f"--{o}" for o in BASE[1:]), f"--model.name={tmp_path / 'step_1'}", "--parallel.dp=2",
+              "--measure", "--steps=1"])  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    assert "step without communication" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "flags, why",
     [(["--rank=2"], "expected a rank 0 to 1"), (["--rank=-1"], "expected a rank 0 to 1"),
