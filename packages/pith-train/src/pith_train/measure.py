@@ -160,14 +160,16 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
     rank = heaviest(cfg, m, cuda) if rank is None else rank
     if not 0 <= rank < world or steps < 1:
         raise ValueError(f"--rank {rank}, --steps {steps}: expected a rank 0 to {world - 1}, steps >= 1")
-    if not dist.is_initialized() and "RANK" not in os.environ:  # under torchrun: the real group
+    if mirrored := not dist.is_initialized() and "RANK" not in os.environ:  # under torchrun: the real group
         if cuda:
             torch.cuda.set_device(device)
         dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world)
     mesh = train.parallel_layout(cfg, device)
     rank = dist.get_rank()
     torch.manual_seed(cfg.train.seed)
-    model = train.build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
+    model = train.build_model(
+        cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None, mirrored
+    )
     train.apply_fp8(cfg, model, cuda)
     optimizer = build_optimizer(model, cfg)
     stages, settings = train.trainer_stages(cfg, model, mesh), train.step_settings(cfg, model)

@@ -105,8 +105,10 @@ def build_model(
     seed: int,
     mesh: parallel.Mesh = parallel.SINGLE,
     param_dtype: torch.dtype | None = None,
+    alone: bool = False,
 ) -> nn.Module:
-    """This rank's part (experts, FSDP shards) of a preset, a Hugging Face directory or a checkpoint."""
+    """This rank's part (experts, FSDP shards) of a preset, a Hugging Face directory or a checkpoint
+    (`alone`: read without the process group, as a mirrored rank must: DCP gathers its plan to rank 0)."""
     model = ModelConfig(model) if isinstance(model, str) else model
     cfg = model_config(model)
     if model.name in pith_models.MODELS:
@@ -114,7 +116,9 @@ def build_model(
     if not (Path(model.name) / ".metadata").is_file():
         return pith_models.from_pretrained(model.name, device, mesh, param_dtype)
     built = pith_models.build(cfg, device, seed, mesh, param_dtype)
-    checkpoint.load(Path(model.name), built, mesh=mesh)  # DCP reads this rank's pieces
+    checkpoint.load(
+        Path(model.name), built, mesh=dataclasses.replace(mesh, reduce_group=None) if alone else mesh
+    )
     return built
 
 
