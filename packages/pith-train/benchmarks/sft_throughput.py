@@ -106,8 +106,9 @@ def main() -> None:
     print(f"{device}; assistant tokens {meta['assistant_tokens'] / meta['num_tokens']:.1%}")
     for name, what in (("pre", "pretraining (every token)"), ("sft", "SFT (loss mask)")):
         tps = statistics.median(m["tokens_per_s"] for m in rows[name])
-        mfu = statistics.median(m["mfu"] for m in rows[name])
-        print(f"{what:28s} {tps:,.0f} tokens/s, MFU {mfu:.1%}, final loss {rows[name][-1]['loss']:.4f}")
+        mfu = [m["mfu"] for m in rows[name] if "mfu" in m]  # on CUDA only
+        mfu = f", MFU {statistics.median(mfu):.1%}" if mfu else ""
+        print(f"{what:28s} {tps:,.0f} tokens/s{mfu}, final loss {rows[name][-1]['loss']:.4f}")
     sys.stdout.flush()
 
 
