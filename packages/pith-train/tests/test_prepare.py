@@ -145,6 +145,55 @@ def test_formats_refuse_a_missing_field_and_an_existing_output(tmp_path):
         prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), text_field="body", progress=False)
 
 
+@pytest.mark.parametrize("name", ["t.txt.gz", "t.jsonl.gz", "t.txt.zst", "t.jsonl.zst", "bad.jsonl.zst"])
+def test_a_truncated_or_corrupt_compressed_input_is_refused_naming_the_file(tmp_path, capsys, name):
+    """A .zst cut in half was prepared from its first half (exit 0); a cut .gz died with a raw EOFError, a
+    corrupt .zst with a raw ZstdError."""
+    import gzip
+
+    import zstandard
+
+    text = "".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(3000))
+    data = (zstandard.ZstdCompressor().compress if ".zst" in name else gzip.compress)(text.encode())
+    whole = tmp_path / name.replace("bad", "t")
+    whole.write_bytes(data)  # whole, two frames for zstd: read across them
+    if ".zst" in name:
+        whole.write_bytes(data + data)
+    meta = prepare([str(whole)], str(tmp_path / "whole"), progress=False, workers=1)
+    assert meta["num_docs"] == (1 if ".txt" in name else 6000 if ".zst" in name else 3000)
+    (tmp_path / name).write_bytes(b"\x00" * 64 + data if name.startswith("bad") else data[: len(data) // 2])
+    with pytest.raises(SystemExit) as e:
+        main(["prepare-data", str(tmp_path / name), "--out", str(tmp_path / "ds"), "--workers", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and f"{name}: truncated or corrupt" in err and "Traceback" not in err, err
+    assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.tmp").exists()
+
+
+def test_an_output_path_ending_in_a_slash_is_built_beside_it(tmp_path):
+    """`--out DIR/` built DIR/.tmp inside DIR, then failed to rename it onto DIR, and refused every retry."""
+    (tmp_path / "a.txt").write_text("some text")
+    meta = prepare([str(tmp_path / "a.txt")], f"{tmp_path / 'ds'}/", progress=False)
+    assert PackedDataset(tmp_path / "ds").meta == meta and sorted(p.name for p in tmp_path.iterdir()) == [
+        "a.txt", "ds"
+    ]  # fmt: skip
+
+
+def test_token_ids_past_65535_are_kept_whatever_the_tokenizers_count(tmp_path):
+    """A tokenizer with an id gap (4 tokens, the largest id 70000) was stored in uint16: 70000 became 4464."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"a": 0, "b": 1, "<|endoftext|>": 2, "z": 70000}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("a z b")
+    meta = prepare(
+        [str(tmp_path / "a.txt")], str(tmp_path / "ds"), str(tmp_path / "tokenizer.json"), progress=False
+    )
+    assert (meta["dtype"], meta["max_token_id"], meta["vocab_size"]) == ("uint32", 70000, 70001)
+    assert np.fromfile(tmp_path / "ds" / "tokens.bin", np.uint32).tolist() == [0, 70000, 1, 2]
+
+
 # SIGINT to the whole process group (what Ctrl-C sends) once 8 batches are written.
 INTERRUPT = """
 import os, signal, sys
