@@ -13,6 +13,7 @@ import signal
 import sys
 import sysconfig
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,7 @@ class HFTokenizer:
         data = Path(path).read_bytes()
         self.hash = hashlib.sha256(data).hexdigest()[:16]
         self.tok = Tokenizer.from_str(data.decode("utf-8"))
-        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1  # ids may have gaps
         found = [i for t in self.EOS_NAMES if (i := self.tok.token_to_id(t)) is not None]
         if not found:
             raise ValueError(f"tokenizer {path}: has none of the end-of-text tokens {self.EOS_NAMES}")
@@ -112,17 +113,13 @@ def _file_batches(path: str, field: str):
             yield size * done // table.metadata.num_rows, (list, texts)
         return
     with open(path, "rb") as raw:
-        f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
-        if path.endswith(".zst"):
-            import zstandard
-
-            f = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        chunks = filter(None, _chunks(path, raw))
         if not re.search(r"\.jsonl(\.gz|\.zst)?$", path):
-            yield size, (list, [f.read().decode("utf-8", errors="replace")])
+            yield size, (list, [b"".join(chunks).decode("utf-8", errors="replace")])
             return
         line, rest = 1, bytearray()
         while True:
-            chunk = f.read(BATCH_BYTES)
+            chunk = next(chunks, b"")
             rest += chunk  # cut at the last line's end, which only the new chunk can hold
             if cut := rest.rfind(b"\n", len(rest) - len(chunk)) + 1 if chunk else len(rest):
                 block = bytes(rest[:cut])
@@ -131,6 +128,28 @@ def _file_batches(path: str, field: str):
                 line += block.count(b"\n")
             if not chunk:
                 return
+
+
+def _chunks(path: str, raw):
+    """`path`'s bytes in chunks, decompressed (.gz; .zst: every frame); a cut or corrupt stream is a
+    ValueError. A zstd chunk is what 64 KiB of input decompress to."""
+    import zstandard
+
+    try:
+        if not path.endswith(".zst"):
+            f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+            yield from iter(lambda: f.read(BATCH_BYTES), b"")
+            return
+        frame = None  # the frame being read: None between frames
+        while data := raw.read(1 << 16):
+            while data:
+                frame = zstandard.ZstdDecompressor().decompressobj() if frame is None else frame
+                yield frame.decompress(data)
+                data, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
+        if frame is not None:
+            raise EOFError("its last frame ends early")
+    except (EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError) as e:
+        raise ValueError(f"{path}: truncated or corrupt compressed data ({e}); restore the file") from None
 
 
 def _batches(files: list[str], field: str):
@@ -219,7 +238,8 @@ def prepare(
 ) -> dict:
     """Tokenize `files` into a packed dataset at `out_dir` (built in OUT.tmp, renamed when complete);
     -> its metadata. `train_vocab`: with a BPE of that size trained on the files."""
-    out, tmp, show = Path(out_dir), Path(f"{out_dir}.tmp"), progress and sys.stderr.isatty()
+    out, show = Path(out_dir), progress and sys.stderr.isatty()
+    tmp = out.with_name(out.name + ".tmp")  # beside it, whatever the slashes
     if train_vocab and train_vocab < 258:
         raise ValueError(f"--train-tokenizer {train_vocab}: 256 bytes, EOS and one merge need 258 or more")
     by = train_vocab or load_tokenizer(tokenizer).hash  # fails here, before any writing, on a bad spec
@@ -244,15 +264,19 @@ def prepare(
     workers = min(workers or os.cpu_count() or 1, -(-total // BATCH_BYTES))  # no more than the batches
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not show)
     start, docs, n, top = time.monotonic(), 0, 0, 0
-    with open(tmp / "tokens.bin", "wb") as tf, open(tmp / "doc_ends.bin", "wb") as ef:
-        for pos, (tokens, lengths) in _encoded(_batches(files, text_field), workers, spec):
-            tf.write(tokens.data)
-            ef.write((n + np.cumsum(lengths)).data)
-            n, docs, top = n + len(tokens), docs + len(lengths), max(top, int(tokens.max(initial=0)))
-            bar.set_postfix_str(
-                f"{docs:,} docs, {n:,} tokens, {n / (time.monotonic() - start):,.0f} tokens/s", False
-            )
-            bar.update(pos - bar.n)
+    try:
+        with open(tmp / "tokens.bin", "wb") as tf, open(tmp / "doc_ends.bin", "wb") as ef:
+            for pos, (tokens, lengths) in _encoded(_batches(files, text_field), workers, spec):
+                tf.write(tokens.data)
+                ef.write((n + np.cumsum(lengths)).data)
+                n, docs, top = n + len(tokens), docs + len(lengths), max(top, int(tokens.max(initial=0)))
+                bar.set_postfix_str(
+                    f"{docs:,} docs, {n:,} tokens, {n / (time.monotonic() - start):,.0f} tokens/s", False
+                )
+                bar.update(pos - bar.n)
+    except ValueError:  # bad input met midway: no half-built dataset stays
+        shutil.rmtree(tmp)
+        raise
     bar.close()
     if n == docs:
         shutil.rmtree(tmp)
