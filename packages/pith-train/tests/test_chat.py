@@ -62,6 +62,33 @@ def test_labels_are_ignored_where_the_mask_is_zero(chat_data):
     assert 0 < (labels_BS != -100).float().mean() < 0.8
 
 
+@pytest.mark.parametrize(
+    "line, why",
+    [("{not json", r"c.jsonl:2: not valid JSON \("), ("[1, 2]", "c.jsonl:2: expected"),
+     ('{"messages": ["hi"]}', "c.jsonl:2: expected")],
+)  # fmt: skip
+def test_prepare_data_chat_names_the_line_a_conversation_is_wrong_on(
+    chat_tokenizer, conversations, tmp_path, line, why
+):
+    """A line that was not JSON gave no file or line; a JSON list raised AttributeError."""
+    good = json.dumps(conversations(1)[0])
+    (tmp_path / "c.jsonl").write_text(f"{good}\n{line}\n")
+    with pytest.raises(ValueError, match=why):
+        prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "ds"), str(chat_tokenizer), 4097, False)
+
+
+def test_prepare_data_chat_skips_blank_lines_and_builds_beside_a_trailing_slash_over_a_leftover(
+    chat_tokenizer, conversations, tmp_path
+):
+    """A blank line was refused; `--out DIR/` built DIR/.tmp inside DIR; a leftover DIR.tmp of an
+    interrupted run failed with FileExistsError."""
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(c) for c in conversations(3)) + "\n\n")
+    (tmp_path / "ds.tmp").mkdir()
+    meta = prepare_chat([str(tmp_path / "c.jsonl")], f"{tmp_path / 'ds'}/", str(chat_tokenizer), 4097, False)
+    assert meta["num_docs"] == 3 and PackedDataset(tmp_path / "ds").meta == meta
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "ds"]
+
+
 def test_conversations_to_a_chat_model_that_transformers_loads(
     chat_tokenizer, conversations, tmp_path, capsys
 ):
