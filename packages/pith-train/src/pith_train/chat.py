@@ -2,6 +2,7 @@
 with loss_mask.bin, a uint8 per token: 1 on the assistant's."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -47,16 +48,23 @@ def render(tok, messages: list[dict]) -> tuple[list[int], np.ndarray]:
 def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int, drop: bool) -> dict:
     from pith_train.prepare import HFTokenizer
 
-    out, tmp = Path(out_dir), Path(f"{out_dir}.tmp")
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
     if out.exists():
         raise ValueError(f"output {out_dir!r} already exists")
     tok = hf_tokenizer(tokenizer)
     ours = HFTokenizer(str(Path(tok.name_or_path) / "tokenizer.json"))
     tokens, masks, n_long = [], [], 0
     for f in files:
-        for n, line in enumerate(Path(f).read_text(encoding="utf-8").splitlines(), 1):
-            messages = json.loads(line).get("messages") if line.strip() else None
-            if not isinstance(messages, list) or not all({"role", "content"} <= set(m) for m in messages):
+        for n, line in filter(lambda x: x[1].strip(), enumerate(Path(f).read_text("utf-8").splitlines(), 1)):
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{f}:{n}: not valid JSON ({e}); fix or remove that line") from None
+            messages = row.get("messages") if isinstance(row, dict) else None
+            if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages
+            ):
                 raise ValueError(f'{f}:{n}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
             ids, mask = render(tok, messages)
             n_long += len(ids) > max_tokens
@@ -65,6 +73,7 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
                 masks.append(mask[:max_tokens])
     if not tokens:
         raise ValueError(f"{files}: no conversation of at most {max_tokens} tokens")
+    shutil.rmtree(tmp, ignore_errors=True)  # an interrupted run's
     tmp.mkdir(parents=True)
     dtype = np.uint16 if ours.vocab_size <= 1 << 16 else np.uint32
     np.concatenate(tokens).astype(dtype).tofile(tmp / "tokens.bin")
