@@ -194,6 +194,18 @@ def test_token_ids_past_65535_are_kept_whatever_the_tokenizers_count(tmp_path):
     assert np.fromfile(tmp_path / "ds" / "tokens.bin", np.uint32).tolist() == [0, 70000, 1, 2]
 
 
+def test_a_special_tokens_text_inside_a_document_is_text_not_eos(tmp_path):
+    """A literal "<|endoftext|>" in a document became EOS mid-document (100 EOS for 50 documents)."""
+    rows = [json.dumps({"text": f"doc {i} says <|endoftext|> and goes on"}) + "\n" for i in range(50)]
+    (tmp_path / "d.jsonl").write_text("".join(rows))
+    meta = prepare([str(tmp_path / "d.jsonl")], str(tmp_path / "ds"), progress=False, train_vocab=300)
+    tokens = np.fromfile(tmp_path / "ds" / "tokens.bin", meta["dtype"])
+    ends = np.fromfile(tmp_path / "ds" / "doc_ends.bin", np.int64)
+    assert np.flatnonzero(tokens == meta["eos_id"]).tolist() == (ends - 1).tolist()
+    tok = HFTokenizer(str(tmp_path / "ds" / "tokenizer.json"))
+    assert tok.decode(tokens[: ends[0] - 1].tolist()) == "doc 0 says <|endoftext|> and goes on"
+
+
 # SIGINT to the whole process group (what Ctrl-C sends) once 8 batches are written.
 INTERRUPT = """
 import os, signal, sys
