@@ -92,6 +92,7 @@ def test_every_format_gives_each_documents_own_tokens_whatever_the_workers(tmp_p
         meta = prepare(files, str(tmp_path / f"w{workers}"), spec, workers=workers, progress=False)
     assert _bytes(tmp_path / "w1") == _bytes(tmp_path / "w2")
     ds = PackedDataset(str(tmp_path / "w2"))
+    tok.tok.encode_special_tokens = True  # "<|endoftext|> as text": text
     want = [tok.tok.encode(t, add_special_tokens=False).ids + [tok.eos_id] for t in texts]
     assert (
         np.array_equal(ds.tokens, np.concatenate(want))

@@ -169,6 +169,8 @@ def _init_worker(spec: str, pool: bool) -> None:
     if pool:  # Ctrl-C reaches the whole process group: the parent stops the pool
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     _tok = load_tokenizer(spec)
+    if isinstance(_tok, HFTokenizer):  # a document's "<|endoftext|>" is text, as tiktoken's default
+        _tok.tok.encode_special_tokens = True
 
 
 def _encode(batch: tuple) -> tuple[np.ndarray, np.ndarray]:
