@@ -1,6 +1,6 @@
 """`pith-train bench`: the trainer's own step (train_step through its `Stages`) timed on a fixed MoE
-workload; its two MFUs are the pith-train README's (Throughput). Each timed step ends with a sync, as
-the trainer reads each step's values; `step_ms_back_to_back` syncs once after all of them.
+workload (pith-train README, Throughput). Each timed step ends with a sync, as the trainer's do;
+`step_ms_back_to_back` syncs once after all of them.
 
 Shape legend: B sequences, S sequence length.
 """
@@ -41,8 +41,7 @@ WORKLOAD_SEQ_LEN, WORKLOAD_BATCH = 4096, 4
 # --tiny: the 2-layer test model, a vocabulary the byte tokenizer fits (--data)
 TINY, TINY_SEQ_LEN, TINY_BATCH = dataclasses.replace(qwen3_moe.TINY, vocab_size=260), 32, 2
 LR = 3e-4  # constant: no schedule in a benchmark
-# --document-mask on random tokens: document lengths lognormal, median 330 tokens, sigma 1.2 (mean 680:
-# FineWeb's sample-10BT, 10B GPT-2 tokens in 14.9M documents; sigma assumed: 1% of documents past 5.4K)
+# --document-mask: lognormal document lengths of FineWeb sample-10BT's mean, 680 GPT-2 tokens (sigma assumed)
 DOC_MEDIAN, DOC_SIGMA = 330, 1.2
 
 
@@ -55,8 +54,7 @@ def document_positions(B: int, S: int, rng) -> torch.Tensor:
 AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policies
 
 # Profile components: a kernel goes by QUANT_FRAGMENTS, the trainer's record_function range, its
-# launching ops (CUTLASS's grouped GEMMs' names say nothing of experts), or its name (under
-# cuda_graph the only way; names seen on an H200, torch 2.11).
+# launching ops, or its name (the only way under cuda_graph; names as on an H200, torch 2.11).
 RANGES = {"optimizer": "optimizer", "lm_head+loss": "lm_head + loss"}
 OP_FRAGMENTS = (
     ("FP8 GEMMs", ("_scaled_mm", "_scaled_grouped_mm")),  # --fp8: experts and projections
@@ -239,7 +237,7 @@ def run(
     document_mask: bool = False,
 ) -> dict:
     """`batch` is global. perturb_seed: each initial weight times 1 + u, u uniform in +-2^-9 (half a
-    bf16 ulp), for loss_equivalence.py. memory_peak: recording costs host time."""
+    bf16 ulp), for loss_equivalence.py."""
     if steps < 1 or warmup < 0 or profile_steps < 0:
         raise ValueError(
             f"expected steps >= 1, warmup >= 0, profile_steps >= 0; got {steps}, {warmup}, {profile_steps}"

@@ -28,8 +28,8 @@ def hf_tokenizer(path):
 
 def render(tok, messages: list[dict]) -> tuple[list[int], np.ndarray]:
     """-> ids, loss mask: 1 on an assistant turn's tokens (end of turn included), what the conversation
-    up to it renders to beyond the turns before it with the generation prompt. Prefixes, not
-    `{% generation %}`: Qwen3's, GPT-OSS's and DeepSeek's templates lack it."""
+    up to it renders to beyond the turns before it with the generation prompt (not `{% generation %}`
+    tags: Qwen3's, GPT-OSS's and DeepSeek's templates lack them)."""
 
     ids = lambda m, p=False: list(
         tok.apply_chat_template(m, add_generation_prompt=p, return_dict=False) if m else []
@@ -46,7 +46,7 @@ def render(tok, messages: list[dict]) -> tuple[list[int], np.ndarray]:
 
 
 def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int, drop: bool) -> dict:
-    from pith_train.prepare import HFTokenizer
+    from pith_train.prepare import HFTokenizer, jsonl_rows
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
@@ -56,11 +56,7 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
     ours = HFTokenizer(str(Path(tok.name_or_path) / "tokenizer.json"))
     tokens, masks, n_long = [], [], 0
     for f in files:
-        for n, line in filter(lambda x: x[1].strip(), enumerate(Path(f).read_text("utf-8").splitlines(), 1)):
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{f}:{n}: not valid JSON ({e}); fix or remove that line") from None
+        for n, row in jsonl_rows(Path(f).read_text("utf-8").splitlines(), f):
             messages = row.get("messages") if isinstance(row, dict) else None
             if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages

@@ -64,7 +64,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     if "RANK" in os.environ and (args.run_dir is None or args.nproc_per_node):
         raise ValueError("under torchrun give every rank the same --run-dir, and no --nproc-per-node")
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-    if args.nproc_per_node is not None:  # the workers check the config again under torchrun's environment
+    if args.nproc_per_node is not None:  # the workers check it again under torchrun
         p, n = cfg.parallel, args.nproc_per_node
         if n != p.pp * p.dp * p.cp * p.ep:
             raise ValueError(f"--nproc-per-node {n}: the layout pp*dp*cp*ep = {p.pp * p.dp * p.cp * p.ep}")
@@ -350,8 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("checkpoint", help="RUN/checkpoints/step_N, a converted checkpoint or an HF directory")
         p.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, or its run's")
         p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-        # As train.cpu_threads: eval of 96 windows of tiny-moe, busy 2-core machine: 20-23 s with one
-        # thread, 47-56 s with torch's default (two).
+        # As train.cpu_threads: one thread ran eval twice as fast as torch's default on 2 busy cores
         p.add_argument("--cpu-threads", type=int, default=1, help="intra-op threads (0: torch's default)")
     eval_p, gen_p = sub.choices["eval"], sub.choices["generate"]
     eval_p.add_argument("--data", required=True, help="a prepare-data dataset")

@@ -32,7 +32,7 @@ class DataConfig:
     seq_len: int = 128  # tokens per training sequence
     # Prepared datasets (same tokenizer) for the validation loss, one per data.path; [] = hold windows out
     val_path: list[str] = field(default_factory=list)
-    # Windows of the validation loss, spread over the set (a fixed sample, as Megatron's eval-iters)
+    # Windows of the validation loss, spread over the set (as Megatron's eval-iters)
     val_windows: int = 16
     # Each packed document trains alone: its own attention, positions from 0, no label into the next
     document_mask: bool = False
@@ -50,19 +50,16 @@ class TrainConfig:
     ac: str = "none"  # activation checkpointing: none | selective (expert MLPs) | full (every stage)
     fp8: bool = False  # projections and expert GEMMs in FP8 (e4m3)
     fp8_lm_head: bool = False  # lm_head's three GEMMs in FP8 too
-    # Under FSDP2, all-gather the FP8 weights in e4m3, half bf16's bytes; under train.compile the
-    # experts' only (the compiled stages read the projections' weights)
+    # Under FSDP2, all-gather the FP8 weights in e4m3 (half bf16's bytes); under compile the experts' only
     fp8_all_gather: bool = False
     # The step's forward and backward as one CUDA graph from the second step (one CUDA process)
     cuda_graph: bool = False
-    # Global-batch load-balancing loss coefficient (0 = off). The default run ends at max/mean load
-    # <= 1.57 with 3e-2, 3.96 of 4 with 1e-3 (pith-train README, Expert balance)
+    # Global-batch load-balancing loss coefficient (0 = off; pith-train README, Expert balance)
     lbl_coef: float = 3e-2
     z_loss_coef: float = 0.0  # router z-loss coefficient (0 = off)
     # Aux-loss-free balancing: expert-bias step after each update (0 = off); no HF family holds it
     bias_rate: float = 0.0
-    # Intra-op threads on CPU (0 = torch's default): on a busy 2-core machine the default run took
-    # 0.5-1 s/step with one, 7-12 s/step with two (OpenMP spin-waits)
+    # Intra-op threads on CPU (0 = torch's default, whose OpenMP spin-waits slow a busy machine 10x)
     cpu_threads: int = 1
 
 
@@ -92,7 +89,7 @@ class ParallelConfig:
     # Overlapped forward+backward pairs (F(m+1) with B(m) under pp=1) interleave at their all-to-alls
     overlap: bool = True
     # Weight gradients of the projections and expert GEMMs wait for the schedule's W slots, under
-    # pp > 1 only: under pp = 1 (no bubble) delaying cost 1.4-2.2% of tokens/s and ~7.5 GiB (H200)
+    # pp > 1 only (at pp = 1, no bubble, it costs speed and memory: pith-train README, Throughput)
     wgrad_delay: bool = True
 
 
@@ -101,8 +98,8 @@ class CheckpointConfig:
     every: int = 40  # steps between checkpoints (0 = only at the end, where one always is)
     keep: int = 2  # how many of the latest checkpoints to keep
     resume: bool = True  # continue from the latest checkpoint in RUN_DIR/checkpoints
-    # A checkpoint to start a new run from (its state; its data position if the order is the same;
-    # this config's schedule from step 0); read only while RUN_DIR has no checkpoint
+    # A checkpoint a new run starts from (its state, its data position if the order is the same, this
+    # config's schedule from step 0); read only while RUN_DIR has no checkpoint
     init_from: str = ""
 
 
@@ -274,21 +271,14 @@ def validate(cfg: Config) -> None:
                 if isinstance(v, float) and not math.isfinite(v):
                     raise ValueError(f"{section.name}.{key} must be finite, got {v}")
     at_least = {  # key: (value, the least allowed)
-        "train.steps": (t.steps, 1),
-        "train.global_batch": (t.global_batch, 1),
-        "train.micro_batch": (t.micro_batch, 1),
-        "data.seq_len": (cfg.data.seq_len, 1),
-        "data.val_windows": (cfg.data.val_windows, 1),
-        "checkpoint.keep": (cfg.checkpoint.keep, 1),
-        "parallel.pp": (p.pp, 1),
-        "parallel.dp": (p.dp, 1),
-        "parallel.cp": (p.cp, 1),
-        "parallel.ep": (p.ep, 1),
-        "checkpoint.every": (cfg.checkpoint.every, 0),
-        "log.eval_every": (cfg.log.eval_every, 0),
-        "log.every": (cfg.log.every, 0),
+        "train.steps": (t.steps, 1), "train.global_batch": (t.global_batch, 1),
+        "train.micro_batch": (t.micro_batch, 1), "data.seq_len": (cfg.data.seq_len, 1),
+        "data.val_windows": (cfg.data.val_windows, 1), "checkpoint.keep": (cfg.checkpoint.keep, 1),
+        "parallel.pp": (p.pp, 1), "parallel.dp": (p.dp, 1), "parallel.cp": (p.cp, 1),
+        "parallel.ep": (p.ep, 1), "checkpoint.every": (cfg.checkpoint.every, 0),
+        "log.eval_every": (cfg.log.eval_every, 0), "log.every": (cfg.log.every, 0),
         "train.cpu_threads": (t.cpu_threads, 0),
-    }
+    }  # fmt: skip
     for key, (value, least) in at_least.items():
         if value < least:
             raise ValueError(f"{key} must be >= {least}, got {value}")

@@ -1,5 +1,5 @@
-"""The packed dataset and its windows of seq_len + 1 tokens at stride seq_len, in the order the
-pith-train README (Data layout) sets out and the parallel engine relies on.
+"""The packed dataset and its windows of seq_len + 1 tokens at stride seq_len, in the order of the
+pith-train README's Data layout.
 
 Shape legend: B sequences, S sequence length.
 """
@@ -145,7 +145,7 @@ class WindowLoader:
 
     def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1, ignore_index: int = -100):
         """This rank's share of the validation windows, sliced as step_batch slices a step; rows past
-        the last window repeat it with every label `ignore_index`, so all ranks run as many batches."""
+        the last repeat it with labels `ignore_index`: every rank runs as many batches."""
         n, per_round = len(self.val_ids), micro_batch * ranks
         for first in range(0, n, per_round):
             ids = np.arange(first + rank * micro_batch, first + (rank + 1) * micro_batch)

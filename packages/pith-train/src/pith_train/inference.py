@@ -1,4 +1,4 @@
-"""`pith-train eval` and `generate`: trained weights through `model(input_ids)`, on one process.
+"""`pith-train eval` and `generate`: `model(input_ids)` on one process.
 
 Shape legend: B sequences, S sequence length, V vocabulary.
 """
@@ -91,7 +91,7 @@ def generate(
     seed: int = 0,
 ) -> list[int]:
     """Greedy (top_p None) or nucleus sampling among `tok`'s ids (the embedding may pad), up to its EOS.
-    No KV cache: each token reruns the window, fine for the small models this is for."""
+    No KV cache: each token reruns the window (small models)."""
     device = model.lm_head.weight.device
     generator = torch.Generator(device).manual_seed(seed)
     ids, window = list(prompt), model.cfg.max_position_embeddings

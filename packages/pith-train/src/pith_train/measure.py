@@ -1,5 +1,5 @@
-"""`pith-train plan CONFIG --measure`: one process plays a rank of the config's layout on this device,
-the other ranks mirrored (`Mirror`), training as the trainer builds it: memory beside the plan."""
+"""`pith-train plan CONFIG --measure`: one process plays a rank of the layout on this device, the
+others mirrored (`Mirror`): its memory beside the plan."""
 
 import contextlib
 import os
@@ -21,8 +21,8 @@ from pith_train.optim import build_optimizer
 
 
 class Mirror(dist.ProcessGroup):
-    """`size` ranks that each do what this one does (the pith-train README, Measuring a rank): values
-    stay finite, routing realistic, and every buffer is the caller's, of its real size."""
+    """`size` ranks that each do what this one does (pith-train README, Measuring a rank): values
+    finite, routing realistic, every buffer the caller's, of its real size."""
 
     def __init__(self, rank: int, size: int):
         super().__init__(rank, size)
@@ -151,8 +151,8 @@ def heaviest(cfg: Config, m: plan.Model, cuda: bool) -> int:
 
 
 def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 1) -> dict:
-    """`warmup` + `steps` steps on random tokens as `rank` (default: the heaviest), mirrored unless under
-    torchrun -> held tensors {kind: {name: (shape, dtype, bytes)}}, peak bytes, plans, median step s."""
+    """`warmup` + `steps` steps on random tokens as `rank` (default: the heaviest), mirrored unless
+    under torchrun -> held tensors {kind: {name: (shape, dtype, bytes)}}, peak, plans, step s."""
     device = train.pick_device(cfg.train.device, "train.device", cfg.train.cpu_threads)
     cuda, m, p = device.type == "cuda", plan.model_shape(model_config(cfg.model)), cfg.parallel
     plan.valid(cfg, m)

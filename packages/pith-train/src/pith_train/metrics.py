@@ -1,5 +1,4 @@
-"""Peak FLOP/s and memory, where step records go (metrics.jsonl, the text line, TensorBoard, Weights &
-Biases), and the plots."""
+"""Peak FLOP/s and memory; step records to metrics.jsonl, the text line, TensorBoard and W&B; plots."""
 
 import contextlib
 import hashlib
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 datasheet peaks (no sparsity) by device-name fragment: the usual convention of MFU figures.
+# Dense bf16 datasheet peaks by device-name fragment, as MFU figures use.
 BF16_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12}
 
 

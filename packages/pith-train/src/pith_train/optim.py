@@ -13,7 +13,7 @@ from pith_train.muon import Chain, Muon, _local, hidden_matrices
 
 class AdamW(torch.optim.AdamW):
     """torch's AdamW by pith_ops.adamw_: `step(grad_scale=coef)` scales the gradients inside the update
-    (clipping without a pass of its own) and skips it where coef is not finite, with no host sync.
+    (clipping in the same pass) and skips it where coef is not finite, with no host sync.
     Kept casts and FP8 copies are rewritten in the same pass."""
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):

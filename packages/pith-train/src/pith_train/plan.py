@@ -1,6 +1,6 @@
-"""`pith-train plan`: the memory a rank of a run holds at its peak (the start of the backward or the
-optimizer step), from the config and the meta model; `check` refuses a run that cannot fit before it
-builds anything. Each formula names the code it follows, for benchmarks/plan_vs_measured.py to correct.
+"""`pith-train plan`: a rank's memory at its peak (the start of the backward or the optimizer step),
+from the config and the meta model; `check` refuses a run that cannot fit before anything is built.
+Each formula names the code it follows.
 
 Shape legend: T tokens per micro-batch on one rank, D hidden, E experts, K top-k, F expert width,
 V vocabulary, L layers, b bytes of the compute dtype (bf16 on CUDA, fp32 on CPU).

@@ -80,18 +80,23 @@ BATCH_BYTES = 1 << 20
 KNOWN = re.compile(r"\.(txt|jsonl)(\.gz|\.zst)?$|\.parquet$")
 
 
+def jsonl_rows(lines, path: str, first: int = 1):
+    """(line number from `first`, value) of each non-blank JSON line of `path`."""
+    for n, line in enumerate(lines, first):
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e}); fix or remove that line") from None
+
+
 def _jsonl_texts(block: bytes, where: tuple[str, int], field: str) -> list[str]:
     """The `field` strings of a block of JSONL lines; `where`: its file and first line number."""
     texts = []
-    for n, line in enumerate(block.split(b"\n"), where[1]):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{where[0]}:{n}: not valid JSON ({e}); fix or remove that line") from None
-            if not isinstance(row, dict) or not isinstance(row.get(field), str):
-                raise ValueError(f"{where[0]}:{n}: expected a JSON object with a string field {field!r}")
-            texts.append(row[field])
+    for n, row in jsonl_rows(block.split(b"\n"), *where):
+        if not isinstance(row, dict) or not isinstance(row.get(field), str):
+            raise ValueError(f"{where[0]}:{n}: expected a JSON object with a string field {field!r}")
+        texts.append(row[field])
     return texts
 
 
@@ -131,8 +136,7 @@ def _file_batches(path: str, field: str):
 
 
 def _chunks(path: str, raw):
-    """`path`'s bytes in chunks, decompressed (.gz; .zst: every frame); a cut or corrupt stream is a
-    ValueError. A zstd chunk is what 64 KiB of input decompress to."""
+    """`path`'s bytes in chunks, decompressed (.zst frame by frame, the last checked whole)."""
     import zstandard
 
     try:
@@ -140,16 +144,16 @@ def _chunks(path: str, raw):
             f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
             yield from iter(lambda: f.read(BATCH_BYTES), b"")
             return
-        frame = None  # the frame being read: None between frames
+        frame = None  # between frames
         while data := raw.read(1 << 16):
             while data:
-                frame = zstandard.ZstdDecompressor().decompressobj() if frame is None else frame
+                frame = frame or zstandard.ZstdDecompressor().decompressobj()
                 yield frame.decompress(data)
                 data, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
-        if frame is not None:
-            raise EOFError("its last frame ends early")
+        if frame:
+            raise EOFError("the last frame ends early")
     except (EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError) as e:
-        raise ValueError(f"{path}: truncated or corrupt compressed data ({e}); restore the file") from None
+        raise ValueError(f"{path}: truncated or corrupt compressed data ({e})") from None
 
 
 def _batches(files: list[str], field: str):
@@ -169,7 +173,7 @@ def _init_worker(spec: str, pool: bool) -> None:
     if pool:  # Ctrl-C reaches the whole process group: the parent stops the pool
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     _tok = load_tokenizer(spec)
-    if isinstance(_tok, HFTokenizer):  # a document's "<|endoftext|>" is text, as tiktoken's default
+    if isinstance(_tok, HFTokenizer):  # "<|endoftext|>" in a document is text (as tiktoken's default)
         _tok.tok.encode_special_tokens = True
 
 
@@ -238,8 +242,8 @@ def prepare(
     progress: bool = True,
     train_vocab: int = 0,
 ) -> dict:
-    """Tokenize `files` into a packed dataset at `out_dir` (built in OUT.tmp, renamed when complete);
-    -> its metadata. `train_vocab`: with a BPE of that size trained on the files."""
+    """`files` -> a packed dataset at `out_dir` (built in OUT.tmp, renamed when complete) -> its meta;
+    `train_vocab`: with a BPE of that size trained on the files."""
     out, show = Path(out_dir), progress and sys.stderr.isatty()
     tmp = out.with_name(out.name + ".tmp")  # beside it, whatever the slashes
     if train_vocab and train_vocab < 258:
@@ -276,13 +280,12 @@ def prepare(
                     f"{docs:,} docs, {n:,} tokens, {n / (time.monotonic() - start):,.0f} tokens/s", False
                 )
                 bar.update(pos - bar.n)
-    except ValueError:  # bad input met midway: no half-built dataset stays
+        if n == docs:
+            raise ValueError(f"the inputs hold no text ({docs} documents, all empty)")
+    except ValueError:  # no half-built dataset stays
         shutil.rmtree(tmp)
         raise
     bar.close()
-    if n == docs:
-        shutil.rmtree(tmp)
-        raise ValueError(f"the inputs hold no text ({docs} documents, all empty)")
     meta = {
         "tokenizer": str(out.resolve() / "tokenizer.json") if train_vocab else tok.name,
         "tokenizer_hash": tok.hash,

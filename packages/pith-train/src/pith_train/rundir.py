@@ -1,5 +1,5 @@
-"""The run directory across launches (pith-train README). A fresh start where a run already is would
-mix the two, and `prune` (newest step numbers first) would delete the new checkpoints."""
+"""The run directory across launches (pith-train README): a fresh start where a run is would mix the
+two, and `prune` would delete the new checkpoints."""
 
 import dataclasses
 import importlib.util
@@ -16,19 +16,13 @@ from pith_train.config import Config
 from pith_train.data import PackedDataset, blend_counts
 from pith_train.optim import lr_at
 
-# The [optim] keys of the learning-rate schedule (checked against the steps trained, not warned of).
+# The learning-rate schedule's [optim] keys (checked against the steps trained).
 SCHEDULE = ("schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
 # The keys that decide which sequences each step trains on (pith-train README, Data layout); the
 # datasets by content (data_ids), data.val_windows only where it picks held-out training windows.
-DATA_ORDER = (
-    "data.path",
-    "data.val_path",  # with one, no training window is held out
-    "data.weights",
-    "data.val_windows",
-    "data.seq_len",
-    "train.seed",
-    "train.global_batch",
-)
+# data.val_path: with one, no training window is held out.
+DATA_ORDER = ("data.path", "data.val_path", "data.weights", "data.val_windows", "data.seq_len", "train.seed",
+              "train.global_batch")  # fmt: skip
 
 
 def _value(cfg: Config, key: str):

@@ -1,4 +1,4 @@
-"""`pretrain`: the model and data from a Config, then the training loop: each optimizer step is one
+"""`pretrain`: the model and data of a Config, then the loop: each step one
 pith_engine.step.train_step (which defines the loss), read with step_values."""
 
 import contextlib
@@ -108,7 +108,7 @@ def build_model(
     alone: bool = False,
 ) -> nn.Module:
     """This rank's part (experts, FSDP shards) of a preset, a Hugging Face directory or a checkpoint
-    (`alone`: read without the process group, as a mirrored rank must: DCP gathers its plan to rank 0)."""
+    (`alone`: without the process group, as a mirrored rank reads: DCP gathers to rank 0)."""
     model = ModelConfig(model) if isinstance(model, str) else model
     cfg = model_config(model)
     if model.name in pith_models.MODELS:
