@@ -1,6 +1,7 @@
 """Conversations for fine-tuning (pith_train.chat, `prepare-data --chat`): the chat template's rendering
 and its assistant-token mask, the dataset's labels, and a chat model out of `convert`."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from pith_models import MODELS
 from pith_train.chat import prepare_chat, render
 from pith_train.cli import main
 from pith_train.data import PackedDataset, WindowLoader
+from pith_train.inference import dataset_loss
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -89,6 +92,28 @@ def test_prepare_data_chat_skips_blank_lines_and_builds_beside_a_trailing_slash_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "ds"]
 
 
+def test_conversations_without_an_assistant_token_are_refused_and_eval_of_no_label_says_so(
+    chat_tokenizer, conversations, tmp_path
+):
+    """A dataset with no assistant token was written (pretrain then stopped at a NaN loss); eval of
+    windows without a label raised ZeroDivisionError."""
+    users = [{"messages": [m for m in c["messages"] if m["role"] == "user"]} for c in conversations(4)]
+    (tmp_path / "u.jsonl").write_text("".join(json.dumps(c) + "\n" for c in users))
+    with pytest.raises(ValueError, match="no assistant token: nothing to train on"):
+        prepare_chat([str(tmp_path / "u.jsonl")], str(tmp_path / "u"), str(chat_tokenizer), 4097, False)
+    assert not (tmp_path / "u").exists()
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(4)))
+    prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "c"), str(chat_tokenizer), 4097, False)
+    np.zeros_like(np.fromfile(tmp_path / "c" / "loss_mask.bin", np.uint8)).tofile(
+        tmp_path / "c" / "loss_mask.bin"
+    )
+    from pith_models import build
+
+    model = build(dataclasses.replace(MODELS["qwen3-moe-tiny"], vocab_size=320), "cpu", 0)
+    with pytest.raises(ValueError, match="no label token"):
+        dataset_loss(model, PackedDataset(tmp_path / "c"), 16, 2)
+
+
 def test_conversations_to_a_chat_model_that_transformers_loads(
     chat_tokenizer, conversations, tmp_path, capsys
 ):
@@ -119,6 +144,9 @@ def test_conversations_to_a_chat_model_that_transformers_loads(
     main(["convert", str(ckpt), str(export)])
     tok = transformers.AutoTokenizer.from_pretrained(export)
     model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    # generate stops at the template's end of turn and pads with the tokenizer's pad (they were dropped)
+    ends = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert [model.generation_config.eos_token_id, model.generation_config.pad_token_id] == ends
     chat = [{"role": "user", "content": "the router"}]
     ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=4, do_sample=False)
