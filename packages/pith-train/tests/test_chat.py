@@ -3,6 +3,7 @@ and its assistant-token mask, the dataset's labels, and a chat model out of `con
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -132,10 +133,14 @@ def test_conversations_to_a_chat_model_that_transformers_loads(
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
-    run = tmp_path / "run"
+    run, released = tmp_path / "run", tmp_path / "released"  # a released directory: tokenizer, generation
+    shutil.copytree(chat_tokenizer, released)
+    (released / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [258, 256], "pad_token_id": 256})
+    )
     sft = str(ROOT / "configs" / "sft-qwen3-30b-a3b-8gpu.toml")
     main(["pretrain", sft, f"--model.name={tmp_path / 'base'}",
-          f"--data.path={tmp_path / 'data'}", f"--data.tokenizer={chat_tokenizer / 'tokenizer.json'}",
+          f"--data.path={tmp_path / 'data'}", f"--data.tokenizer={released / 'tokenizer.json'}",
           "--data.seq_len=32", "--data.val_windows=2", "--train.steps=2", "--train.global_batch=4",
           "--train.micro_batch=2", "--train.device=cpu", "--train.compile=false", "--train.ac=none",
           "--parallel.dp=1", "--parallel.ep=1", "--checkpoint.every=2", "--log.progress=false",
@@ -144,9 +149,8 @@ def test_conversations_to_a_chat_model_that_transformers_loads(
     main(["convert", str(ckpt), str(export)])
     tok = transformers.AutoTokenizer.from_pretrained(export)
     model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
-    # generate stops at the template's end of turn and pads with the tokenizer's pad (they were dropped)
-    ends = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    assert [model.generation_config.eos_token_id, model.generation_config.pad_token_id] == ends
+    # generate stops where the tokenizer directory's generation config says (it was dropped: no stop)
+    assert [model.generation_config.eos_token_id, model.generation_config.pad_token_id] == [[258, 256], 256]
     chat = [{"role": "user", "content": "the router"}]
     ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=4, do_sample=False)

@@ -65,7 +65,7 @@ class _DeferWgrad(torch.autograd.Function):
     """y with a backward whose weight gradients a WeightGradQueue may defer. split = (forward(x,
     *weights) -> (y, saved), backward(saved, dy, need_dx) -> (dx, closure -> weights' grads)): the
     closure reads only what the forward saved, so under activation checkpointing one recompute serves
-    both halves (a graph built in the forward and asked twice recomputed its stage 10 to 14 times)."""
+    both halves."""
 
     @staticmethod
     def forward(ctx, queue: WeightGradQueue, split: tuple, x, *weights):

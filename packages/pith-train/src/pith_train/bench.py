@@ -71,7 +71,7 @@ NAME_FRAGMENTS = (
     ("router + permutation", ("_histogram", "_slots", "_gather_rows", "_combine", "topk", "softmax", "sort")),
     ("other GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm")),
 )
-# Found by kernel name before the ranges: the FP8 quantisation kernels run inside the FP8 GEMM ops.
+# By kernel name before the ranges: the FP8 quantisation kernels run inside the FP8 GEMM ops.
 QUANT_FRAGMENTS = ("_quant_rows", "_cols_kernel", "_group_scale", "_weight_rows", "_weight_scales")
 COMPONENTS = (*[c for c, _ in NAME_FRAGMENTS], "FP8 quantisation", "other")
 

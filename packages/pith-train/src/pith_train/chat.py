@@ -7,12 +7,14 @@ from pathlib import Path
 
 import numpy as np
 
-# They travel with the weights (checkpoints, convert).
+# They travel with the weights (checkpoints, convert): a release's generation_config.json tells
+# transformers' generate where to stop.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
+    "generation_config.json",
 )
 
 
@@ -67,8 +69,8 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
             if len(ids) <= max_tokens or not drop:
                 tokens.append(np.asarray(ids[:max_tokens]))
                 masks.append(mask[:max_tokens])
-    if not tokens:
-        raise ValueError(f"{files}: no conversation of at most {max_tokens} tokens")
+    if not sum(map(np.sum, masks)):
+        raise ValueError(f"{files}: no assistant token: nothing to train on")
     shutil.rmtree(tmp, ignore_errors=True)  # an interrupted run's
     tmp.mkdir(parents=True)
     dtype = np.uint16 if ours.vocab_size <= 1 << 16 else np.uint32

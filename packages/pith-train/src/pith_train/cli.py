@@ -36,7 +36,7 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
 
 
 def _config_and_overrides(rest: list[str]) -> tuple[str | None, list[str]]:
-    config, overrides = None, []  # `--train.steps 10` is accepted as well as `--train.steps=10`
+    config, overrides = None, []  # `--train.steps 10` as well as `--train.steps=10`
     for item in rest:
         if item.startswith("--"):
             overrides.append(item)
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks alike; rank 0 says it
             print(f"pith-train {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and stops on its own)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and stops itself)
         print(f"pith-train {args.command}: interrupted", file=sys.stderr)
         sys.exit(130)
 

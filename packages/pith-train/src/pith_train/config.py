@@ -30,11 +30,11 @@ class DataConfig:
     weights: list[float] = field(default_factory=list)  # one per data.path, > 0, normalised; [] for one
     tokenizer: str = "byte"  # "byte" or a tokenizer.json: the dataset's
     seq_len: int = 128  # tokens per training sequence
-    # Prepared datasets (same tokenizer) for the validation loss, one per data.path; [] = hold windows out
+    # Prepared datasets (same tokenizer) of the validation loss, one per data.path; [] = windows held out
     val_path: list[str] = field(default_factory=list)
     # Windows of the validation loss, spread over the set (as Megatron's eval-iters)
     val_windows: int = 16
-    # Each packed document trains alone: its own attention, positions from 0, no label into the next
+    # Each packed document trains alone: own attention, positions from 0, no label into the next
     document_mask: bool = False
 
 
@@ -106,7 +106,7 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     progress: bool = True  # progress bar, when stderr is a terminal
-    # Steps between text lines on stderr; 0 = every step, or none when stderr is a terminal (the bar)
+    # Steps between stderr lines; 0 = every step, or none when stderr is a terminal (the bar)
     every: int = 0
     eval_every: int = 40  # steps between validation losses (0 = only at the end)
     tensorboard: bool = True  # TensorBoard event files in RUN_DIR/tensorboard

@@ -65,8 +65,10 @@ def dataset_loss(
         bar.update(len(ids))
         if bar.disable and (ids[-1] + 1) * 10 >= (lines + 1) * n:
             lines += 1
-            print(f"{ids[-1] + 1}/{n} windows, loss so far {total / count:.4f}", file=sys.stderr)
+            print(f"{ids[-1] + 1}/{n} windows, loss so far {total / max(count, 1):.4f}", file=sys.stderr)
     bar.close()
+    if not count:
+        raise ValueError(f"{ds.path}: no label token in the {n} windows (a loss mask all 0)")
     return total / count, count
 
 

@@ -77,7 +77,7 @@ def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages
     cuda = mesh.device.type == "cuda"
     compile = cfg.train.compile and cuda
     dtype, align = torch.bfloat16 if cuda else None, GROUP_ALIGN if cfg.train.fp8 else 1
-    # Weight-gradient delay only where the schedule has bubbles to fill (config.py has the numbers).
+    # Weight-gradient delay only where the schedule has bubbles to fill (pith-train README, Throughput).
     overlap, wgrad = cfg.parallel.overlap, cfg.parallel.wgrad_delay and mesh.layout.pp > 1
     graph = cfg.train.cuda_graph and cuda
     return Stages(model, mesh, compile, cfg.train.ac, dtype, align, overlap, wgrad, graph)
@@ -94,7 +94,7 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
         if p.ndim < 2 or (lookup_only and p is model.embed_tokens.weight):
             continue
         active += p.numel() * (c.num_experts_per_tok / p.shape[0] if name in experts else 1)
-    # MLA (DeepSeek-V2) has distinct q/k and v head dims; the other families one head_dim.
+    # MLA (DeepSeek-V2) has distinct q/k and v head dims.
     qk, v = (c.qk_head_dim, c.v_head_dim) if isinstance(c, deepseek_v2.Config) else (c.head_dim, c.head_dim)
     return 6 * active + 6 * c.num_hidden_layers * seq_len * c.num_attention_heads * (qk + v)
 
@@ -235,7 +235,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
         }
         if cfg.data.tokenizer != "byte":  # the run's tokenizer travels with its weights (generate, convert)
             files["tokenizer.json"] = Path(cfg.data.tokenizer).read_text()
-            for name in TOKENIZER_FILES[1:]:  # its chat template and special tokens, where it has them
+            for name in TOKENIZER_FILES[1:]:  # its chat template, special tokens, generation config
                 if (sibling := Path(cfg.data.tokenizer).with_name(name)).is_file():
                     files[name] = sibling.read_text()
         path = checkpoint.save(ckpt_root / f"step_{step:06d}", model, optimizer, files, mesh)
