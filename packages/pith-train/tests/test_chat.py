@@ -69,7 +69,9 @@ def test_labels_are_ignored_where_the_mask_is_zero(chat_data):
 @pytest.mark.parametrize(
     "line, why",
     [("{not json", r"c.jsonl:2: not valid JSON \("), ("[1, 2]", "c.jsonl:2: expected"),
-     ('{"messages": ["hi"]}', "c.jsonl:2: expected")],
+     ('{"messages": ["hi"]}', "c.jsonl:2: expected"),
+     ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}', "c.jsonl:2: the chat"),
+     ('{"messages": [{"role": "user", "content": null}]}', "c.jsonl:2: the chat template")],
 )  # fmt: skip
 def test_prepare_data_chat_names_the_line_a_conversation_is_wrong_on(
     chat_tokenizer, conversations, tmp_path, line, why
@@ -113,6 +115,18 @@ def test_conversations_without_an_assistant_token_are_refused_and_eval_of_no_lab
     model = build(dataclasses.replace(MODELS["qwen3-moe-tiny"], vocab_size=320), "cpu", 0)
     with pytest.raises(ValueError, match="no label token"):
         dataset_loss(model, PackedDataset(tmp_path / "c"), 16, 2)
+
+
+def test_a_chat_datasets_loss_mask_is_part_of_its_identity(chat_tokenizer, conversations, tmp_path):
+    """loss_mask.bin removed or changed passed the resume check: the run trained on every token."""
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(4)))
+    prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "c"), str(chat_tokenizer), 4097, False)
+    before, mask = PackedDataset(tmp_path / "c").fingerprint(), tmp_path / "c" / "loss_mask.bin"
+    (1 - np.fromfile(mask, np.uint8)).tofile(mask)
+    assert PackedDataset(tmp_path / "c").fingerprint() != before
+    mask.unlink()
+    with pytest.raises(ValueError, match="loss_mask.bin is missing"):
+        PackedDataset(tmp_path / "c")
 
 
 def test_conversations_to_a_chat_model_that_transformers_loads(
