@@ -72,7 +72,10 @@ def main() -> None:
     (out / "chats.jsonl").write_text(conversations(60 if args.smoke else 3000))
     meta = prepare_chat([str(out / "chats.jsonl")], str(out / "sft"), str(out / "tok"), 4097, drop=False)
     shutil.copytree(out / "sft", out / "pre")
-    (out / "pre" / "loss_mask.bin").unlink()  # the same tokens, every one counted
+    (out / "pre" / "loss_mask.bin").unlink()  # the same tokens, every one counted: not a chat dataset
+    pre_meta = json.loads((out / "pre" / "meta.json").read_text())
+    del pre_meta["assistant_tokens"]
+    (out / "pre" / "meta.json").write_text(json.dumps(pre_meta))
     # The bench preset less its layer-count override: model.name is the 4-layer directory instead.
     text = (ROOT / "configs" / "bench-qwen3-4layers-1gpu.toml").read_text()
     assert "num_hidden_layers = 4\n" in text

@@ -54,7 +54,7 @@ def document_positions(B: int, S: int, rng) -> torch.Tensor:
 AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policies
 
 # Profile components: a kernel goes by QUANT_FRAGMENTS, the trainer's record_function range, its
-# launching ops, or its name (the only way under cuda_graph; names as on an H200, torch 2.11).
+# launching ops, or its name (under cuda_graph; names of torch 2.11 on an H200).
 RANGES = {"optimizer": "optimizer", "lm_head+loss": "lm_head + loss"}
 OP_FRAGMENTS = (
     ("FP8 GEMMs", ("_scaled_mm", "_scaled_grouped_mm")),  # --fp8: experts and projections
@@ -208,34 +208,14 @@ def _measured_matmul_flops(device: torch.device) -> float:
 
 
 def run(
-    *,
-    tiny: bool = False,
-    layers: int | None = None,
-    seq_len: int | None = None,
-    batch: int | None = None,
-    steps: int = 5,
-    warmup: int = 3,
-    compile: bool = True,
-    ac: str = "none",
-    grouped_gemm: str = "torch",
-    fp8: bool = False,
-    fp8_lm_head: bool = False,
-    cuda_graph: bool = False,
-    profile_steps: int = 0,
-    data: str | None = None,
-    device: str = "auto",
-    seed: int = 0,
-    dp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    micro_batch: int | None = None,
-    overlap: bool = True,
-    wgrad_delay: bool = True,
-    perturb_seed: int | None = None,
-    back_to_back: bool = True,
-    memory_peak: bool = False,
+    *, tiny: bool = False, layers: int | None = None, seq_len: int | None = None, batch: int | None = None,
+    steps: int = 5, warmup: int = 3, compile: bool = True, ac: str = "none", grouped_gemm: str = "torch",
+    fp8: bool = False, fp8_lm_head: bool = False, cuda_graph: bool = False, profile_steps: int = 0,
+    data: str | None = None, device: str = "auto", seed: int = 0, dp: int = 1, cp: int = 1, ep: int = 1,
+    micro_batch: int | None = None, overlap: bool = True, wgrad_delay: bool = True,
+    perturb_seed: int | None = None, back_to_back: bool = True, memory_peak: bool = False,
     document_mask: bool = False,
-) -> dict:
+) -> dict:  # fmt: skip
     """`batch` is global. perturb_seed: each initial weight times 1 + u, u uniform in +-2^-9 (half a
     bf16 ulp), for loss_equivalence.py."""
     if steps < 1 or warmup < 0 or profile_steps < 0:
@@ -268,7 +248,7 @@ def run(
          f"parallel.overlap={overlap}", f"parallel.wgrad_delay={wgrad_delay}",
          f"data.document_mask={document_mask}"],
     )  # fmt: skip
-    # As TorchTitan runs: freed blocks coalesce, so the reserved peak stays near the allocated one.
+    # As TorchTitan: freed blocks coalesce, so the reserved peak stays near the allocated one.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     dev = pick_device(device, "device")
     cuda = dev.type == "cuda"

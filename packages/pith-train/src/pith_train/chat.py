@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-# They travel with the weights (checkpoints, convert): a release's generation_config.json tells
-# transformers' generate where to stop.
+# They travel with the weights (checkpoints, convert); generation_config.json: where generate stops.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -64,7 +63,10 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
                 isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages
             ):
                 raise ValueError(f'{f}:{n}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
-            ids, mask = render(tok, messages)
+            try:
+                ids, mask = render(tok, messages)
+            except Exception as e:  # jinja's
+                raise ValueError(f"{f}:{n}: the chat template cannot render it ({e})") from None
             n_long += len(ids) > max_tokens
             if len(ids) <= max_tokens or not drop:
                 tokens.append(np.asarray(ids[:max_tokens]))

@@ -102,7 +102,7 @@ def _routing_bias(model, refuse: bool) -> None:
         raise ValueError(f"{what} and Hugging Face {family} has nowhere to hold it (--refuse-routing-bias)")
     print(
         f"note: {what}; Hugging Face {family} has no selection-only bias, so the export routes without it"
-        " and may pick other top-k experts than the trained model. --refuse-routing-bias stops instead;"
+        " and may pick other experts than the trained model. --refuse-routing-bias stops instead;"
         " --train.bias_rate=0 (the default) trains without it."
     )
     with torch.no_grad():
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= {least}, got {value}")
         args.run(args)
     except (ValueError, FloatingPointError, OSError) as e:  # bad input, a diverged run, a full disk
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks alike; rank 0 says it
+        if os.environ.get("RANK", "0") == "0":  # every torchrun rank checks alike; rank 0 says it
             print(f"pith-train {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and stops itself)

@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Samples over which a blend's mix is exact (pith_train.data.Blend), so the finest share it resolves.
+# Samples over which a blend's mix is exact (pith_train.data.Blend): its finest share.
 BLEND_BLOCK = 1 << 16
 
 
@@ -25,7 +25,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # Prepared datasets, several mixed by data.weights (pith-train README, Blends); [] = the built-in
-    # corpus, made in RUN_DIR/data. Lists: TOML arrays, or comma-separated on the command line
+    # corpus (RUN_DIR/data). Lists: TOML arrays, or comma-separated on the command line
     path: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # one per data.path, > 0, normalised; [] for one
     tokenizer: str = "byte"  # "byte" or a tokenizer.json: the dataset's

@@ -39,14 +39,15 @@ class PackedDataset:
         self.tokens = np.memmap(tokens_bin, dtype=dtype, mode="r", shape=(n,))
         mask = Path(path) / "loss_mask.bin"  # prepare-data --chat's: 1 where a token's loss counts
         self.loss_mask = np.memmap(mask, np.uint8, "r") if mask.is_file() else None
-        if self.loss_mask is not None and len(self.loss_mask) != n:
-            raise ValueError(f"{mask}: not one byte per token; prepare the dataset again")
+        chat = "assistant_tokens" in self.meta  # prepare-data --chat's
+        if chat != mask.is_file() or chat and len(self.loss_mask) != n:
+            raise ValueError(f"{mask} is missing or not one byte per token; prepare the dataset again")
         self.doc_ends = np.fromfile(Path(path) / "doc_ends.bin", dtype=np.int64)
 
     def fingerprint(self) -> str:
-        """Sizes and 64 evenly spaced slices of tokens and document ends (whole files: minutes to hash)."""
+        """Sizes and 64 evenly spaced slices of tokens, document ends, loss mask (whole: minutes)."""
         h = hashlib.sha256()
-        for a in (self.tokens, self.doc_ends):
+        for a in filter(lambda a: a is not None, (self.tokens, self.doc_ends, self.loss_mask)):
             h.update(b"%d" % len(a) + b"".join(a[i * len(a) // 64 :][:64].tobytes() for i in range(64)))
         return h.hexdigest()[:16]
 
@@ -118,7 +119,7 @@ class WindowLoader:
                     f" ({what or 'data.val_windows'}): lower data.val_windows or data.seq_len"
                 )
         self.val_tokens, self.val_mask = val_from.tokens, val_from.loss_mask
-        # the middle window of each of val_windows parts: a corpus's tail is often one document
+        # the middle window of each of val_windows parts (a corpus's tail is often one document)
         self.val_ids = (2 * np.arange(val_windows) + 1) * val_total // (2 * val_windows)
         self.train_ids = np.setdiff1d(np.arange(total), self.val_ids) if held else np.arange(total)
         self.num_train = len(self.train_ids)

@@ -84,14 +84,9 @@ def top_p_keep(probs_V: Tensor, top_p: float) -> Tensor:
 
 @torch.no_grad()
 def generate(
-    model: nn.Module,
-    prompt: list[int],
-    max_new_tokens: int,
-    tok: ByteTokenizer | HFTokenizer,
-    top_p: float | None = None,
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> list[int]:
+    model: nn.Module, prompt: list[int], max_new_tokens: int, tok: ByteTokenizer | HFTokenizer,
+    top_p: float | None = None, temperature: float = 1.0, seed: int = 0,
+) -> list[int]:  # fmt: skip
     """Greedy (top_p None) or nucleus sampling among `tok`'s ids (the embedding may pad), up to its EOS.
     No KV cache: each token reruns the window (small models)."""
     device = model.lm_head.weight.device

@@ -1,5 +1,5 @@
 """`pith-train check-layout`. Adam eps 1e-3: with 1e-8, near-zero second moments amplify the layouts'
-different rounding (8.8e-3 in loss by step 7, dp=2, CPU; pith-train README)."""
+different rounding (pith-train README)."""
 
 import subprocess
 import sys

@@ -66,7 +66,7 @@ class Mirror(dist.ProcessGroup):
         return self._done()
 
     def recv(self, tensors, src, tag):
-        # Claimed at the wait, after the batch's sends (DualPipeV batches both): no order can block.
+        # Claimed at the wait, after the batch's sends (DualPipeV batches both): no deadlock.
         def fill(_):
             for t in tensors:
                 sent = self.sent.get((t.shape, t.dtype))

@@ -21,8 +21,8 @@ from pith_train.config import Config, validate
 from pith_train.muon import hidden_matrices
 
 GIB = 2**30
-SLACK = 1.05  # reserved / allocated: 54.8 / 52.1 GiB, the bench on an H200 (expandable segments)
-CONTEXT = GIB  # the CUDA context and libraries' workspaces (on CPU: Python and torch); not measured
+SLACK = 1.05  # reserved / allocated of the bench on an H200 (expandable segments)
+CONTEXT = GIB  # the CUDA context and libraries' workspaces (CPU: Python and torch); not measured
 LOGITS = 2**29  # pith_ops.cross_entropy.CHUNK_LOGITS: the logits the fused loss holds at once
 FSDP_UNIT = 10  # bytes an element of the unit at work: gathered, the next prefetched, 2+4 for its grads
 

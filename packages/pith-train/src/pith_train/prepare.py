@@ -75,7 +75,7 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
 
 
 # The parent reads batches of ~BATCH_BYTES of text (`_batches`), workers tokenize them (`_encode`), the
-# parent writes them in order; memory: 2 batches per worker in flight and the largest document.
+# parent writes them in order: 2 batches per worker in flight, and the largest document.
 BATCH_BYTES = 1 << 20
 KNOWN = re.compile(r"\.(txt|jsonl)(\.gz|\.zst)?$|\.parquet$")
 
@@ -136,7 +136,7 @@ def _file_batches(path: str, field: str):
 
 
 def _chunks(path: str, raw):
-    """`path`'s bytes in chunks, decompressed (.zst frame by frame, the last checked whole)."""
+    """`path`'s bytes in chunks, decompressed (.zst: each frame, the last checked whole)."""
     import zstandard
 
     try:
@@ -151,7 +151,7 @@ def _chunks(path: str, raw):
                 yield frame.decompress(data)
                 data, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
         if frame:
-            raise EOFError("the last frame ends early")
+            raise EOFError("the last frame is cut")
     except (EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError) as e:
         raise ValueError(f"{path}: truncated or corrupt compressed data ({e})") from None
 
@@ -234,14 +234,9 @@ def train_bpe(files: list[str], text_field: str, vocab_size: int, path: Path, pr
 
 
 def prepare(
-    files: list[str],
-    out_dir: str,
-    tokenizer: str = "byte",
-    text_field: str = "text",
-    workers: int | None = None,
-    progress: bool = True,
-    train_vocab: int = 0,
-) -> dict:
+    files: list[str], out_dir: str, tokenizer: str = "byte", text_field: str = "text",
+    workers: int | None = None, progress: bool = True, train_vocab: int = 0,
+) -> dict:  # fmt: skip
     """`files` -> a packed dataset at `out_dir` (built in OUT.tmp, renamed when complete) -> its meta;
     `train_vocab`: with a BPE of that size trained on the files."""
     out, show = Path(out_dir), progress and sys.stderr.isatty()

@@ -1,5 +1,5 @@
 """Stopping on SIGINT or SIGTERM (pith-train README, Run directory), and `pretrain --nproc-per-node
-N`: torchrun's processes without its traceback and exit status 1 on a signal."""
+N`: torchrun's processes without its traceback and exit 1 on a signal."""
 
 import os
 import shlex

@@ -100,13 +100,9 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 
 def build_model(
-    model: ModelConfig | str,
-    device: torch.device,
-    seed: int,
-    mesh: parallel.Mesh = parallel.SINGLE,
-    param_dtype: torch.dtype | None = None,
-    alone: bool = False,
-) -> nn.Module:
+    model: ModelConfig | str, device: torch.device, seed: int, mesh: parallel.Mesh = parallel.SINGLE,
+    param_dtype: torch.dtype | None = None, alone: bool = False,
+) -> nn.Module:  # fmt: skip
     """This rank's part (experts, FSDP shards) of a preset, a Hugging Face directory or a checkpoint
     (`alone`: without the process group, as a mirrored rank reads: DCP gathers to rank 0)."""
     model = ModelConfig(model) if isinstance(model, str) else model
@@ -147,7 +143,7 @@ def open_data(cfg: Config, run_dir: Path, main: bool) -> tuple[list, list]:
 
 def pick_device(choice: str, key: str, cpu_threads: int = 0) -> torch.device:
     """auto | cpu | cuda: this process's device (LOCAL_RANK's card), on CPU with `cpu_threads` intra-op
-    threads (0: torch's default)."""
+    threads."""
     if choice == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{key} is cuda, but torch sees no CUDA device")
     if choice == "cpu" or not torch.cuda.is_available():
@@ -233,7 +229,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
             "config.json": json.dumps(model.cfg.to_hf(), indent=1),
             "config.toml": config_mod.to_toml(cfg),  # what a resume is checked against
         }
-        if cfg.data.tokenizer != "byte":  # the run's tokenizer travels with its weights (generate, convert)
+        if cfg.data.tokenizer != "byte":  # the run's tokenizer travels with its weights
             files["tokenizer.json"] = Path(cfg.data.tokenizer).read_text()
             for name in TOKENIZER_FILES[1:]:  # its chat template, special tokens, generation config
                 if (sibling := Path(cfg.data.tokenizer).with_name(name)).is_file():
