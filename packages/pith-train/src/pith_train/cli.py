@@ -65,9 +65,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
         raise ValueError("under torchrun give every rank the same --run-dir, and no --nproc-per-node")
     run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     if args.nproc_per_node is not None:  # the workers check it again under torchrun
-        p, n = cfg.parallel, args.nproc_per_node
-        if n != p.pp * p.dp * p.cp * p.ep:
-            raise ValueError(f"--nproc-per-node {n}: the layout pp*dp*cp*ep = {p.pp * p.dp * p.cp * p.ep}")
+        cfg.started("--nproc-per-node", n := args.nproc_per_node)
         sys.exit(stopping.launch_local(n, [*args.rest, "--run-dir", run_dir]))
     try:
         out = pretrain(cfg, run_dir)
@@ -265,7 +263,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     plan.valid(cfg, m)
     capacity, what = (args.gpu_memory * plan.GIB, "--gpu-memory") if args.gpu_memory else (None, "")
     if not args.gpu_memory and (not cuda or torch.cuda.is_available()):  # this card, or this machine's RAM
-        ranks = 1 if cuda else p.pp * p.dp * p.cp * p.ep
+        ranks = 1 if cuda else cfg.world
         capacity, what = plan.device_memory(torch.device("cuda" if cuda else "cpu"), ranks)
     out = plan.plan(cfg, m, cuda, capacity)
     print(plan.report(cfg, m, out, what, [] if out.fits else plan.changes(cfg, m, cuda, capacity)))

@@ -129,6 +129,17 @@ class Config:
         return self.parallel.dp * self.parallel.ep
 
     @property
+    def world(self) -> int:
+        return self.parallel.pp * self.parallel.dp * self.parallel.cp * self.parallel.ep
+
+    def started(self, flag: str, n: int) -> None:
+        if n != self.world:  # flag n starts n processes
+            w = self.world
+            raise ValueError(
+                f"{flag} {n}: the layout pp*dp*cp*ep is {w}; give {flag} {w} or --parallel.pp/dp/cp/ep of {n}"
+            )
+
+    @property
     def micro_batches(self) -> int:
         return self.train.global_batch // (self.train.micro_batch * self.data_ranks)
 
@@ -295,13 +306,12 @@ def validate(cfg: Config) -> None:
             f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch={t.micro_batch}"
             f" x data ranks (dp*ep={cfg.data_ranks}) = {per_step}"
         )
-    world = p.pp * p.dp * p.cp * p.ep
     if t.fp8_all_gather and not (t.fp8 or t.fp8_lm_head):
         raise ValueError(
             "train.fp8_all_gather gathers the FP8 GEMMs' weights: set train.fp8 (or turn it off)"
         )
-    if t.cuda_graph and world > 1:
-        raise ValueError(f"train.cuda_graph runs on one process, got pp*dp*cp*ep = {world}: turn it off")
+    if t.cuda_graph and cfg.world > 1:
+        raise ValueError(f"train.cuda_graph runs on one process, got pp*dp*cp*ep = {cfg.world}: turn it off")
     if o.schedule not in ("cosine", "wsd"):
         raise ValueError(f"optim.schedule: expected 'cosine' or 'wsd', got {o.schedule!r}")
     if o.name not in ("adamw", "muon"):

@@ -20,10 +20,7 @@ def check_layout(
 ) -> bool:
     """Prints a table of per-step losses; True when every step agrees within rtol."""
     cfg = load_config(config, overrides)  # ValueError here, before any process starts
-    if nproc != (world := cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.ep):
-        raise ValueError(
-            f"--nproc {nproc}: the layout pp*dp*cp*ep is {world}; give a layout of {nproc} ranks"
-        )
+    cfg.started("--nproc", nproc)
     same = [f"--train.steps={steps}", f"--optim.eps={eps}", "--checkpoint.every=0", "--log.eval_every=0"]
     same += ["--log.progress=false", "--log.tensorboard=false", "--log.every=0"]
     single = ["--parallel.pp=1", "--parallel.dp=1", "--parallel.cp=1", "--parallel.ep=1"]

@@ -228,8 +228,8 @@ def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[t
                 valid(c, m)
             except ValueError:
                 continue
-            world = c.parallel.pp * c.parallel.dp * c.parallel.cp * c.parallel.ep
-            share = 1 if cuda or capacity is None else world / (p.pp * p.dp * p.cp * p.ep)
+            world = c.world
+            share = 1 if cuda or capacity is None else world / cfg.world
             if (x := plan(c, m, cuda, capacity and capacity / share)).fits:
                 out.append((" ".join(new) + (f" ({world} GPUs)" if cuda and world > 1 else ""), x))
                 break
@@ -243,8 +243,8 @@ def terms(out: Plan) -> list[tuple[str, float]]:
 def check(cfg: Config, model_cfg, device: torch.device, launch: str) -> Plan:
     """ValueError when the layout does not match the processes started (naming the torchrun line) or
     the plan does not fit `device`."""
-    p, m, started = cfg.parallel, model_shape(model_cfg), int(os.environ.get("WORLD_SIZE", 1))
-    world = p.pp * p.dp * p.cp * p.ep
+    m, started = model_shape(model_cfg), int(os.environ.get("WORLD_SIZE", 1))
+    world = cfg.world
     try:
         valid(cfg, m, started)
     except ValueError as e:
