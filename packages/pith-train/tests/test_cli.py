@@ -355,18 +355,19 @@ def test_prepare_data_trains_a_bpe_tokenizer_that_round_trips_and_a_model_trains
         ids = ds.tokens[start:end].tolist()
         assert ids[-1] == tok.eos_id and tok.decode(ids[:-1]) == text
     assert len(ds.tokens) < 0.75 * sum(len(t.encode()) for t in texts)  # 43 merges shorten the text (0.71)
-    main(["prepare-data", stdlib_corpus()[3], "--out", str(val_ds), "--tokenizer", str(tokenizer)])
+    main(["prepare-data", stdlib_corpus()[3], "--out", str(val_ds), "--tokenizer", str(train_ds)])  # its dir
     hf = tmp_path / "micro320"
     micro = dataclasses.replace(pith_models.from_pretrained(micro_hf).cfg, vocab_size=320)
     pith_models.save_pretrained(pith_models.build(micro, "cpu"), hf)
     run = tmp_path / "run"
     cfg = micro_config(
-        f"--model.name={hf}", f"--data.path={train_ds}", f"--data.tokenizer={tokenizer}",
+        f"--model.name={hf}", f"--data.path={train_ds}", f"--data.tokenizer={train_ds}",
         f"--data.val_path={val_ds}", "--train.steps=4",
     )  # fmt: skip
     out = pretrain(cfg, run)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["loss"] < rows[0]["loss"] and out["val_loss"] == rows[-1]["val_loss"]
+    assert (Path(out["checkpoints"]) / "step_000004" / "tokenizer.json").read_text() == tokenizer.read_text()
     model = build_model(f"{out['checkpoints']}/step_000004", torch.device("cpu"), seed=0).double()
     val = PackedDataset(str(val_ds))
     inputs, labels = windows(val.tokens, 32, WindowLoader(ds, 32, 4, 0, val).val_ids)
