@@ -68,7 +68,7 @@ def test_prepare_round_trips_txt_and_jsonl_documents(tmp_path, kind):
 def test_prepare_rejects_bad_inputs_before_writing(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         find_inputs([str(tmp_path / "missing")])
-    with pytest.raises(ValueError, match="expected 'byte' or an existing tokenizer.json"):
+    with pytest.raises(ValueError, match="expected 'byte' or a tokenizer.json"):
         prepare([str(_inputs(tmp_path) / "0.txt")], str(tmp_path / "ds"), "nope.json", progress=False)
     (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1: expected a JSON object with a string field 'text'"):

@@ -194,7 +194,9 @@ def test_token_ids_past_65535_are_kept_whatever_the_tokenizers_count(tmp_path):
     assert (meta["dtype"], meta["max_token_id"], meta["vocab_size"]) == ("uint32", 70000, 70001)
     assert np.fromfile(tmp_path / "ds" / "tokens.bin", np.uint32).tolist() == [0, 70000, 1, 2]
     again = prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds2"), str(tmp_path), progress=False)
-    assert again["tokenizer_hash"] == meta["tokenizer_hash"]  # a Hugging Face directory names its tokenizer.json
+    assert (
+        again["tokenizer_hash"] == meta["tokenizer_hash"]
+    )  # a Hugging Face directory names its tokenizer.json
 
 
 def test_a_special_tokens_text_inside_a_document_is_text_not_eos(tmp_path):

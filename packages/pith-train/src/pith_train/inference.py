@@ -25,10 +25,8 @@ def run_tokenizer(path: Path, spec: str | None = None) -> ByteTokenizer | HFToke
     """`spec` if given; else the checkpoint's tokenizer.json, or the byte tokenizer its run used."""
     if not path.exists():
         raise ValueError(f"{path} does not exist")
-    if spec:
-        return load_tokenizer(spec)
-    if (path / "tokenizer.json").is_file():
-        return HFTokenizer(str(path / "tokenizer.json"))
+    if spec or (path / "tokenizer.json").is_file():
+        return load_tokenizer(spec or str(path))
     cfg = run_config(path)
     if cfg is not None and cfg.data.tokenizer == "byte":
         return ByteTokenizer()

@@ -66,11 +66,15 @@ def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // 64) * 64
 
 
+def tokenizer_file(spec: str) -> str:  # or an HF directory's tokenizer.json
+    return str(d) if (d := Path(spec) / "tokenizer.json").is_file() else spec
+
+
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     if spec == "byte":
         return ByteTokenizer()
-    if not Path(spec).is_file():
-        raise ValueError(f"tokenizer: expected 'byte' or an existing tokenizer.json, got {spec!r}")
+    if not Path(spec := tokenizer_file(spec)).is_file():
+        raise ValueError(f"tokenizer: expected 'byte' or a tokenizer.json (or its directory), got {spec!r}")
     return HFTokenizer(spec)
 
 
@@ -168,7 +172,7 @@ _tok = None
 
 
 def _init_worker(spec: str, pool: bool) -> None:
-    global _tok  # one tokenizer per worker process, built once, on one thread: workers are the parallelism
+    global _tok  # one tokenizer per worker, built once, on one thread
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if pool:  # Ctrl-C reaches the whole process group: the parent stops the pool
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -188,7 +192,7 @@ def _encode(batch: tuple) -> tuple[np.ndarray, np.ndarray]:
 
 def _encoded(batches, workers: int, spec: str):
     """(pos, _encode(batch)) for each (pos, batch), in order; spawned: the parent may hold torch's threads."""
-    if workers == 1:  # in-process: no start-up cost, and callable from a script without a __main__ guard
+    if workers == 1:  # in-process: no start-up, no __main__ guard needed
         _init_worker(spec, False)
         yield from ((pos, _encode(batch)) for pos, batch in batches)
         return

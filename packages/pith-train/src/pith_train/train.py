@@ -28,7 +28,7 @@ from pith_train.config import BLEND_BLOCK, Config, ModelConfig, model_config
 from pith_train.data import Blend, PackedDataset, WindowLoader
 from pith_train.metrics import MetricsLog, log_line, peak_flops, peak_memory_gib
 from pith_train.optim import build_optimizer, lr_at
-from pith_train.prepare import load_tokenizer, prepare, stdlib_corpus
+from pith_train.prepare import load_tokenizer, prepare, stdlib_corpus, tokenizer_file
 from pith_train.stopping import Interrupted, StopOnSignal, agreed
 
 
@@ -230,9 +230,9 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
             "config.toml": config_mod.to_toml(cfg),  # what a resume is checked against
         }
         if cfg.data.tokenizer != "byte":  # the run's tokenizer travels with its weights
-            files["tokenizer.json"] = Path(cfg.data.tokenizer).read_text()
+            files["tokenizer.json"] = (tj := Path(tokenizer_file(cfg.data.tokenizer))).read_text()
             for name in TOKENIZER_FILES[1:]:  # its chat template, special tokens, generation config
-                if (sibling := Path(cfg.data.tokenizer).with_name(name)).is_file():
+                if (sibling := tj.with_name(name)).is_file():
                     files[name] = sibling.read_text()
         path = checkpoint.save(ckpt_root / f"step_{step:06d}", model, optimizer, files, mesh)
         checkpoint.prune(ckpt_root, cfg.checkpoint.keep)
