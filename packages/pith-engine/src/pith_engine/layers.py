@@ -7,7 +7,7 @@ top-k, N rows grouped by expert, R rotary pairs, V vocabulary.
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Protocol
 
 import pith_ops
@@ -182,18 +182,14 @@ def rotary_positions(
 
 class DecoderModel(nn.Module):
     """The frame of a pith_engine.contract.MoEModel; a model file subclasses it with `make_layer(i)`
-    and defines `positions`. layer_ids: the layers to build, keyed by str(index), so a pipeline rank's
-    model keeps the whole one's names."""
+    and defines `positions`. Layers are keyed by str(index), so a pipeline rank's model keeps the whole
+    one's names."""
 
-    def __init__(self, cfg, make_layer: Callable[[int], nn.Module], layer_ids: Iterable[int] | None = None):
+    def __init__(self, cfg, make_layer: Callable[[int], nn.Module]):
         super().__init__()
-        L = cfg.num_hidden_layers
-        ids = range(L) if layer_ids is None else sorted(set(layer_ids))
-        if any(not 0 <= i < L for i in ids):
-            raise ValueError(f"layer_ids {list(ids)}: a model of {L} layers has indices 0..{L - 1}")
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): make_layer(i) for i in ids})
+        self.layers = nn.ModuleDict({str(i): make_layer(i) for i in range(cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

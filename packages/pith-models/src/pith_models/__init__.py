@@ -1,8 +1,6 @@
 """pith-models: one self-contained file per MoE model family, plus Hugging Face interop (usage: the
 pith-models README)."""
 
-from collections.abc import Iterable
-
 import torch
 from pith_engine.parallel import SINGLE, Mesh
 from torch import nn
@@ -28,15 +26,14 @@ def build(
     seed: int = 0,
     mesh: Mesh | None = None,
     param_dtype: torch.dtype | None = None,
-    layer_ids: Iterable[int] | None = None,
 ) -> nn.Module:
     """Initialised unless on meta. mesh: this rank's part only, built on meta first; the same seed
-    gives the same global weights under every layout. layer_ids: the global indices to build."""
+    gives the same global weights under every layout."""
     if isinstance(name_or_config, str):
         if name_or_config not in MODELS:
             raise ValueError(f"unknown model name {name_or_config!r}; known: {sorted(MODELS)}")
         name_or_config = MODELS[name_or_config]
-    model = build_empty(name_or_config, device, mesh, param_dtype, layer_ids)
+    model = build_empty(name_or_config, device, mesh, param_dtype)
     if next(model.parameters()).device.type != "meta":
         module_of(name_or_config).init_weights(model, seed, mesh or SINGLE)
     return model

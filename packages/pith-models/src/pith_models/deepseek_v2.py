@@ -22,7 +22,6 @@ N nope dims, P rope dims, R = P/2 rotary pairs, A v head dim, L kv_lora_rank, E 
 those this module holds), G expert groups, F expert width, K top-k, V vocabulary.
 """
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -346,8 +345,8 @@ class Layer(nn.Module):
 
 
 class Model(DecoderModel):
-    def __init__(self, cfg: Config, layer_ids: Iterable[int] | None = None):
-        super().__init__(cfg, lambda i: Layer(cfg, i), layer_ids)
+    def __init__(self, cfg: Config):
+        super().__init__(cfg, lambda i: Layer(cfg, i))
 
     def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions:
         inv_freq_R, factor = rope_frequencies(self.cfg, position_ids_BS.device)

@@ -16,7 +16,6 @@ Shape legend: B batch, S sequence, T = B*S, D hidden, H / G query / kv heads, Dh
 experts (E_held: held here), F expert width, K top-k, N rows grouped by expert, V vocabulary.
 """
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -252,8 +251,8 @@ class Layer(nn.Module):
 
 
 class Model(DecoderModel):
-    def __init__(self, cfg: Config, layer_ids: Iterable[int] | None = None):
-        super().__init__(cfg, lambda i: Layer(cfg, i), layer_ids)
+    def __init__(self, cfg: Config):
+        super().__init__(cfg, lambda i: Layer(cfg, i))
 
     def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions:
         inv_freq_R, factor = rope_frequencies(self.cfg, position_ids_BS.device)

@@ -5,7 +5,7 @@ Model-module convention (every family file follows it; this file relies on nothi
 - `@dataclass(frozen=True) class Config`: a comment per field, `tie_word_embeddings`, validated in
   __post_init__; `from_hf(d)` (ValueError naming any unsupported field or value; ignored fields listed;
   pith_models.hf_convert), `to_hf()` (with "architectures" and "model_type", a key of MODULES);
-- its modules, then `Model(cfg, layer_ids=None)`, a pith_engine.layers.DecoderModel implementing
+- its modules, then `Model(cfg)`, a pith_engine.layers.DecoderModel implementing
   pith_engine.contract.MoEModel, built on the default device. Expert weights are Parameters
   [E_held, in, out]; routers compute fp32 logits and hold a persistent fp32 buffer `expert_bias` [E]
   added for top-k selection only; `init_weights(model, seed, mesh=SINGLE)`;
@@ -113,10 +113,10 @@ def check_tensors(got: dict[str, Tensor], expected: dict[str, Tensor], where: st
         raise ValueError(f"{where}: " + "; ".join(problems))
 
 
-def build_empty(cfg, device="meta", mesh: Mesh | None = None, param_dtype=None, layer_ids=None) -> nn.Module:
+def build_empty(cfg, device="meta", mesh: Mesh | None = None, param_dtype=None) -> nn.Module:
     """Built on meta, cut to this rank's part under `mesh`, materialised on `device` uninitialised."""
     with torch.device("meta"):
-        model = module_of(cfg).Model(cfg, layer_ids)
+        model = module_of(cfg).Model(cfg)
     if mesh is not None:
         parallelize(model, mesh, param_dtype)
     if torch.device(device).type != "meta":

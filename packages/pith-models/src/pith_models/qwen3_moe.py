@@ -15,7 +15,6 @@ Dh head dim, R = Dh/2 rotary pairs, E experts (E_held: those this module holds),
 K top-k, N rows grouped by expert, V vocabulary.
 """
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -244,8 +243,8 @@ class Layer(nn.Module):
 
 
 class Model(DecoderModel):
-    def __init__(self, cfg: Config, layer_ids: Iterable[int] | None = None):
-        super().__init__(cfg, lambda i: Layer(cfg, i), layer_ids)
+    def __init__(self, cfg: Config):
+        super().__init__(cfg, lambda i: Layer(cfg, i))
 
     def positions(self, position_ids_BS: Tensor, cp_group: ProcessGroup | None = None) -> Positions:
         inv_freq_R = rope_inv_freq(self.cfg.rope_theta, self.cfg.head_dim, position_ids_BS.device)
