@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.fsdp import FSDPModule
 
 from pith_engine.fp8 import FP8Switch, fp8_weights
-from pith_engine.parallel import SINGLE, Mesh, expert_param_names, local_rows
+from pith_engine.parallel import SINGLE, Mesh, expert_param_names, held_experts
 
 STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -94,13 +94,6 @@ def problem(path: Path, mesh: Mesh = SINGLE) -> str | None:
             found.append(f"{name} does not match its SHA-256 in the manifest (its bytes changed)")
     found = [p for part in _all_ranks(found, mesh) for p in part]
     return "; ".join(found) or None
-
-
-def held_experts(t: Tensor, mesh: Mesh) -> list[tuple[int, Tensor]]:
-    """(global expert index, view of its [...] tensor) for each expert of stacked `t` on this rank."""
-    local, rows = local_rows(t)  # rows of this EP rank's El experts (a DTensor's shape is El over dp x cp)
-    first = mesh.ep_rank * t.shape[0]
-    return [(first + r, local[j]) for j, r in enumerate(rows)]
 
 
 def _split_experts(state: dict[str, Tensor], experts: set[str], mesh: Mesh) -> dict[str, Tensor]:

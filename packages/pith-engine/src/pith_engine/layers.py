@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 from pith_engine import executor
 from pith_engine.contract import Positions, model_positions
 from pith_engine.fp8 import FP8Switch
-from pith_engine.parallel import SINGLE, Mesh, expert_param_names, local_rows
+from pith_engine.parallel import SINGLE, Mesh, expert_param_names, held_experts, local_rows
 from pith_engine.wgrad import WeightGradQueue, defer_wgrad, split_linear_backward, split_linear_forward
 
 
@@ -234,10 +234,9 @@ def init_normal(
             local.fill_(1.0)
         elif name.endswith(zero):
             local.zero_()
-        elif name in experts:  # dim 0: this EP rank's experts, of which FSDP keeps `rows`
-            for j, r in enumerate(rows):
-                e = mesh.ep_rank * p.shape[0] + r
-                local[j].normal_(0.0, std, generator=_generator(local.device, seed, f"{name}.{e}"))
+        elif name in experts:  # this EP rank's experts that FSDP keeps here
+            for e, x in held_experts(p, mesh):
+                x.normal_(0.0, std, generator=_generator(local.device, seed, f"{name}.{e}"))
         else:
             full = torch.empty(p.shape, device=local.device).normal_(
                 0.0, std, generator=_generator(local.device, seed, name)

@@ -202,14 +202,14 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     return model
 
 
-def _local(t: Tensor) -> Tensor:
+def to_local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_rows(t: Tensor) -> tuple[Tensor, range]:
     """-> (this rank's local tensor of `t`, the rows of dim 0 of t's global tensor it holds: FSDP2's
     torch.chunk pieces; an EP-sliced expert weight's global tensor is this EP rank's experts)."""
-    local = _local(t)
+    local = to_local(t)
     if not isinstance(t, DTensor):
         return local, range(t.shape[0])
     assert t.placements == (Shard(0),), t.placements
@@ -218,6 +218,13 @@ def local_rows(t: Tensor) -> tuple[Tensor, range]:
     rows = range(first, min(n, first + size))
     assert len(rows) == local.shape[0], (rows, local.shape)
     return local, rows
+
+
+def held_experts(t: Tensor, mesh: Mesh) -> list[tuple[int, Tensor]]:
+    """(global expert index, view of its [...] tensor) for each expert of stacked `t` on this rank."""
+    local, rows = local_rows(t)  # rows of this EP rank's El experts (a DTensor's shape is El over dp x cp)
+    first = mesh.ep_rank * t.shape[0]
+    return [(first + r, local[j]) for j, r in enumerate(rows)]
 
 
 def all_reduce_sum(t: Tensor, mesh: Mesh, pp: bool = False) -> Tensor:
@@ -244,7 +251,7 @@ def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
 
 
 def _local_grads(params: list[nn.Parameter]) -> list[Tensor]:
-    return [_local(g) for g in map(pith_ops.grad, params) if g is not None]
+    return [to_local(g) for g in map(pith_ops.grad, params) if g is not None]
 
 
 def clip_coef(norm: Tensor, max_norm: float) -> Tensor:

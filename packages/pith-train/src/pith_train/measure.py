@@ -9,6 +9,7 @@ import time
 import pith_ops
 import torch
 import torch.distributed as dist
+from pith_engine.parallel import to_local
 from pith_engine.step import train_step
 from torch._C._distributed_c10d import PythonCallbackWork
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -141,10 +142,6 @@ def _tensors(named) -> dict[str, tuple]:
     return {k: (tuple(t.shape), t.dtype, t.numel() * t.element_size()) for k, t in named if t is not None}
 
 
-def _local(t):
-    return getattr(t, "_local_tensor", t)
-
-
 def heaviest(cfg: Config, m: plan.Model, cuda: bool) -> int:
     """The global rank (data, context, expert 0) of the pipeline rank that holds most."""
     return plan.plan(cfg, m, cuda).rank * (cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.ep)
@@ -174,11 +171,11 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
     optimizer = build_optimizer(model, cfg)
     stages, settings = train.trainer_stages(cfg, model, mesh), train.step_settings(cfg, model)
     names = {p: n for n, p in model.named_parameters()}
-    held = {"parameters": _tensors((n, _local(p)) for p, n in names.items())}
+    held = {"parameters": _tensors((n, to_local(p)) for p, n in names.items())}
     update = optimizer.step
 
     def step_with_snapshot(**kw):  # zero_grad drops them
-        held["gradients"] = _tensors((n, _local(pith_ops.grad(p))) for p, n in names.items())
+        held["gradients"] = _tensors((n, to_local(pith_ops.grad(p))) for p, n in names.items())
         return update(**kw)
 
     optimizer.step = step_with_snapshot
@@ -197,7 +194,7 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
             sync()
         seconds.append(time.perf_counter() - start)
     held["optimizer state"] = _tensors(
-        (f"{names[p]}.{k}", _local(t)) for o in getattr(optimizer, "optimizers", [optimizer])
+        (f"{names[p]}.{k}", to_local(t)) for o in getattr(optimizer, "optimizers", [optimizer])
         for p, state in o.state.items() for k, t in state.items()
     )  # fmt: skip
     static = sum(b for kind in ("parameters", "optimizer state") for *_, b in held[kind].values())

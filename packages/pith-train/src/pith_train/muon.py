@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from pith_engine.parallel import to_local
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -46,10 +47,6 @@ def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
         for p in model.parameters()
         if p.requires_grad and id(p) not in adamw and p.ndim == (3 if id(p) in stacked else 2)
     ]
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _orthogonalise(mats: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
@@ -141,7 +138,7 @@ class Muon(torch.optim.Optimizer):
                     continue
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-                g, buf = _local(p.grad), _local(self.state[p]["momentum_buffer"])
+                g, buf = to_local(p.grad), to_local(self.state[p]["momentum_buffer"])
                 if ok is None:
                     buf.mul_(mu)
                 else:  # a skipped step keeps the momentum: B * 1 + 0
@@ -162,7 +159,7 @@ class Muon(torch.optim.Optimizer):
             o.update(zip(on, got))
         for i, (p, group, _) in enumerate(todo):
             lr, M, N = group["lr"], *p.shape[-2:]
-            w = _local(p)
+            w = to_local(p)
             o_i, rate = o[i].reshape(w.shape).to(w.dtype), lr * 0.2 * math.sqrt(max(M, N))
             if ok is None:
                 w.mul_(1 - lr * group["weight_decay"]).add_(o_i, alpha=-rate)

@@ -4,11 +4,11 @@ import math
 
 import pith_ops
 import torch
-from pith_engine.parallel import expert_param_names
+from pith_engine.parallel import expert_param_names, to_local
 from torch import Tensor, nn
 
 from pith_train.config import Config
-from pith_train.muon import Chain, Muon, _local, hidden_matrices
+from pith_train.muon import Chain, Muon, hidden_matrices
 
 
 class AdamW(torch.optim.AdamW):
@@ -32,7 +32,7 @@ class AdamW(torch.optim.AdamW):
             live = [(p, g) for p in group["params"] if (g := pith_ops.grad(p)) is not None]
             if not live:
                 continue
-            device = _local(live[0][0]).device
+            device = to_local(live[0][0]).device
             scale = torch.ones(1, device=device) if grad_scale is None else grad_scale
             for p, _ in live:
                 state = self.state[p]
@@ -46,9 +46,9 @@ class AdamW(torch.optim.AdamW):
             beta1, beta2 = group["betas"]
             constants = pith_ops.step_constants(group["lr"], beta1, beta2, steps)
             for (p, grad), bias in zip(live, constants):
-                state, w = self.state[p], _local(p)
+                state, w = self.state[p], to_local(p)
                 pith_ops.adamw_(
-                    w, *(_local(t) for t in (grad, state["exp_avg"], state["exp_avg_sq"])), scale,
+                    w, *(to_local(t) for t in (grad, state["exp_avg"], state["exp_avg_sq"])), scale,
                     lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                     eps=group["eps"], step=bias, copy=pith_ops.kept_copy(w),
                     fp8=pith_ops.kept_copy(w, torch.float8_e4m3fn),

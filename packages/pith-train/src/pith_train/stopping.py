@@ -50,10 +50,6 @@ class StopOnSignal:
                 f"\n{name}: finishing this step, then saving a checkpoint (again: exit now)", file=sys.stderr
             )
 
-    def requested(self, device: torch.device) -> int:
-        """The signal any rank received (0: none): one all-reduce a step, so all stop after the same."""
-        return agreed(self.signum, device)
-
 
 def agreed(value: int, device: torch.device) -> int:
     """The largest `value` of any rank, so that all act alike."""

@@ -280,7 +280,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
             }
             if len(names) > 1:  # the realised mix so far
                 record.update({f"mix/{n}": c / cursor for n, c in zip(names, loader.taken(cursor))})
-            signum = stop.requested(device)
+            signum = agreed(stop.signum, device)  # any rank's: all stop after the same step
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last or signum:
                 path = save(step)  # before validation: a failure there must not lose the trained step
             try:
