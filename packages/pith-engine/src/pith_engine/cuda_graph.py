@@ -7,10 +7,6 @@ import torch
 from torch import Tensor, nn
 
 
-def _clone(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.clone()
-
-
 class StepGraph:
     """train_step's schedule work (`work`) as one CUDA graph: eager at the first call, captured at the
     second, replayed after, so a step whose launches outrun its kernels (FP8's) runs at the GPU's pace.
@@ -47,7 +43,8 @@ class StepGraph:
         static = iter(self.inputs)
         static_micro = [tuple(None if t is None else next(static) for t in m) for m in micro]
         if first:  # on copies: what it caches by input tensor (block masks) the capture must build
-            return self._on_stream(self.work, stages, [tuple(map(_clone, m)) for m in static_micro], aux)
+            copies = [tuple(t if t is None else t.clone() for t in m) for m in static_micro]
+            return self._on_stream(self.work, stages, copies, aux)
         if self.graph is None:
             self._on_stream(self._capture, stages, static_micro, aux)
         self.graph.replay()

@@ -78,7 +78,7 @@ class Direct:
 
     def exchange(self, tensors, out_splits, in_splits, group) -> Steps:
         yield from ()  # nothing left in flight
-        return [all_to_all(t, out_splits, in_splits, group) for t in tensors]
+        return [_AllToAll.apply(t, out_splits, in_splits, group) for t in tensors]
 
 
 DIRECT = Direct()
@@ -158,10 +158,6 @@ class _AllToAll(torch.autograd.Function):
 
 def _stand_in(t: Tensor) -> bool:
     return t.ndim > 0 and not any(t.stride())  # zeros of strides 0 (pith_ops.FP8Rows' x): no values
-
-
-def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> Tensor:
-    return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
 class Tape:

@@ -37,19 +37,12 @@ from pith_engine.attention_kernels import (
 from pith_engine.contract import Positions
 
 
-def _check_zigzag(seq_len: int, cp_size: int, cp_rank: int) -> None:
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"expected cp_size >= 1 and 0 <= cp_rank < cp_size, got {cp_size=} {cp_rank=}")
-    if seq_len % (2 * cp_size):
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp_size} (context parallelism "
-            f"cuts it into 2*cp equal chunks)"
-        )
-
-
 def zigzag_split(t: Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> Tensor:
     """This rank's share of `t` along `dim`: chunks cp_rank and 2*cp_size-1-cp_rank of 2*cp_size."""
-    _check_zigzag(t.shape[dim], cp_size, cp_rank)
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"expected cp_size >= 1 and 0 <= cp_rank < cp_size, got {cp_size=} {cp_rank=}")
+    if (S := t.shape[dim]) % (2 * cp_size):
+        raise ValueError(f"sequence length {S} is not divisible by 2*cp = {2 * cp_size} (zigzag chunks)")
     chunks = t.chunk(2 * cp_size, dim)
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim)
 

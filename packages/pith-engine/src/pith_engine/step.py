@@ -173,8 +173,7 @@ class _Run:
         self.grad = grad
         self.data: dict[tuple[Op, int, int], Tensor] = {}  # (F output / B input grad, chunk, micro)
         self.tapes: dict[tuple[int, int], tuple[Tape, Tensor | None, Tensor | None]] = {}
-        device = stages.mesh.device
-        self.sums = torch.zeros(3, device=device)  # cross-entropy sum, aux share, label tokens
+        self.sums = torch.zeros(3, device=stages.mesh.device)  # cross-entropy sum, aux share, label tokens
         self.counts: dict[int, Tensor] = {}  # MoE layer -> expert counts [E]
         # One micro-batch of every data rank: the aux terms' token count.
         self.tokens = micro[0][0].numel() * stages.mesh.layout.data_ranks * stages.mesh.layout.cp

@@ -33,8 +33,8 @@ class PackedDataset:
         if size != n * dtype.itemsize:
             raise ValueError(
                 f"{tokens_bin}: {'missing' if size is None else f'{size} bytes'}, but meta.json says"
-                f" {n} tokens of {dtype.name} ({n * dtype.itemsize} bytes): the file is incomplete or from"
-                " another dataset; prepare the dataset again with `pith-train prepare-data`"
+                f" {n} tokens of {dtype.name} ({n * dtype.itemsize} bytes): incomplete or another dataset's;"
+                " run `pith-train prepare-data` again"
             )
         self.tokens = np.memmap(tokens_bin, dtype=dtype, mode="r", shape=(n,))
         mask = Path(path) / "loss_mask.bin"  # prepare-data --chat's: 1 where a token's loss counts

@@ -94,7 +94,6 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
         if p.ndim < 2 or (lookup_only and p is model.embed_tokens.weight):
             continue
         active += p.numel() * (c.num_experts_per_tok / p.shape[0] if name in experts else 1)
-    # MLA (DeepSeek-V2) has distinct q/k and v head dims.
     qk, v = (c.qk_head_dim, c.v_head_dim) if isinstance(c, deepseek_v2.Config) else (c.head_dim, c.head_dim)
     return 6 * active + 6 * c.num_hidden_layers * seq_len * c.num_attention_heads * (qk + v)
 
