@@ -66,18 +66,14 @@ class Config:
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        H, G = self.num_attention_heads, self.num_key_value_heads
+        E, K = self.num_experts, self.num_experts_per_tok
+        if H % G:
+            raise ValueError(f"num_attention_heads ({H}) must be a multiple of num_key_value_heads ({G})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
-                f"got {self.num_experts_per_tok}"
-            )
+        if not 1 <= K <= E:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={E}], got {K}")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]

@@ -182,18 +182,14 @@ def grouped_gemm_backward(
     closure computing dw_EIO), bit for bit a plain backward's."""
     dy_NO = dy_NO.contiguous()
     if not use_triton(x_NI):
-        return _reference_backward(x_NI, w_EIO, group_ends_E, dy_NO, need_dx)
+        x, w = x_NI.detach().requires_grad_(need_dx), w_EIO.detach().requires_grad_()
+        with torch.enable_grad():
+            y_NO = grouped_gemm_reference(x, w, group_ends_E)
+        dx = torch.autograd.grad(y_NO, x, dy_NO, retain_graph=True)[0] if need_dx else None
+        return dx, lambda: torch.autograd.grad(y_NO, w, dy_NO)[0]
     ends, E = group_ends_E.to(torch.int32), w_EIO.shape[0]
     dx = _grouped_gemm_op(dy_NO, w_EIO.transpose(1, 2), ends) if need_dx else None
     return dx, lambda: _wgrad_op(x_NI, dy_NO, ends, E)
-
-
-def _reference_backward(x_NI, w_EIO, group_ends_E, dy_NO, need_dx):
-    x, w = x_NI.detach().requires_grad_(need_dx), w_EIO.detach().requires_grad_()
-    with torch.enable_grad():
-        y_NO = grouped_gemm_reference(x, w, group_ends_E)
-    dx = torch.autograd.grad(y_NO, x, dy_NO, retain_graph=True)[0] if need_dx else None
-    return dx, lambda: torch.autograd.grad(y_NO, w, dy_NO)[0]
 
 
 _grouped_gemm_op.register_autograd(_backward, setup_context=_setup)
