@@ -148,9 +148,8 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-    params = {n: p.detach() for n, p in model.named_parameters()}
     state = {
-        "model": _split_experts(params, experts, mesh),
+        "model": _split_experts({n: p.detach() for n, p in model.named_parameters()}, experts, mesh),
         "buffers": {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")},
     }
     osd = None

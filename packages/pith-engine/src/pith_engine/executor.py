@@ -165,8 +165,8 @@ class Tape:
     fn on detached leaves of its differentiable args; `backward()` (steps) runs the segments newest
     first from the outputs' `seed`ed gradients, each leaf's grad going to the tensor it was detached
     from. Gradients are kept by id() beside their tensor, which the entry keeps alive: a reused address
-    never finds a stale gradient. final: each FSDP
-    `owner` reduces its gradients in its segment's backward (the step's last)."""
+    never finds a stale gradient. final: each FSDP `owner` reduces its gradients in its segment's
+    backward (the step's last)."""
 
     def __init__(self, final: bool = False, trace: list | None = None, tag: str = ""):
         self.final, self.trace, self.tag = final, trace, tag

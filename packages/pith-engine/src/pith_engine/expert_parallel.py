@@ -111,8 +111,7 @@ class ExpertParallel:
         sent = [x_SD.x, x_SD.q.view(torch.uint8), x_SD.scale] if fp8 else [x_SD]
         *x_MD, meta_M2K = yield from seg.exchange([*sent, meta_S2K], p.recv_rows, p.send_rows, self.group)
         x_MD = pith_ops.FP8Rows(x_MD[0], x_MD[1].view(x_SD.q.dtype), x_MD[2]) if fp8 else x_MD[0]
-        E = r.probs_TE.shape[-1]
-        x_ND, group_ends_E, slots_MK, weights_MK = seg(self.receive, x_MD, meta_M2K, E, p)
+        x_ND, group_ends_E, slots_MK, weights_MK = seg(self.receive, x_MD, meta_M2K, r.probs_TE.shape[-1], p)
         return x_ND, group_ends_E, _Handle(slots_MK, weights_MK, slots_TR, p.send_rows, p.recv_rows)
 
     def combine(self, y_ND: Tensor, handle: Any, seg: Segments = DIRECT) -> Steps:

@@ -35,8 +35,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, reference: bool = False) -> Tensor:
-        norm = pith_ops.rms_norm_reference if reference else pith_ops.rms_norm
-        return norm(x, self.weight, self.eps)
+        return (pith_ops.rms_norm_reference if reference else pith_ops.rms_norm)(x, self.weight, self.eps)
 
 
 class Linear(FP8Switch, nn.Linear):

@@ -12,11 +12,8 @@ from pathlib import Path
 def cmd_prepare_data(args: argparse.Namespace) -> None:
     from pith_train.prepare import find_inputs, padded_vocab, prepare
 
-    tokenizer, vocab, files = (
-        args.tokenizer or "byte",
-        args.train_tokenizer,
-        find_inputs(args.inputs, args.glob),
-    )
+    tokenizer, vocab = args.tokenizer or "byte", args.train_tokenizer
+    files = find_inputs(args.inputs, args.glob)
     if args.chat:
         from pith_train.chat import prepare_chat
 
@@ -152,10 +149,10 @@ def cmd_convert(args: argparse.Namespace) -> None:
     print(f"wrote {done}" + ("" if carried else note))
 
 
-def _device(args: argparse.Namespace):
-    from pith_train.train import pick_device
+def _model(path: Path, args: argparse.Namespace):
+    from pith_train.train import build_model, pick_device
 
-    return pick_device(args.device, "--device", args.cpu_threads)
+    return build_model(str(path), pick_device(args.device, "--device", args.cpu_threads), seed=0).eval()
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -164,7 +161,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from pith_train.config import model_config
     from pith_train.data import PackedDataset
     from pith_train.inference import dataset_loss, run_config, run_tokenizer
-    from pith_train.train import build_model
 
     path, ds = Path(args.checkpoint), PackedDataset(args.data)
     ds.check_tokenizer(run_tokenizer(path, args.tokenizer))
@@ -173,7 +169,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if not seq_len:
         raise ValueError(f"{path} has no run config (config.toml) giving the window length: pass --seq-len")
     ds.check_vocab(model_config(str(path)).vocab_size)  # before the weights load
-    model = build_model(str(path), _device(args), seed=0).eval()
+    model = _model(path, args)
     docs = bool(cfg and cfg.data.document_mask) if args.document_mask is None else args.document_mask
     loss, tokens = dataset_loss(model, ds, seq_len, args.batch, args.max_windows, docs)
     print(
@@ -185,7 +181,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from pith_train.chat import hf_tokenizer
     from pith_train.inference import generate, run_tokenizer
-    from pith_train.train import build_model
 
     if args.top_p is not None and not 0 < args.top_p <= 1 or args.temperature <= 0:
         raise ValueError(
@@ -203,7 +198,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompt = tok.encode_batch([text])[0].tolist()
     if not args.prompt:
         raise ValueError("--prompt is empty")
-    model = build_model(str(path), _device(args), seed=0).eval()
+    model = _model(path, args)
     new = generate(model, prompt, args.max_new_tokens, tok, args.top_p, args.temperature, args.seed)
     print(("" if args.chat else text) + tok.decode(new))
 

@@ -312,12 +312,13 @@ def validate(cfg: Config) -> None:
         )
     if t.cuda_graph and cfg.world > 1:
         raise ValueError(f"train.cuda_graph runs on one process, got pp*dp*cp*ep = {cfg.world}: turn it off")
-    if o.schedule not in ("cosine", "wsd"):
-        raise ValueError(f"optim.schedule: expected 'cosine' or 'wsd', got {o.schedule!r}")
-    if o.name not in ("adamw", "muon"):
-        raise ValueError(f"optim.name: expected 'adamw' or 'muon', got {o.name!r}")
-    if o.muon_ns_dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"optim.muon_ns_dtype: expected 'bfloat16' or 'float32', got {o.muon_ns_dtype!r}")
+    for key, a, b in (
+        ("schedule", "cosine", "wsd"),
+        ("name", "adamw", "muon"),
+        ("muon_ns_dtype", "bfloat16", "float32"),
+    ):
+        if (value := getattr(o, key)) not in (a, b):
+            raise ValueError(f"optim.{key}: expected {a!r} or {b!r}, got {value!r}")
     if t.ac not in ("none", "selective", "full"):
         raise ValueError(f"train.ac: expected none, selective or full, got {t.ac!r}")
     if t.device not in ("auto", "cpu", "cuda"):
