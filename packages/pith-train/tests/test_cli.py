@@ -307,6 +307,10 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
         (["schedule", "--pp", "0", "--micro-batches", "4"], "--pp must be >= 1, got 0"),
         (["check-layout", "--nproc", "2"], "--nproc 2: the layout pp*dp*cp*ep is 1; give --nproc 1 or"),
         (["check-layout", "--nproc", "1", "--steps", "0"], "--steps must be >= 1, got 0"),
+        (
+            ["check-layout", "--nproc", "2", "--parallel.pp=2"],
+            "DualPipeV needs at least 2*pp = 4 micro-batches",
+        ),
     ],
 )
 def test_inference_commands_fail_with_one_line(

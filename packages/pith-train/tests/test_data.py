@@ -70,6 +70,17 @@ def test_prepare_rejects_bad_inputs_before_writing(tmp_path):
         find_inputs([str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="expected 'byte' or a tokenizer.json"):
         prepare([str(_inputs(tmp_path) / "0.txt")], str(tmp_path / "ds"), "nope.json", progress=False)
+    (tmp_path / "raw.json").write_text("not json")
+    with pytest.raises(ValueError, match="raw.json: not a tokenizer.json"):
+        prepare(
+            [str(tmp_path / "src" / "0.txt")],
+            str(tmp_path / "ds"),
+            str(tmp_path / "raw.json"),
+            progress=False,
+        )
+    with pytest.raises(ValueError, match="--train-tokenizer 0: 256 bytes, EOS and one merge need 258"):
+        prepare([str(tmp_path / "src" / "0.txt")], str(tmp_path / "ds"), progress=False, train_vocab=0)
+    assert not (tmp_path / "ds").exists()
     (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1: expected a JSON object with a string field 'text'"):
         prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "ds2"), "byte", workers=1, progress=False)
