@@ -66,7 +66,11 @@ def test_printed_config_reads_back_equal(tmp_path):
         ("[data]\nweights = 1.0\n", [], "data.weights: expected an array, got 1.0"),
         ("", ["--data.path=a,b", "--data.weights=0,0"], "data.weights [0.0, 0.0]: give one per data.path"),
         ("", ["--train.seed=-1"], "train.seed must be in [0, 2**63), got -1"),
-        ("", ["--data.path=[oops"], 'data.path: \'[oops\' is not a JSON array: give ["a", "b"] or a,b'),
+        (
+            "",
+            ["--data.path=[oops"],
+            'data.path=[oops\': \'[oops\' is not a JSON array: give ["a", "b"] or a,b',
+        ),
         ('[data]\npath = ["a", 2]\n', [], "data.path: expected str, got int 2"),
     ],
 )

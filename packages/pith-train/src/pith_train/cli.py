@@ -295,7 +295,7 @@ def cmd_schedule(args: argparse.Namespace) -> None:
 # Each integer option's least value, whichever command has it
 LEAST = dict.fromkeys(["batch", "seq_len", "steps", "nproc", "pp", "micro_batches", "max_new_tokens"], 1)
 LEAST |= dict.fromkeys(["gpus", "layers", "workers", "nproc_per_node", "dp", "cp", "ep", "micro_batch"], 1)
-LEAST |= dict.fromkeys(["cpu_threads", "max_windows", "warmup", "profile", "train_tokenizer"], 0)
+LEAST |= dict.fromkeys(["cpu_threads", "max_windows", "warmup", "profile"], 0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="dataset directory to create")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--tokenizer", help="'byte' (the default) or a Hugging Face tokenizer.json")
-    which.add_argument("--train-tokenizer", type=int, default=0, metavar="VOCAB", help="train a BPE instead")
+    which.add_argument("--train-tokenizer", type=int, metavar="VOCAB", help="train a BPE instead")
     p.add_argument("--text-field", default="text", help="the JSONL field or Parquet column holding the text")
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: one per CPU)")
     p.add_argument("--chat", action="store_true", help='.jsonl {"messages": [...]} in the chat template')

@@ -225,7 +225,10 @@ def _model_value(where: str, value, kind):
     if typing.get_origin(kind) is tuple:
         items = value
         if isinstance(value, str):
-            items = json.loads(value) if value.startswith("[") else value.split(",") if value else []
+            try:
+                items = json.loads(value) if value.startswith("[") else value.split(",") if value else []
+            except ValueError:
+                raise ValueError(f'{where}: {value!r} is not a JSON array: give ["a", "b"] or a,b') from None
         if not isinstance(items, list | tuple):
             raise ValueError(f"{where}: expected an array, got {value!r}")
         return tuple(_model_value(where, v, typing.get_args(kind)[0]) for v in items)
@@ -293,8 +296,12 @@ def validate(cfg: Config) -> None:
     for key, (value, least) in at_least.items():
         if value < least:
             raise ValueError(f"{key} must be >= {least}, got {value}")
+    if not 0 <= t.seed < 2**63:
+        raise ValueError(f"train.seed must be in [0, 2**63), got {t.seed}")
     d, n = cfg.data, max(1, len(cfg.data.path))
-    if (d.weights or n > 1) and (len(d.weights) != n or not min(d.weights) * BLEND_BLOCK >= sum(d.weights)):
+    if (d.weights or n > 1) and (
+        len(d.weights) != n or not 0 < min(d.weights) * BLEND_BLOCK >= sum(d.weights)
+    ):
         raise ValueError(
             f"data.weights {d.weights}: give one per data.path ({n}), > 0 and >= 1/{BLEND_BLOCK} of their sum"
         )

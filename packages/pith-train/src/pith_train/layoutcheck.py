@@ -6,8 +6,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pith_train.config import load_config
+from pith_train.config import load_config, model_config
 from pith_train.metrics import read_metrics
+from pith_train.plan import model_shape, valid
 from pith_train.train import pretrain
 
 
@@ -21,6 +22,7 @@ def check_layout(
     """Prints a table of per-step losses; True when every step agrees within rtol."""
     cfg = load_config(config, overrides)  # ValueError here, before any process starts
     cfg.started("--nproc", nproc)
+    valid(cfg, model_shape(model_config(cfg.model)))  # what pretrain refuses, before the first run
     same = [f"--train.steps={steps}", f"--optim.eps={eps}", "--checkpoint.every=0", "--log.eval_every=0"]
     same += ["--log.progress=false", "--log.tensorboard=false", "--log.every=0"]
     single = ["--parallel.pp=1", "--parallel.dp=1", "--parallel.cp=1", "--parallel.ep=1"]

@@ -46,7 +46,10 @@ class HFTokenizer:
         self.name = str(Path(path).resolve())
         data = Path(path).read_bytes()
         self.hash = hashlib.sha256(data).hexdigest()[:16]
-        self.tok = Tokenizer.from_str(data.decode("utf-8"))
+        try:
+            self.tok = Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as e:  # the tokenizers library's, or not UTF-8
+            raise ValueError(f"tokenizer {path}: not a tokenizer.json ({e})") from None
         self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1  # ids may have gaps
         found = [i for t in self.EOS_NAMES if (i := self.tok.token_to_id(t)) is not None]
         if not found:
@@ -239,13 +242,13 @@ def train_bpe(files: list[str], text_field: str, vocab_size: int, path: Path, pr
 
 def prepare(
     files: list[str], out_dir: str, tokenizer: str = "byte", text_field: str = "text",
-    workers: int | None = None, progress: bool = True, train_vocab: int = 0,
+    workers: int | None = None, progress: bool = True, train_vocab: int | None = None,
 ) -> dict:  # fmt: skip
     """`files` -> a packed dataset at `out_dir` (built in OUT.tmp, renamed when complete) -> its meta;
     `train_vocab`: with a BPE of that size trained on the files."""
     out, show = Path(out_dir), progress and sys.stderr.isatty()
     tmp = out.with_name(out.name + ".tmp")  # beside it, whatever the slashes
-    if train_vocab and train_vocab < 258:
+    if train_vocab is not None and train_vocab < 258:
         raise ValueError(f"--train-tokenizer {train_vocab}: 256 bytes, EOS and one merge need 258 or more")
     by = train_vocab or load_tokenizer(tokenizer).hash  # fails here, before any writing, on a bad spec
     inputs = [(str(Path(f).resolve()), (s := os.stat(f)).st_size, s.st_mtime_ns) for f in files]
