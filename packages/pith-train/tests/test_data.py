@@ -101,9 +101,11 @@ def test_a_truncated_tokens_file_is_named_with_the_fix(tmp_path, byte_data):
         ValueError, match=f"tokens.bin: {size // 2} bytes, but meta.json says {size // 2} tokens"
     ):
         PackedDataset(str(tmp_path / "ds"))
-    (tmp_path / "ds" / "meta.json").write_text("{")
-    with pytest.raises(ValueError, match="meta.json: not a prepare-data meta.json"):
-        PackedDataset(str(tmp_path / "ds"))
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    for text in ["{", "[1, 2]", json.dumps({k: v for k, v in meta.items() if k != "tokenizer_hash"})]:
+        (tmp_path / "ds" / "meta.json").write_text(text)
+        with pytest.raises(ValueError, match="meta.json: not a prepare-data meta.json"):
+            PackedDataset(str(tmp_path / "ds"))
 
 
 @pytest.fixture(scope="module")

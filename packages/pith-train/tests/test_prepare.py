@@ -144,6 +144,10 @@ def test_formats_refuse_a_missing_field_and_an_existing_output(tmp_path):
     prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), progress=False)
     with pytest.raises(ValueError, match="'.*ds' exists, from other inputs; remove it"):
         prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), text_field="body", progress=False)
+    for damaged in ("garbage", "[1, 2]"):  # another program's meta.json, or a damaged one
+        (tmp_path / "ds" / "meta.json").write_text(damaged)
+        with pytest.raises(ValueError, match="'.*ds' exists, from other inputs; remove it"):
+            prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), progress=False)
 
 
 @pytest.mark.parametrize("name", ["t.txt.gz", "t.jsonl.gz", "t.txt.zst", "t.jsonl.zst", "bad.jsonl.zst"])
