@@ -23,8 +23,10 @@ class PackedDataset:
         self.path = path
         try:
             self.meta = json.loads(meta_path.read_text())
+            if lost := {"tokenizer", "tokenizer_hash", "vocab_size", "eos_id"} - self.meta.keys():
+                raise KeyError(sorted(lost))
             n, dtype = self.meta["num_tokens"], np.dtype(self.meta["dtype"])
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(
                 f"{meta_path}: not a prepare-data meta.json ({e!r}); prepare the dataset again"
             ) from None

@@ -256,8 +256,11 @@ def prepare(
         raise ValueError(f"input {empty[0]} is empty: leave it out")
     key = hashlib.sha256(json.dumps([inputs, text_field, by]).encode()).hexdigest()[:16]
     if out.exists():
-        done = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else {}
-        if done.get("source") != key:
+        try:
+            done = json.loads((out / "meta.json").read_text())
+        except (OSError, ValueError):  # none, or not JSON
+            done = {}
+        if not isinstance(done, dict) or done.get("source") != key:
             raise ValueError(f"output {out_dir!r} exists, from other inputs; remove it or choose another")
         print(f"{out_dir}: already prepared from these inputs; nothing to do", file=sys.stderr)
         return done
