@@ -311,16 +311,24 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
             ["check-layout", "--nproc", "2", "--parallel.pp=2"],
             "DualPipeV needs at least 2*pp = 4 micro-batches",
         ),
+        (
+            ["generate", "{ckpt}", "--prompt", "x", "--tokenizer", "{chat}"],
+            "trained with (byte): leave --tokenizer",
+        ),
+        (
+            ["eval", "{ckpt}", "--data", "{data}", "--tokenizer", "{chat}"],
+            "trained with (byte): leave --tokenizer",
+        ),
     ],
 )
 def test_inference_commands_fail_with_one_line(
-    trained, byte_data, bad_data, micro_hf, tmp_path, capsys, argv, message
+    trained, byte_data, bad_data, micro_hf, chat_tokenizer, tmp_path, capsys, argv, message
 ):
     damaged = tmp_path / "damaged"
     shutil.copytree(trained, damaged)
     (damaged / "manifest.json").unlink()
     names = {"tmp": tmp_path, "ckpt": trained, "damaged": damaged, "data": byte_data, "hf": micro_hf}
-    names["bad"] = bad_data
+    names |= {"bad": bad_data, "chat": chat_tokenizer}
     with pytest.raises(SystemExit) as e:
         main([a.format(**names) for a in argv])
     err = capsys.readouterr().err
