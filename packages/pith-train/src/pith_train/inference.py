@@ -22,14 +22,20 @@ def run_config(path: Path) -> Config | None:
 
 
 def run_tokenizer(path: Path, spec: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """`spec` if given; else the checkpoint's tokenizer.json, or the byte tokenizer its run used."""
+    """The checkpoint's own (its tokenizer.json, or the byte tokenizer its run used), else `spec`."""
     if not path.exists():
         raise ValueError(f"{path} does not exist")
-    if spec or (path / "tokenizer.json").is_file():
-        return load_tokenizer(spec or str(path))
-    cfg = run_config(path)
-    if cfg is not None and cfg.data.tokenizer == "byte":
-        return ByteTokenizer()
+    own, given = None, spec and load_tokenizer(spec)
+    if (path / "tokenizer.json").is_file():
+        own = load_tokenizer(str(path))
+    elif (cfg := run_config(path)) is not None and cfg.data.tokenizer == "byte":
+        own = ByteTokenizer()
+    if own and given and own.hash != given.hash:
+        raise ValueError(
+            f"--tokenizer {spec}: not the one {path} was trained with ({own.name}): leave --tokenizer out"
+        )
+    if own or given:
+        return own or given
     raise ValueError(f"{path} has no tokenizer.json and no run config naming its tokenizer: pass --tokenizer")
 
 
