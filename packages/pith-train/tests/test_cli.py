@@ -319,6 +319,12 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
             ["eval", "{ckpt}", "--data", "{data}", "--tokenizer", "{chat}"],
             "trained with (byte): leave --tokenizer",
         ),
+        (["plan", "--gpu-memory", "nan"], "--gpu-memory nan: expected the GiB of one card"),
+        (["plan", "--gpu-memory", "inf"], "--gpu-memory inf: expected the GiB of one card"),
+        (
+            ["prepare-data", "{tmp}", "--chat", "--out", "{tmp}/x", "--max-tokens", "0"],
+            "--max-tokens must be >= 1",
+        ),
     ],
 )
 def test_inference_commands_fail_with_one_line(
