@@ -248,7 +248,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
             p.pp = p.cp = p.ep = 1
         p.dp = args.gpus // (p.pp * p.cp * p.ep)
         validate(cfg)
-    if args.gpu_memory is not None and args.gpu_memory <= 0:
+    if args.gpu_memory is not None and not 0 < args.gpu_memory < float("inf"):
         raise ValueError(f"--gpu-memory {args.gpu_memory}: expected the GiB of one card, > 0")
     if args.measure or args.rank is not None:
         from pith_train import measure
@@ -294,7 +294,9 @@ def cmd_schedule(args: argparse.Namespace) -> None:
 
 # Each integer option's least value, whichever command has it
 LEAST = dict.fromkeys(["batch", "seq_len", "steps", "nproc", "pp", "micro_batches", "max_new_tokens"], 1)
-LEAST |= dict.fromkeys(["gpus", "layers", "workers", "nproc_per_node", "dp", "cp", "ep", "micro_batch"], 1)
+LEAST |= dict.fromkeys(
+    ["gpus", "layers", "workers", "nproc_per_node", "dp", "cp", "ep", "micro_batch", "max_tokens"], 1
+)
 LEAST |= dict.fromkeys(["cpu_threads", "max_windows", "warmup", "profile"], 0)
 
 
