@@ -118,7 +118,10 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(micro_conf
         (["--data.path={tmp}/missing"], "does not exist"),
         (["--model.name=no-such-model", "--data.path="], "not a known model"),
         (["--model.name=qwen3-moe-tiny"], "vocab size 257 .* more than the model's 128"),
-        (["--data.tokenizer={tmp}/tokenizer.json"], "was made with tokenizer byte"),
+        (
+            ["--data.tokenizer={tmp}/tokenizer.json"],
+            r"made with tokenizer byte .*: use the tokenizer it was made with, or prepare it with this one",
+        ),
         (["--model.name={tmp}"], "needs a config.json"),
         (["--data.val_path={tmp}"], "data.val_path '.*': no prepared dataset there"),
         (["--data.path={tmp}", "--data.val_path={tmp}/"], "data.val_path is data.path"),
