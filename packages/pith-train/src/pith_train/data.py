@@ -58,7 +58,8 @@ class PackedDataset:
         if m["tokenizer_hash"] != tok.hash:
             raise ValueError(
                 f"dataset {self.path} was made with tokenizer {m['tokenizer']} (hash {m['tokenizer_hash']}),"
-                f" but data.tokenizer is {tok.name} (hash {tok.hash})"
+                f" but data.tokenizer is {tok.name} (hash {tok.hash}): use the tokenizer it was made with, or"
+                " prepare it with this one"
             )
 
     def check_vocab(self, model_vocab: int) -> None:
