@@ -82,9 +82,14 @@ def test_bad_config_raises_naming_the_problem(tmp_path, toml, overrides, message
     assert message in str(e.value)
 
 
-def test_missing_config_file_is_named():
+def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ValueError, match="nope.toml"):
         load_config("nope.toml")
+    (tmp_path / "latin1.toml").write_bytes(b"[train]\nsteps = 1  # caf\xe9\n")
+    with pytest.raises(ValueError, match="latin1.toml: not valid TOML"):
+        load_config(str(tmp_path / "latin1.toml"))
+    with pytest.raises(ValueError, match="is a directory, not a config file"):
+        load_config(str(tmp_path))
 
 
 def test_data_lists_are_toml_arrays_or_comma_separated_and_one_path_is_a_string_too(tmp_path):
