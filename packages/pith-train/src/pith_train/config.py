@@ -194,11 +194,14 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     cfg = Config()
     if path:
         if not Path(path).is_file():
-            raise ValueError(f"config file {path!r} does not exist")
+            raise ValueError(
+                f"config file {path!r} "
+                + ("is a directory, not a config file" if Path(path).is_dir() else "does not exist")
+            )
         with open(path, "rb") as f:
             try:
                 doc = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{path}: not valid TOML: {e}") from None
         for section, table in doc.items():
             if not isinstance(table, dict):
