@@ -776,3 +776,14 @@ def test_two_sources_train_in_the_same_order_under_two_data_ranks(
     for key in ("loss", "val_loss", "val_loss/bytes", "val_loss/code"):
         got = [r[key] for r in rows if key in r]
         assert got == pytest.approx([r[key] for r in want if key in r], rel=1e-5), key
+
+
+def test_a_built_in_corpus_run_resumed_with_another_tokenizer_names_it(
+    micro_config, chat_tokenizer, tmp_path
+):
+    """It was refused as `data.path [] -> [] (other data there)`: the right refusal, the key unnamed."""
+    pretrain(micro_config("--data.path=", "--train.steps=2"), tmp_path)
+    with pytest.raises(ValueError, match=r"data.path \['built-in, byte'\] -> \['built-in, .*chat_tokenizer"):
+        pretrain(
+            micro_config("--data.path=", "--train.steps=2", f"--data.tokenizer={chat_tokenizer}"), tmp_path
+        )
