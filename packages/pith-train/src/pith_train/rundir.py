@@ -104,6 +104,7 @@ def _saved(ckpt: Path, cfg: Config) -> tuple[Config, dict, list[str]]:
     for k in DATA_ORDER:
         a, b = _value(saved, k), _value(cfg, k)
         if (then[k] != now[k] if k in then else a != b) and (k != "data.val_windows" or held):
+            a, b = (then[k], now[k]) if a == b == [] else (a, b)  # the built-in corpus, by tokenizer
             changes.append(f"{k} {a!r} -> {b!r}" + " (other data there)" * (a == b))
     return saved, state, changes
 
