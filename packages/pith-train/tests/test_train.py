@@ -12,6 +12,7 @@ import sys
 import time
 import types
 import warnings
+from pathlib import Path
 
 import pith_models
 import pytest
@@ -787,3 +788,19 @@ def test_a_built_in_corpus_run_resumed_with_another_tokenizer_names_it(
         pretrain(
             micro_config("--data.path=", "--train.steps=2", f"--data.tokenizer={chat_tokenizer}"), tmp_path
         )
+
+
+def test_a_checkpoint_carries_its_tokenizer_byte_for_byte(micro_config, chat_tokenizer, tmp_path, capsys):
+    """A CRLF tokenizer.json came back from the checkpoint (and its export) with LF line ends: another
+    hash, so eval refused the run's own dataset and --tokenizer naming the original was refused too."""
+    tok = tmp_path / "tok"
+    shutil.copytree(chat_tokenizer, tok)
+    (tok / "tokenizer.json").write_bytes((tok / "tokenizer.json").read_bytes().replace(b"\n", b"\r\n"))
+    prepare(stdlib_corpus()[3:4], str(tmp_path / "ds"), str(tok), progress=False, workers=1)
+    cfg = micro_config(f"--data.path={tmp_path / 'ds'}", f"--data.tokenizer={tok}", "--train.steps=1")
+    ckpt = f"{pretrain(cfg, tmp_path / 'run')['checkpoints']}/step_000001"
+    main(["convert", ckpt, str(tmp_path / "hf")])
+    for path in (ckpt, tmp_path / "hf"):
+        assert (tok / "tokenizer.json").read_bytes() == (Path(path) / "tokenizer.json").read_bytes()
+    main(["eval", ckpt, "--data", str(tmp_path / "ds"), "--max-windows", "2"])
+    assert "loss" in capsys.readouterr().out
