@@ -122,7 +122,9 @@ def cmd_convert(args: argparse.Namespace) -> None:
         raise ValueError(f"destination {args.dst!r} already exists")
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    carried = {n: (src / n).read_text() for n in (*TOKENIZER_FILES, "config.toml") if (src / n).is_file()}
+    carried = {
+        n: (src / n).read_bytes().decode() for n in (*TOKENIZER_FILES, "config.toml") if (src / n).is_file()
+    }
     try:
         if (src / ".metadata").is_file():
             model = build_model(str(src), torch.device("cpu"), seed=0)
@@ -130,7 +132,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
             dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
             pith_models.save_pretrained(model, tmp, dtype=dtype)
             for name, text in carried.items():
-                (tmp / name).write_text(text)
+                (tmp / name).write_text(text, encoding="utf-8")
             done = f"Hugging Face directory {dst}"
         elif (src / "config.json").is_file():
             model = pith_models.from_pretrained(src)

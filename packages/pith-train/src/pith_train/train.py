@@ -229,10 +229,10 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
             "config.toml": config_mod.to_toml(cfg),  # what a resume is checked against
         }
         if cfg.data.tokenizer != "byte":  # the run's tokenizer travels with its weights
-            files["tokenizer.json"] = (tj := Path(tokenizer_file(cfg.data.tokenizer))).read_text()
+            files["tokenizer.json"] = (tj := Path(tokenizer_file(cfg.data.tokenizer))).read_bytes().decode()
             for name in TOKENIZER_FILES[1:]:  # its chat template, special tokens, generation config
                 if (sibling := tj.with_name(name)).is_file():
-                    files[name] = sibling.read_text()
+                    files[name] = sibling.read_bytes().decode()
         path = checkpoint.save(ckpt_root / f"step_{step:06d}", model, optimizer, files, mesh)
         checkpoint.prune(ckpt_root, cfg.checkpoint.keep)
         return path
