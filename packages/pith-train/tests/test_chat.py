@@ -15,6 +15,7 @@ from pith_train.chat import prepare_chat, render
 from pith_train.cli import main
 from pith_train.data import PackedDataset, WindowLoader
 from pith_train.inference import dataset_loss
+from pith_train.prepare import prepare
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -93,6 +94,13 @@ def test_prepare_data_chat_skips_blank_lines_and_builds_beside_a_trailing_slash_
     meta = prepare_chat([str(tmp_path / "c.jsonl")], f"{tmp_path / 'ds'}/", str(chat_tokenizer), 4097, False)
     assert meta["num_docs"] == 3 and PackedDataset(tmp_path / "ds").meta == meta
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "ds"]
+    (tmp_path / "ds2.tmp").mkdir()
+    (tmp_path / "ds2.tmp" / "notes.txt").write_text("a user's")  # not a leftover: kept, and said
+    with pytest.raises(ValueError, match="ds2.tmp is in the way and not an interrupted run's: move it"):
+        prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "ds2"), str(chat_tokenizer), 4097, False)
+    with pytest.raises(ValueError, match="ds2.tmp is in the way and not an interrupted run's: move it"):
+        prepare([str(tmp_path / "c.jsonl")], str(tmp_path / "ds2"), progress=False)
+    assert (tmp_path / "ds2.tmp" / "notes.txt").read_text() == "a user's"
 
 
 def test_conversations_without_an_assistant_token_are_refused_and_eval_of_no_label_says_so(
