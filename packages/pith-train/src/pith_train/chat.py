@@ -2,7 +2,6 @@
 with loss_mask.bin, a uint8 per token: 1 on the assistant's."""
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -47,12 +46,13 @@ def render(tok, messages: list[dict]) -> tuple[list[int], np.ndarray]:
 
 
 def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int, drop: bool) -> dict:
-    from pith_train.prepare import HFTokenizer, jsonl_rows
+    from pith_train.prepare import HFTokenizer, clear_leftover, jsonl_rows
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     if out.exists():
         raise ValueError(f"output {out_dir!r} already exists")
+    clear_leftover(tmp)
     tok = hf_tokenizer(tokenizer)
     ours = HFTokenizer(str(Path(tok.name_or_path) / "tokenizer.json"))
     tokens, masks, n_long = [], [], 0
@@ -73,7 +73,6 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
                 masks.append(mask[:max_tokens])
     if not sum(map(np.sum, masks)):
         raise ValueError(f"{files}: no assistant token: nothing to train on")
-    shutil.rmtree(tmp, ignore_errors=True)  # an interrupted run's
     tmp.mkdir(parents=True)
     dtype = np.uint16 if ours.vocab_size <= 1 << 16 else np.uint32
     np.concatenate(tokens).astype(dtype).tofile(tmp / "tokens.bin")

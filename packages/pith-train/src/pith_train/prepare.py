@@ -84,6 +84,7 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
 # The parent reads batches of ~BATCH_BYTES of text (`_batches`), workers tokenize them (`_encode`), the
 # parent writes them in order: 2 batches per worker in flight, and the largest document.
 BATCH_BYTES = 1 << 20
+DATA_BINS = {"tokens.bin", "doc_ends.bin", "loss_mask.bin"}
 KNOWN = re.compile(r"\.(txt|jsonl)(\.gz|\.zst)?$|\.parquet$")
 
 
@@ -240,6 +241,15 @@ def train_bpe(files: list[str], text_field: str, vocab_size: int, path: Path, pr
     tok.save(str(path))
 
 
+def clear_leftover(tmp: Path) -> None:
+    """Removes `tmp` if it holds only what an interrupted prepare-data leaves; a user's stays."""
+    if tmp.exists():
+        if not tmp.is_dir() or {p.name for p in tmp.iterdir()} - {"tokenizer.json", "meta.json"} - DATA_BINS:
+            raise ValueError(f"{tmp} is in the way and not an interrupted run's: move it")
+        print(f"{tmp}: left by an interrupted run; starting again", file=sys.stderr)
+        shutil.rmtree(tmp)
+
+
 def prepare(
     files: list[str], out_dir: str, tokenizer: str = "byte", text_field: str = "text",
     workers: int | None = None, progress: bool = True, train_vocab: int | None = None,
@@ -264,9 +274,7 @@ def prepare(
             raise ValueError(f"output {out_dir!r} exists, from other inputs; remove it or choose another")
         print(f"{out_dir}: already prepared from these inputs; nothing to do", file=sys.stderr)
         return done
-    if tmp.exists():
-        print(f"{tmp}: left by an interrupted run; starting again", file=sys.stderr)
-        shutil.rmtree(tmp)
+    clear_leftover(tmp)
     tmp.mkdir(parents=True)
     if train_vocab:
         train_bpe(files, text_field, train_vocab, tmp / "tokenizer.json", show)
