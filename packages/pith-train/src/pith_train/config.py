@@ -322,12 +322,12 @@ def validate(cfg: Config) -> None:
         )
     if t.cuda_graph and cfg.world > 1:
         raise ValueError(f"train.cuda_graph runs on one process, got pp*dp*cp*ep = {cfg.world}: turn it off")
-    for key, a, b in (
-        ("schedule", "cosine", "wsd"),
-        ("name", "adamw", "muon"),
-        ("muon_ns_dtype", "bfloat16", "float32"),
+    for key, value, a, b in (
+        ("schedule", o.schedule, "cosine", "wsd"),
+        ("name", o.name, "adamw", "muon"),
+        ("muon_ns_dtype", o.muon_ns_dtype, "bfloat16", "float32"),
     ):
-        if (value := getattr(o, key)) not in (a, b):
+        if value not in (a, b):
             raise ValueError(f"optim.{key}: expected {a!r} or {b!r}, got {value!r}")
     if t.ac not in ("none", "selective", "full"):
         raise ValueError(f"train.ac: expected none, selective or full, got {t.ac!r}")
