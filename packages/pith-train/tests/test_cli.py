@@ -37,6 +37,13 @@ def test_convert_hf_to_pith_to_hf_gives_identical_tensors(micro_hf, tmp_path, ca
     with pytest.raises(SystemExit):
         main(["convert", str(tmp_path / "pith"), str(tmp_path / "hf")])  # destination exists
     assert "already exists" in capsys.readouterr().err
+    mine = tmp_path / "hf2.tmp"  # a user's directory that happens to have DST.tmp's name stays
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit):
+        main(["convert", str(tmp_path / "pith"), str(tmp_path / "hf2")])
+    assert "hf2.tmp" in capsys.readouterr().err and (mine / "notes.txt").read_text() == "keep"
+    assert not (tmp_path / "hf2").exists()
 
 
 @pytest.mark.parametrize("full", [False, True])
