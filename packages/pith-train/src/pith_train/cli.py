@@ -118,10 +118,10 @@ def cmd_convert(args: argparse.Namespace) -> None:
     from pith_train.train import build_model
 
     src, dst = Path(args.src), Path(args.dst)
-    if dst.exists():
-        raise ValueError(f"destination {args.dst!r} already exists")
     tmp = dst.with_name(dst.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for p in dst, tmp:  # DST.tmp: a user's, or what a killed convert left
+        if p.exists():
+            raise ValueError(f"{str(p)!r} already exists: move or remove it")
     carried = {
         n: (src / n).read_bytes().decode() for n in (*TOKENIZER_FILES, "config.toml") if (src / n).is_file()
     }
