@@ -2,9 +2,9 @@
 
 Stages 2 and 4 go through an `ExpertComm` (`LocalExperts`, or the expert-parallel all-to-all). A
 layer's stages are a generator of steps (`run_layer`) that yields right after issuing an all-to-all
-and, resumed, waits for it: `interleave` runs two so each exchange of one is in flight while the
-other computes. `DIRECT` runs the pieces as one autograd graph; a `Tape` records each as its own
-segment, whose backward is again steps (a schedule drives one chunk's backward beside a forward)."""
+and, resumed, waits for it (`interleave` runs two). `DIRECT` runs the pieces as one autograd graph;
+a `Tape` records each as its own segment, whose backward is again steps (a schedule drives one
+chunk's backward beside a forward)."""
 
 import functools
 from collections.abc import Generator
@@ -104,7 +104,7 @@ class LocalExperts:
 
 class Pending:
     """An all-to-all in flight (NCCL's stream); wait(): the current stream waits for it, the host does
-    not. stand_in (zeros of strides 0, pith_ops.FP8Rows' x): nothing is sent."""
+    not. stand_in (see _stand_in): nothing is sent."""
 
     def __init__(
         self, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup, stand_in=False

@@ -1,9 +1,8 @@
 """The device mesh, the layout checks, FSDP2 wrapping and the few collectives a training step needs.
 
 FSDP2 shards expert weights over dp x cp and every other weight over dp x cp x ep, gradients SUMMED.
-FSDP's hooks run on module calls: `stage1`, `prologue` and `epilogue` are registered as FSDP forward
-methods, stage 3 calls `layer.experts`, stage 5 must use no parameters of its own. The design and its
-measurements: the pith-engine README, "Parallelism".
+The design, the module calls FSDP's hooks run on, and the measurements: the pith-engine README,
+"Parallelism".
 
 Shape legend: E experts, El experts per EP rank.
 """

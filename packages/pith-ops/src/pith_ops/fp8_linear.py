@@ -56,8 +56,7 @@ def _forward(
     x_TD: Tensor, w_OD: Tensor, w8_OD: Tensor, w8_scale_O: Tensor, w8t_DO: Tensor, w8t_scale_D: Tensor,
     x8_TD: Tensor, x8_scale_T: Tensor,
 ) -> Tensor:  # fmt: skip
-    """x_TD and w_OD are not read. x8 comes from its own op (_rows_of), which a compiled graph of
-    projections of one input (q, k and v) runs once."""
+    """x_TD and w_OD are not read: x8 comes from its own op (_rows_of; why: the pith-ops README)."""
     return _mm(x8_TD, x8_scale_T, w8_OD, w8_scale_O).to(x_TD.dtype)
 
 

@@ -4,9 +4,8 @@ and measurements: the pith-ops README).
 Shape legend: M rows, K columns, G row groups (ending at group_ends), B batch entries (a stacked
 weight's experts), R and C a weight's rows and columns.
 
-scale = the smallest power of two with amax / scale <= 448 (e4m3's largest finite value): exact
-in fp32, kernels and references agree bit for bit; an all-zero row gets 2^-126. Values past 448 *
-scale (a weight grown since its scale) saturate.
+scale = the smallest power of two with amax / scale <= 448 (e4m3's largest finite value); an
+all-zero row gets 2^-126. Values past 448 * scale (a weight grown since its scale) saturate.
 """
 
 from typing import NamedTuple

@@ -129,9 +129,8 @@ def plot(run_dir: str, out: str | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
     # A resumed run re-logs steps after its checkpoint; the latest record of a step wins.
-    by_step = {r["step"]: r for r in rows}
+    by_step = {r["step"]: r for r in read_metrics(run_dir)}
     steps = sorted(by_step)
     if not steps:
         raise ValueError(f"{run_dir}/metrics.jsonl has no step records yet")

@@ -175,8 +175,7 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
 
 def plan(cfg: Config, m: Model, cuda: bool, capacity: float | None = None) -> Plan:
     """The larger moment of the pipeline rank that holds the most."""
-    ranks = range(cfg.parallel.pp)
-    out = max((x for r in ranks for x in rank_plan(cfg, m, r, cuda)), key=lambda x: x.total)
+    out = max((x for r in range(cfg.parallel.pp) for x in rank_plan(cfg, m, r, cuda)), key=lambda x: x.total)
     out.capacity = capacity
     return out
 
