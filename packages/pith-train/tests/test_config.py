@@ -124,6 +124,8 @@ def test_every_float_key_is_range_checked(key, value):
 def test_a_non_finite_model_override_is_refused():
     with pytest.raises(ValueError, match="model.rope_theta must be finite"):
         load_config(None, ["--model.name=qwen3-moe-tiny", "--model.rope_theta=inf"])
+    with pytest.raises(ValueError, match="hidden_size must be >= 1"):
+        load_config(None, ["--model.hidden_size=0"])
 
 
 def test_non_bmp_and_control_characters_are_written_as_valid_toml(tmp_path):
