@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from pith_models.hf_convert import (
+    check_ranges,
     config_kwargs_from_hf,
     from_hf_swiglu_state_dict,
     to_hf_swiglu_state_dict,
@@ -107,6 +108,7 @@ class Config:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def __post_init__(self):
+        check_ranges(self, ("first_k_dense_replace",))
         if self.topk_method not in ("greedy", "group_limited_greedy"):
             raise ValueError(
                 f"topk_method must be 'greedy' or 'group_limited_greedy', got {self.topk_method!r}"

@@ -40,7 +40,7 @@ from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from pith_models.hf_convert import config_kwargs_from_hf, yarn_params_from_hf
+from pith_models.hf_convert import check_ranges, config_kwargs_from_hf, yarn_params_from_hf
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -81,6 +81,7 @@ class Config:
     initializer_range: float = 0.02  # std of init_weights' draws
 
     def __post_init__(self):
+        check_ranges(self)
         L, H, G = self.num_hidden_layers, self.num_attention_heads, self.num_key_value_heads
         E, K = self.num_local_experts, self.num_experts_per_tok
         types = tuple(self.layer_types or [(SLIDING, FULL)[i % 2] for i in range(L)])  # transformers' default

@@ -1,6 +1,7 @@
 """The Hugging Face conversion helpers that family files call: the config.json checks closing every
 Config.from_hf, and the state-dict layout of fused SwiGLU MLPs and experts (Qwen3-MoE, DeepSeek-V2)."""
 
+import math
 from collections.abc import Iterable
 from dataclasses import MISSING, fields
 
@@ -12,6 +13,16 @@ BOOKKEEPING = (
     "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "bos_token_id",
     "eos_token_id", "pad_token_id", "output_router_logits", "router_aux_loss_coef",
 )  # fmt: skip
+
+
+def check_ranges(cfg, zero_ok: tuple[str, ...] = ()) -> None:
+    """A family Config's ints are counts or sizes >= 1 (`zero_ok`'s >= 0), its floats finite and > 0."""
+    for f in fields(cfg):
+        v, least = getattr(cfg, f.name), int(f.name not in zero_ok)
+        if isinstance(v, float) and not 0 < v < math.inf:  # nan too
+            raise ValueError(f"{f.name} must be finite and > 0, got {v}")
+        if isinstance(v, int) and not isinstance(v, bool) and v < least:
+            raise ValueError(f"{f.name} must be >= {least}, got {v}")
 
 
 def config_kwargs_from_hf(d: dict, cls: type, fixed: dict, ignored: tuple[str, ...]) -> dict:

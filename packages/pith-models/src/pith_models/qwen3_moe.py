@@ -38,7 +38,12 @@ from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from pith_models.hf_convert import config_kwargs_from_hf, from_hf_swiglu_state_dict, to_hf_swiglu_state_dict
+from pith_models.hf_convert import (
+    check_ranges,
+    config_kwargs_from_hf,
+    from_hf_swiglu_state_dict,
+    to_hf_swiglu_state_dict,
+)
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class Config:
     initializer_range: float = 0.02
 
     def __post_init__(self):
+        check_ranges(self)
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         H, G = self.num_attention_heads, self.num_key_value_heads
         E, K = self.num_experts, self.num_experts_per_tok

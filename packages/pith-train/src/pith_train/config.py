@@ -283,7 +283,7 @@ def validate(cfg: Config) -> None:
     t, o, p = cfg.train, cfg.optim, cfg.parallel
     for section in dataclasses.fields(cfg):  # TOML has no inf or nan
         values = dataclasses.asdict(getattr(cfg, section.name))
-        for key, value in {**values, **values.pop("overrides", {})}.items():
+        for key, value in values.items():
             for v in value if isinstance(value, tuple) else [value]:
                 if isinstance(v, float) and not math.isfinite(v):
                     raise ValueError(f"{section.name}.{key} must be finite, got {v}")
