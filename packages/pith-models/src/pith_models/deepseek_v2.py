@@ -115,8 +115,6 @@ class Config:
             )
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
-        if self.moe_layer_freq < 1:
-            raise ValueError(f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
         E, K = self.n_routed_experts, self.num_experts_per_tok
         if not 1 <= K <= E:
             raise ValueError(f"num_experts_per_tok must be in [1, n_routed_experts={E}], got {K}")

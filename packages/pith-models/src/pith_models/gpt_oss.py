@@ -97,8 +97,8 @@ class Config:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not 1 <= K <= E:
             raise ValueError(f"num_experts_per_tok must be in [1, num_local_experts={E}], got {K}")
-        if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be an int >= 1, got {self.sliding_window!r}")
+        if not isinstance(self.sliding_window, int):
+            raise ValueError(f"sliding_window must be an int, got {self.sliding_window!r}")
 
     @classmethod
     def from_hf(cls, d: dict) -> "Config":

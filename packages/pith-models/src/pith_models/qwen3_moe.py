@@ -80,8 +80,6 @@ class Config:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not 1 <= K <= E:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={E}], got {K}")
-        if self.decoder_sparse_step < 1:
-            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise ValueError(f"mlp_only_layers {bad} are outside [0, {self.num_hidden_layers})")
