@@ -221,6 +221,7 @@ import os, signal, sys
 import pith_train.prepare as prep
 from pith_train.cli import main
 prep.BATCH_BYTES, encoded = 1 << 12, prep._encoded
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts ignoring it
 def interrupt(*args):
     for i, item in enumerate(encoded(*args)):
         if i == 8:
