@@ -144,9 +144,10 @@ def test_formats_refuse_a_missing_field_and_an_existing_output(tmp_path):
     prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), progress=False)
     with pytest.raises(ValueError, match="'.*ds' exists, from other inputs; remove it"):
         prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), text_field="body", progress=False)
-    for damaged in ("garbage", "[1, 2]"):  # another program's meta.json, or a damaged one
-        (tmp_path / "ds" / "meta.json").write_text(damaged)
-        with pytest.raises(ValueError, match="'.*ds' exists, from other inputs; remove it"):
+    for damaged in ("garbage", "[1, 2]", None):  # another program's meta.json, a damaged one, none
+        meta = tmp_path / "ds" / "meta.json"
+        meta.write_text(damaged) if damaged else meta.unlink()
+        with pytest.raises(ValueError, match="'.*ds' exists and is not a prepared dataset: move it"):
             prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), progress=False)
 
 
