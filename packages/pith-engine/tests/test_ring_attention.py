@@ -21,9 +21,14 @@ from pith_engine.ring_attention import (
     _block_attention,
     ring_attention,
     ring_schedule,
-    zigzag_positions,
     zigzag_split,
 )
+
+
+def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global position ids of the tokens this rank keeps."""
+    return zigzag_split(torch.arange(seq_len, device=device), cp_size, cp_rank, 0)
+
 
 # (name, Hq, Hk, Dqk, Dv, window, sinks, documents): chunks are CHUNK tokens long, so window 6 sees
 # chunk pairs two apart only partly (some rows see none of a computed block) and skips pairs further

@@ -47,11 +47,6 @@ def zigzag_split(t: Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> Tensor:
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim)
 
 
-def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> Tensor:
-    """Global position ids of the tokens this rank keeps."""
-    return zigzag_split(torch.arange(seq_len, device=device), cp_size, cp_rank, 0)
-
-
 def ring_schedule(
     cp_size: int, cp_rank: int, chunk_len: int, window: int | None
 ) -> list[list[tuple[int, slice]]]:
@@ -210,7 +205,7 @@ def ring_attention(
     sinks_H: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of this rank's zigzag share over the whole sequence, ring over `pos.cp_group`;
-    pos.position_ids_BS: the local tokens' global positions (zigzag_positions). -> [B, S, Hq, Dv]."""
+    pos.position_ids_BS: the local tokens' global positions (zigzag_split of arange). -> [B, S, Hq, Dv]."""
     B, S, Hq, Dqk = q.shape
     if k.shape[:2] != (B, S) or k.shape[3] != Dqk or v.shape[:3] != k.shape[:3] or Hq % k.shape[2]:
         raise ValueError(
