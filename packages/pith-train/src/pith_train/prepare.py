@@ -269,9 +269,11 @@ def prepare(
         try:
             done = json.loads((out / "meta.json").read_text())
         except (OSError, ValueError):  # none, or not JSON
-            done = {}
-        if not isinstance(done, dict) or done.get("source") != key:
-            raise ValueError(f"output {out_dir!r} exists, from other inputs; remove it or choose another")
+            done = None
+        ours = isinstance(done, dict)  # not: a user's directory, perhaps
+        if not ours or done.get("source") != key:
+            why = ", from other inputs; remove" if ours else " and is not a prepared dataset: move"
+            raise ValueError(f"output {out_dir!r} exists{why} it or choose another")
         print(f"{out_dir}: already prepared from these inputs; nothing to do", file=sys.stderr)
         return done
     clear_leftover(tmp)
