@@ -283,3 +283,20 @@ def test_memory_is_bounded_by_the_batches_in_flight_not_the_corpus(tmp_path):
     )  # fmt: skip
     assert int(run.stdout) < 16, run.stdout
     assert PackedDataset(str(tmp_path / "ds")).meta["num_tokens"] == 24 * 2**20 // len(line) * 1001
+
+
+def test_text_and_gzip_inputs_need_no_zstandard(tmp_path, monkeypatch):
+    """zstandard is imported for .zst inputs only: an environment without it (the GPU image) prepares
+    the built-in corpus, text and .gz."""
+    import gzip
+
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # import zstandard raises ImportError
+    (tmp_path / "a.txt").write_text("plain text")
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "zipped"}\n'))
+    meta = prepare(
+        [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl.gz")], str(tmp_path / "ds"), progress=False
+    )
+    assert meta["num_docs"] == 2
+    (tmp_path / "c.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    with pytest.raises(ImportError):
+        prepare([str(tmp_path / "c.jsonl.zst")], str(tmp_path / "zs"), progress=False)
