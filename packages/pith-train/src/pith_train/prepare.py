@@ -145,8 +145,11 @@ def _file_batches(path: str, field: str):
 
 def _chunks(path: str, raw):
     """`path`'s bytes in chunks, decompressed (.zst: each frame, the last checked whole)."""
-    import zstandard
+    bad = zlib.error
+    if path.endswith(".zst"):  # only then: some installs lack it
+        import zstandard
 
+        bad = zstandard.ZstdError
     try:
         if not path.endswith(".zst"):
             f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
@@ -160,7 +163,7 @@ def _chunks(path: str, raw):
                 data, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
         if frame:
             raise EOFError("the last frame is cut")
-    except (EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError) as e:
+    except (EOFError, gzip.BadGzipFile, zlib.error, bad) as e:
         raise ValueError(f"{path}: truncated or corrupt compressed data ({e})") from None
 
 
