@@ -17,12 +17,12 @@ BOOKKEEPING = (
 
 def check_ranges(cfg, zero_ok: tuple[str, ...] = ()) -> None:
     """A family Config's ints are counts or sizes >= 1 (`zero_ok`'s >= 0), its floats finite and > 0."""
-    for f in fields(cfg):
-        v, least = getattr(cfg, f.name), int(f.name not in zero_ok)
+    for name, v in vars(cfg).items():
+        least = int(name not in zero_ok)
         if isinstance(v, float) and not 0 < v < math.inf:
-            raise ValueError(f"{f.name} must be finite and > 0, got {v}")
+            raise ValueError(f"{name} must be finite and > 0, got {v}")
         if isinstance(v, int) and not isinstance(v, bool) and v < least:
-            raise ValueError(f"{f.name} must be >= {least}, got {v}")
+            raise ValueError(f"{name} must be >= {least}, got {v}")
 
 
 def config_kwargs_from_hf(d: dict, cls: type, fixed: dict, ignored: tuple[str, ...]) -> dict:
