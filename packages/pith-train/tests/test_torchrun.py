@@ -145,3 +145,30 @@ def test_check_layout_trains_both_ways_and_reports_agreement(micro_args, subproc
     assert len(rows) == 4 and all(float(r[3]) <= 1e-5 for r in rows), out
     assert "layout pp=1 dp=2 cp=1 ep=1 on 2 processes, Adam eps 0.001" in out
     assert "agrees: largest relative difference" in out
+
+
+def test_pretrain_under_torchrun_leaves_the_process_group_before_it_exits(
+    micro_args, tmp_path, monkeypatch, capsys
+):
+    """A gloo group left to the interpreter's exit can abort a rank that has finished ("terminate called
+    without an active exception", SIGABRT, seen once in a check-layout run), so `pith-train pretrain`
+    destroys the group when training ends, as TorchTitan's entry point does."""
+    import socket
+
+    import torch.distributed as dist
+    from pith_train.cli import main
+
+    assert not dist.is_initialized()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    try:
+        main(["pretrain", *micro_args, *COMPARABLE, "--train.steps=1", "--run-dir", str(tmp_path / "run")])
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert "done: step 1" in capsys.readouterr().out
