@@ -1,5 +1,5 @@
 """adamw_ (Triton under the interpreter on CPU) and adamw_reference_ against the path they replace:
-parallel.clip_grad_norm_'s in-place scaling of the gradients, then torch.optim.AdamW (fp32, CPU)."""
+the gradients scaled in place by parallel.clip_coef, then torch.optim.AdamW (fp32, CPU)."""
 
 import math
 

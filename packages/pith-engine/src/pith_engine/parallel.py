@@ -238,7 +238,7 @@ def all_reduce_sum(t: Tensor, mesh: Mesh, pp: bool = False) -> Tensor:
 @torch.no_grad()
 def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
     """The global gradient norm (fp32), with no host sync: each gradient element lives on one rank."""
-    local = _local_grads(params)
+    local = [to_local(g) for g in map(pith_ops.grad, params) if g is not None]
     # One fused read of the gradients per dtype (a per-tensor pow/sum loop also writes a temporary the
     # size of each: ~10 ms more per step on the pith-train bench's 3B fp32 gradients).
     sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
@@ -249,23 +249,9 @@ def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
     return all_reduce_sum(sq, mesh, pp=True).sqrt()
 
 
-def _local_grads(params: list[nn.Parameter]) -> list[Tensor]:
-    return [to_local(g) for g in map(pith_ops.grad, params) if g is not None]
-
-
 def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
-    """1 when max_norm <= 0."""
+    """What clipping scales the gradients by: 1 when max_norm <= 0."""
     return (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
-
-
-@torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> Tensor:
-    norm = grad_norm(params, mesh)
-    local = _local_grads(params) if max_norm > 0 else []
-    coef = clip_coef(norm, max_norm)
-    for dtype in {g.dtype for g in local}:
-        torch._foreach_mul_([g for g in local if g.dtype == dtype], coef.to(dtype))
-    return norm
 
 
 def full_state(model: nn.Module, mesh: Mesh, grads: bool = False) -> dict[str, Tensor]:
