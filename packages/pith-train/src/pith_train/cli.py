@@ -440,6 +440,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and stops itself)
         print(f"pith-train {args.command}: interrupted", file=sys.stderr)
         sys.exit(130)
+    finally:  # not left to the exit, where gloo can abort a finished rank
+        if (dist := sys.modules.get("torch.distributed")) and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
