@@ -47,10 +47,8 @@ def test_plan_measure_prints_measured_beside_planned(capsys):
     import torch.distributed as dist
     from pith_train.cli import main
 
-    try:
-        main(["plan", *(f"--{o}" for o in BASE), "--parallel.ep=2", "--measure", "--rank=1", "--steps=1"])
-    finally:
-        dist.destroy_process_group()
+    main(["plan", *(f"--{o}" for o in BASE), "--parallel.ep=2", "--measure", "--rank=1", "--steps=1"])
+    assert not dist.is_initialized()  # the command leaves its mirrored group
     out = capsys.readouterr().out
     assert "rank 1 (pipeline rank 0) measured on cpu, the other ranks mirrored" in out, out
     assert [line.split()[1:] for line in out.splitlines() if line.startswith("  parameters")][0][0] == (
@@ -63,19 +61,11 @@ def test_plan_measure_runs_muon_whose_all_to_all_receives_more_than_it_sends(cap
     import torch.distributed as dist
     from pith_train.cli import main
 
-    try:  # Muon under dp2 gathers whole matrices from FSDP pieces of unequal sizes
-        main(
-            [
-                "plan",
-                *(f"--{o}" for o in BASE),
-                "--parallel.dp=2",
-                "--optim.name=muon",
-                "--measure",
-                "--steps=1",
-            ]
-        )
-    finally:
-        dist.destroy_process_group()
+    # Muon under dp2 gathers whole matrices from FSDP pieces of unequal sizes
+    main(
+        ["plan", *(f"--{o}" for o in BASE), "--parallel.dp=2", "--optim.name=muon", "--measure", "--steps=1"]
+    )
+    assert not dist.is_initialized()
     assert "step without communication" in capsys.readouterr().out
 
 
@@ -87,11 +77,10 @@ def test_plan_measure_loads_a_pith_checkpoint_under_dp2(capsys, tmp_path):
 
     model = pith_models.build(pith_models.MODELS["qwen3-moe-tiny"], "cpu", 1)
     checkpoint.save(tmp_path / "step_1", model, files={"config.json": json.dumps(model.cfg.to_hf())})
-    try:  # DCP's load plan is gathered to rank 0 and scattered back: mirrored, the rank reads alone
-        main(["plan", *(f"--{o}" for o in BASE[1:]), f"--model.name={tmp_path / 'step_1'}", "--parallel.dp=2",
-              "--measure", "--steps=1"])  # fmt: skip
-    finally:
-        dist.destroy_process_group()
+    # DCP's load plan is gathered to rank 0 and scattered back: mirrored, the rank reads alone
+    main(["plan", *(f"--{o}" for o in BASE[1:]), f"--model.name={tmp_path / 'step_1'}", "--parallel.dp=2",
+          "--measure", "--steps=1"])  # fmt: skip
+    assert not dist.is_initialized()
     assert "step without communication" in capsys.readouterr().out
 
 
