@@ -31,6 +31,19 @@ def test_the_mask_is_each_assistant_turn_end_of_turn_included(chat_tokenizer, co
         assert spans == [m["content"] + "<|im_end|>\n" for m in msgs if m["role"] == "assistant"]
 
 
+def test_a_conversation_that_opens_with_the_assistant_masks_its_turn_not_the_prompt(chat_tokenizer):
+    """The first turn's mask started at token 0: the generation prompt before it (and a template's
+    default system prompt) were trained on."""
+    tok = transformers.AutoTokenizer.from_pretrained(chat_tokenizer)
+    msgs = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]
+    ids, mask = render(tok, [*msgs, {"role": "assistant", "content": "fine"}])
+    edges = np.flatnonzero(np.diff(np.r_[0, mask, 0]))
+    assert [tok.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])] == [
+        "hello<|im_end|>\n",
+        "fine<|im_end|>\n",
+    ]
+
+
 def test_prepare_data_chat_counts_truncated_and_dropped_conversations(
     chat_tokenizer, conversations, tmp_path, capsys
 ):
