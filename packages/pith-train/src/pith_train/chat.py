@@ -59,10 +59,13 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
     for f in files:
         for n, row in jsonl_rows(Path(f).read_text("utf-8").splitlines(), f):
             messages = row.get("messages") if isinstance(row, dict) else None
-            if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages
-            ):
-                raise ValueError(f'{f}:{n}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
+            ok = isinstance(messages, list) and all(
+                isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in messages
+            )
+            if not ok:
+                raise ValueError(f'{f}:{n}: expected {{"messages": [{{"role": ..., "content": "text"}}]}}')
+            if messages[:1] and messages[0]["role"] == "assistant":  # no prompt to mask
+                raise ValueError(f"{f}:{n}: the assistant speaks first: begin with a system or user turn")
             try:
                 ids, mask = render(tok, messages)
             except Exception as e:  # jinja's
