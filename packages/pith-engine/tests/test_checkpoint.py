@@ -206,6 +206,20 @@ def test_latest_intact_falls_back_past_a_damaged_checkpoint_and_moves_it_aside(t
         checkpoint.latest_intact(tmp_path, warn=warnings.append)
 
 
+def test_a_step_damaged_again_after_its_retrain_replaces_the_earlier_damaged_copy(tmp_path):
+    """The second rename onto STEP.damaged failed ("Directory not empty"): every relaunch stopped there."""
+    model, _ = _trained(0)
+    for again in (False, True):
+        for step in (1, 2):
+            checkpoint.save(tmp_path / f"step_{step:06d}", model, files={"again": str(again)})
+        _flip_a_byte(next((tmp_path / "step_000002").glob("*.distcp")))
+        warnings = []
+        assert checkpoint.latest_intact(tmp_path, warn=warnings.append) == tmp_path / "step_000001"
+        assert "step_000002 is damaged" in warnings[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002.damaged"]
+    assert (tmp_path / "step_000002.damaged" / "again").read_text() == "True"  # the newer one
+
+
 def test_a_save_killed_while_replacing_the_same_step_keeps_the_old_copy(tmp_path, monkeypatch):
     model, _ = _trained(0)
     path = checkpoint.save(tmp_path / "step_000001", model)
