@@ -464,6 +464,8 @@ def test_a_wsd_run_extends_before_its_decay_and_micro_batch_may_change(micro_con
         ),
         (["--log.wandb=my-project"], "wandb is not installed"),
         (["--train.cuda_graph=true", "--train.device=cpu"], "train.cuda_graph needs a CUDA device"),
+        (["--data.path=/nonexistent"], "data.path '/nonexistent' does not exist"),  # made the run dir
+        (["--data.val_path=/nonexistent"], "data.val_path '/nonexistent': no prepared dataset"),
     ],
 )
 def test_unusable_settings_stop_before_compute(micro_config, tmp_path, overrides, message):
