@@ -17,8 +17,7 @@ def attention_reference(
     """In fp32 (fp64 for fp64 inputs) -> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] of the
     masked scores, sinks excluded). A query that sees no key gets out 0, lse -inf. docs: (query, key)
     document ids."""
-    B, Sq, Hq, _ = q.shape
-    Hk = k.shape[2]
+    Hq, Hk = q.shape[2], k.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf = (t.to(compute).transpose(1, 2) for t in (q, k, v))
     kf, vf = (t.repeat_interleave(Hq // Hk, dim=1) for t in (kf, vf))

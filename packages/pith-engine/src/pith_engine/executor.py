@@ -51,7 +51,7 @@ def drain(steps: Steps):
             return done.value
 
 
-def interleave(first: Steps, second: Steps, trace: list | None = None, tags=("first", "second")) -> None:
+def interleave(first: Steps, second: Steps, trace: list | None, tags: tuple) -> None:
     """Run two generators of steps, switching sides at each yield: every exchange of one overlaps the
     other's compute. trace: (tag, "issue") at each yield, (tag, "wait") at each resume."""
     sides, i = [(first, tags[0]), (second, tags[1])], 0

@@ -52,8 +52,7 @@ class WeightGradQueue:
 
     def run_all(self) -> None:
         """Run every group's work now; the groups stay, empty, for the W actions still to come."""
-        n = len(self._groups)
-        for _ in range(n):
+        for _ in range(len(self._groups)):
             self.run_next()
             self._groups.append([])
 

@@ -167,7 +167,7 @@ def fp8_linear(x_TD: Tensor, w_OD: Tensor, w8=None) -> Tensor:
 def _check(x_TD: Tensor, w_OD: Tensor, training: bool, w8) -> None:
     check("x_TD", x_TD, dtypes=FLOAT_DTYPES)  # w is read only without w8 (else a stand-in may do)
     check("w_OD", w_OD, ndim=2, dtypes=FLOAT_DTYPES, device=x_TD.device, contiguous=w8 is None)
-    D, O = w_OD.shape[1], w_OD.shape[0]
+    O, D = w_OD.shape
     if x_TD.ndim == 0 or x_TD.shape[-1] != D:
         raise ValueError(f"x_TD: expected a last dimension of {D} (w_OD's columns), got {tuple(x_TD.shape)}")
     if x_TD.is_cuda and (D % 16 or O % 16):

@@ -21,7 +21,7 @@ def run_config(path: Path) -> Config | None:
     return load_config(str(path / "config.toml")) if (path / "config.toml").is_file() else None
 
 
-def run_tokenizer(path: Path, spec: str | None = None) -> ByteTokenizer | HFTokenizer:
+def run_tokenizer(path: Path, spec: str | None) -> ByteTokenizer | HFTokenizer:
     """The checkpoint's own (its tokenizer.json, or the byte tokenizer its run used), else `spec`."""
     if not path.exists():
         raise ValueError(f"{path} does not exist")

@@ -66,7 +66,7 @@ class MetricsLog:
     """Each step's record, on rank 0, to RUN_DIR/metrics.jsonl, TensorBoard and W&B. A run resumed
     from step `start` retrains the steps after it: their earlier records are dropped."""
 
-    def __init__(self, run_dir: Path, start: int = 0, enabled=True, tensorboard=False, wandb="", config=None):
+    def __init__(self, run_dir: Path, start: int, enabled, tensorboard, wandb: str, config: dict):
         self.path, self.enabled, self.tb, self.wandb = Path(run_dir) / "metrics.jsonl", enabled, None, None
         if not enabled:
             return

@@ -20,14 +20,14 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: steepest
 NS_STEPS = 5
 
 
-def newton_schulz(u_EMN: Tensor, dtype: torch.dtype = torch.bfloat16, steps: int = NS_STEPS) -> Tensor:
+def newton_schulz(u_EMN: Tensor, dtype: torch.dtype) -> Tensor:
     a, b, c = NS_COEFFICIENTS
     x = u_EMN.to(dtype)
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    for _ in range(steps):
+    for _ in range(NS_STEPS):
         A_EMM = x @ x.mT
         x = torch.baddbmm(x, torch.baddbmm(A_EMM, A_EMM, A_EMM, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
@@ -119,7 +119,7 @@ def _orthogonalise_spread(shapes: list[torch.Size], u_local: list[Tensor], mesh,
 class Muon(torch.optim.Optimizer):
     """Muon over [M, N] and [E, M, N] tensors (or FSDP2 DTensors sharded on dim 0); `ns_dtype`: NS5's."""
 
-    def __init__(self, params, lr: float, momentum: float, weight_decay: float, ns_dtype=torch.bfloat16):
+    def __init__(self, params, lr: float, momentum: float, weight_decay: float, ns_dtype):
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
         self.ns_dtype = ns_dtype
         for p in (p for g in self.param_groups for p in g["params"]):
