@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from pith_train.cli import main
 from pith_train.config import load_config
 from pith_train.train import pretrain
 
 torch.set_num_threads(1)
+dist.init_process_group("gloo")  # one group for every run: `pith-train pretrain` leaves it
 for args in map(json.loads, sys.argv[4:]):
     if isinstance(args, list):
         main(["pretrain", *args])

@@ -32,6 +32,10 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
         print(f"train on it with --data.path={args.out} {train}")
 
 
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"  # torchrun's
+
+
 def _config_and_overrides(rest: list[str]) -> tuple[str | None, list[str]]:
     config, overrides = None, []  # `--train.steps 10` as well as `--train.steps=10`
     for item in rest:
@@ -53,8 +57,6 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     if args.print_config:
         print(to_toml(cfg), end="")
         return
-    import torch.distributed as dist
-
     from pith_train import stopping
     from pith_train.train import pretrain
 
@@ -67,11 +69,11 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     try:
         out = pretrain(cfg, run_dir)
     except stopping.Interrupted as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if _rank0():
             hint = stopping.resume_command([*args.rest, "--run-dir", run_dir])
             print(f"pith-train pretrain: {e}\n  resume with: {hint}", file=sys.stderr)
         sys.exit(128 + e.signum)
-    if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun rank 0 reports
+    if not _rank0():
         return
     done = "already complete" if out["loss"] is None else f"loss {out['loss']:.4f}"
     if out["val_loss"] is not None:
@@ -220,9 +222,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     on = {k: getattr(args, k) == "on" for k in ("compile", "overlap", "wgrad_delay")}
     skip = {"command", "rest", "run", "json", "record", "compare", "profile", *on}
     result = run(**{k: v for k, v in vars(args).items() if k not in skip}, **on, profile_steps=args.profile)
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun rank 0 reports
+    if not _rank0():
         return
     print(summary(result))
     Path(args.json).write_text(json.dumps(result, indent=1))
@@ -428,20 +428,22 @@ def main(argv: list[str] | None = None) -> None:
     if unknown and args.command not in ("pretrain", "check-layout", "plan"):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.rest = unknown  # pretrain, check-layout, plan: the config file and the overrides
+    dist = sys.modules.get("torch.distributed")
+    ours = not (dist and dist.is_initialized())  # a group the command starts, it ends
     try:
         for key, least in LEAST.items():
             if (value := getattr(args, key, None)) is not None and value < least:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= {least}, got {value}")
         args.run(args)
     except (ValueError, FloatingPointError, OSError) as e:  # bad input, a diverged run, a full disk
-        if os.environ.get("RANK", "0") == "0":  # every torchrun rank checks alike; rank 0 says it
+        if _rank0():  # every torchrun rank checks alike
             print(f"pith-train {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and stops itself)
         print(f"pith-train {args.command}: interrupted", file=sys.stderr)
         sys.exit(130)
     finally:  # not left to the exit, where gloo can abort a finished rank
-        if (dist := sys.modules.get("torch.distributed")) and dist.is_initialized():
+        if ours and (dist := sys.modules.get("torch.distributed")) and dist.is_initialized():
             dist.destroy_process_group()
 
 
