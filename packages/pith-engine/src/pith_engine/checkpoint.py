@@ -268,7 +268,8 @@ def prune(root: Path, keep: int) -> None:
 
 def latest_intact(root: Path, mesh: Mesh = SINGLE, warn: Callable[[str], None] = print) -> Path | None:
     """The newest intact checkpoint under root (None: no checkpoint); each damaged newer one is renamed
-    NAME.damaged after `warn` names what is wrong; ValueError when none is intact. Every rank calls this."""
+    NAME.damaged (over an older one) after `warn` names what is wrong; ValueError when none is intact.
+    Every rank calls this."""
     if _rank(mesh) == 0:
         tidy(root)
     _barrier(mesh)
@@ -278,7 +279,8 @@ def latest_intact(root: Path, mesh: Mesh = SINGLE, warn: Callable[[str], None] =
         if wrong is None:
             return path
         if _rank(mesh) == 0:
-            path.rename(path.with_name(path.name + ".damaged"))
+            shutil.rmtree(aside := path.with_name(path.name + ".damaged"), ignore_errors=True)
+            path.rename(aside)
             warn(f"warning: checkpoint {path} is damaged ({wrong}); moved it to {path.name}.damaged")
         _barrier(mesh)
     if found:
