@@ -195,6 +195,7 @@ def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
 
 
 def write_config(run_dir: Path, cfg: Config) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / "config.toml.tmp"
     tmp.write_text(config_mod.to_toml(cfg), encoding="utf-8")
     os.replace(tmp, run_dir / "config.toml")

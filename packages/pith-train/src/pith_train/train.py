@@ -169,8 +169,6 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     init = None  # checkpoint.init_from: (the checkpoint, the data position)
     if resume_from is None and cfg.checkpoint.init_from:
         init = rundir.check_init(cfg, model_cfg.to_hf(), mesh, warn)
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
     datasets, val_sets = open_data(cfg, run_dir, main)
     for d in datasets + [v for v in val_sets if v is not None]:
         d.check_vocab(V := model_cfg.vocab_size)
