@@ -304,16 +304,14 @@ def test_text_and_gzip_inputs_need_no_zstandard(tmp_path, monkeypatch):
 
 def test_refusals_name_the_input_and_a_fix_that_works_and_leave_nothing_behind(tmp_path, capsys, monkeypatch):
     """Each gave a message without the file or with a fix that did not work: BPE training on a bad input
-    left OUT.tmp; a corrupt Parquet file's error named no file; `--out .` said "PosixPath('.') has an
+    left OUT.tmp; `--out .` said "PosixPath('.') has an
     empty name"; `--chat` without --tokenizer blamed a 'byte' tokenizer nobody gave; a dataset whose
     tokens.bin was cut told the user to prepare it again, which said "already prepared"."""
     (tmp_path / "a.jsonl").write_text('{"body": "x"}\n')
-    (tmp_path / "p.parquet").write_bytes(b"PAR1 not a parquet file")
     (tmp_path / "c.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     a = str(tmp_path / "a.jsonl")
     cases = [
         ([a, "--out", str(tmp_path / "b"), "--train-tokenizer", "300"], "a.jsonl:1: expected a JSON object"),
-        ([str(tmp_path / "p.parquet"), "--out", str(tmp_path / "p")], "p.parquet: "),
         ([a, "--out", "."], "'.' exists and is not a prepared dataset"),
         ([str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "c"), "--chat"], "--chat needs --tokenizer"),
     ]
@@ -322,7 +320,7 @@ def test_refusals_name_the_input_and_a_fix_that_works_and_leave_nothing_behind(t
         with pytest.raises(SystemExit):
             main(["prepare-data", *args])
         assert why in capsys.readouterr().err, args
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "c.jsonl", "p.parquet"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "c.jsonl"]
     (tmp_path / "t.txt").write_text("some text")
     prepare([str(tmp_path / "t.txt")], str(tmp_path / "ds"), progress=False)
     with open(tmp_path / "ds" / "tokens.bin", "r+b") as f:

@@ -48,7 +48,7 @@ def render(tok, messages: list[dict]) -> tuple[list[int], np.ndarray]:
 def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int, drop: bool) -> dict:
     from pith_train.prepare import HFTokenizer, clear_leftover, jsonl_rows
 
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()
     tmp = out.with_name(out.name + ".tmp")
     if out.exists():
         raise ValueError(f"output {out_dir!r} already exists")
@@ -64,7 +64,7 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
             )
             if not ok:
                 raise ValueError(f'{f}:{n}: expected {{"messages": [{{"role": ..., "content": "text"}}]}}')
-            if messages[:1] and messages[0]["role"] == "assistant":  # no prompt to mask
+            if messages[:1] and messages[0]["role"] == "assistant":
                 raise ValueError(f"{f}:{n}: the assistant speaks first: begin with a system or user turn")
             try:
                 ids, mask = render(tok, messages)

@@ -17,6 +17,8 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
     if args.chat:
         from pith_train.chat import prepare_chat
 
+        if not args.tokenizer:
+            raise ValueError("--chat needs --tokenizer: a Hugging Face tokenizer directory")
         drop = args.too_long == "drop"
         meta = prepare_chat(files, args.out, tokenizer, args.max_tokens, drop)
         print(

@@ -35,8 +35,8 @@ class PackedDataset:
         if size != n * dtype.itemsize:
             raise ValueError(
                 f"{tokens_bin}: {'missing' if size is None else f'{size} bytes'}, but meta.json says"
-                f" {n} tokens of {dtype.name} ({n * dtype.itemsize} bytes): incomplete or another dataset's;"
-                " run `pith-train prepare-data` again"
+                f" {n} tokens of {dtype.name} ({n * dtype.itemsize} bytes): incomplete or another dataset's:"
+                f" remove {path} and run `pith-train prepare-data` again"
             )
         self.tokens = np.memmap(tokens_bin, dtype=dtype, mode="r", shape=(n,))
         mask = Path(path) / "loss_mask.bin"  # prepare-data --chat's: 1 where a token's loss counts

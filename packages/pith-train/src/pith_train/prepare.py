@@ -259,8 +259,8 @@ def prepare(
 ) -> dict:  # fmt: skip
     """`files` -> a packed dataset at `out_dir` (built in OUT.tmp, renamed when complete) -> its meta;
     `train_vocab`: with a BPE of that size trained on the files."""
-    out, show = Path(out_dir), progress and sys.stderr.isatty()
-    tmp = out.with_name(out.name + ".tmp")  # beside it, whatever the slashes
+    out, show = Path(out_dir).resolve(), progress and sys.stderr.isatty()
+    tmp = out.with_name(out.name + ".tmp")
     if train_vocab is not None and train_vocab < 258:
         raise ValueError(f"--train-tokenizer {train_vocab}: 256 bytes, EOS and one merge need 258 or more")
     by = train_vocab or load_tokenizer(tokenizer).hash  # fails here, before any writing, on a bad spec
@@ -281,14 +281,14 @@ def prepare(
         return done
     clear_leftover(tmp)
     tmp.mkdir(parents=True)
-    if train_vocab:
-        train_bpe(files, text_field, train_vocab, tmp / "tokenizer.json", show)
-    tok = load_tokenizer(spec := str(tmp / "tokenizer.json") if train_vocab else tokenizer)
-    total = sum(size for _, size, _ in inputs)
-    workers = min(workers or os.cpu_count() or 1, -(-total // BATCH_BYTES))  # no more than the batches
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not show)
-    start, docs, n, top = time.monotonic(), 0, 0, 0
     try:
+        if train_vocab:
+            train_bpe(files, text_field, train_vocab, tmp / "tokenizer.json", show)
+        tok = load_tokenizer(spec := str(tmp / "tokenizer.json") if train_vocab else tokenizer)
+        total = sum(size for _, size, _ in inputs)
+        workers = min(workers or os.cpu_count() or 1, -(-total // BATCH_BYTES))  # no more than the batches
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not show)
+        start, docs, n, top = time.monotonic(), 0, 0, 0
         with open(tmp / "tokens.bin", "wb") as tf, open(tmp / "doc_ends.bin", "wb") as ef:
             for pos, (tokens, lengths) in _encoded(_batches(files, text_field), workers, spec):
                 tf.write(tokens.data)
@@ -305,7 +305,7 @@ def prepare(
         raise
     bar.close()
     meta = {
-        "tokenizer": str(out.resolve() / "tokenizer.json") if train_vocab else tok.name,
+        "tokenizer": str(out / "tokenizer.json") if train_vocab else tok.name,
         "tokenizer_hash": tok.hash,
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
