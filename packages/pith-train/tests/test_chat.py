@@ -200,3 +200,24 @@ def test_conversations_to_a_chat_model_that_transformers_loads(
         ]
     )
     assert capsys.readouterr().out.strip() == tok.decode(out[0, ids["input_ids"].shape[1] :]).strip()
+
+
+def test_a_global_batch_without_an_assistant_token_trains_on_with_a_loss_of_zero(
+    chat_tokenizer, conversations, tmp_path
+):
+    """Its cross-entropy was 0/0: training stopped with "loss is nan", on data prepare-data accepts (any
+    assistant token anywhere), and a resume met the same batch again."""
+    from pith_train.config import load_config
+    from pith_train.metrics import read_metrics
+    from pith_train.train import pretrain
+
+    users = [{"messages": [m for m in c["messages"] if m["role"] == "user"]} for c in conversations(40)]
+    rows = [conversations(1)[0], *users]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in rows))
+    prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "c"), str(chat_tokenizer), 4097, False)
+    args = [f"--data.path={tmp_path / 'c'}", f"--data.tokenizer={chat_tokenizer / 'tokenizer.json'}"]
+    args += ["--model.vocab_size=320", "--data.seq_len=16", "--train.global_batch=2", "--train.micro_batch=1"]
+    args += ["--train.steps=4", "--optim.warmup_steps=1", "--log.eval_every=0", "--train.device=cpu"]
+    pretrain(load_config(None, [*args, "--log.progress=false", "--log.tensorboard=false"]), tmp_path / "run")
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert len(losses) == 4 and 0.0 in losses and all(np.isfinite(losses)), losses
