@@ -332,7 +332,8 @@ def train_step(
 def _schedule_work(stages: Stages, micro: list, aux: Aux) -> tuple[Tensor, dict[int, Tensor], Tensor]:
     """-> (cross-entropy and aux sums [2], expert counts per MoE layer, global label tokens)."""
     mesh = stages.mesh
-    label_tokens = parallel.all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y, *_ in micro), mesh)
+    labels = sum((y != IGNORE_INDEX).sum() for _, y, *_ in micro)
+    label_tokens = parallel.all_reduce_sum(labels, mesh).clamp(min=1)  # none: cross-entropy 0
     # Reduced once, in each unit's last backward segment (Tape(final=True)).
     for unit in stages.units:
         unit.set_requires_gradient_sync(False, recurse=False)

@@ -35,7 +35,7 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
 
 
 def _rank0() -> bool:
-    return os.environ.get("RANK", "0") == "0"  # torchrun's
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _config_and_overrides(rest: list[str]) -> tuple[str | None, list[str]]:
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= {least}, got {value}")
         args.run(args)
     except (ValueError, FloatingPointError, OSError) as e:  # bad input, a diverged run, a full disk
-        if _rank0():  # every torchrun rank checks alike
+        if _rank0():  # the ranks check alike
             print(f"pith-train {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and stops itself)
