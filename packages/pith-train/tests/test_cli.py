@@ -412,3 +412,19 @@ def test_a_refusal_under_nproc_per_node_is_printed_once_and_every_rank_exits(
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert out.returncode == 1 and len(errors) == 1, out.stderr
     assert errors[0] == f"pith-train pretrain: error: data.path '{tmp_path}/missing' does not exist"
+
+
+def test_ctrl_c_in_check_layouts_one_process_run_says_interrupted_with_no_traceback(monkeypatch, capsys):
+    """pretrain's Interrupted (raised after it saved) escaped `main` as a traceback naming a checkpoint in
+    check-layout's temporary directory, already removed."""
+    import pith_train.layoutcheck as layoutcheck
+    from pith_train.cli import main
+    from pith_train.stopping import Interrupted
+
+    def interrupted(cfg, run_dir):
+        raise Interrupted(2, 3, run_dir)
+
+    monkeypatch.setattr(layoutcheck, "pretrain", interrupted)
+    with pytest.raises(SystemExit) as e:
+        main(["check-layout", "--nproc", "2", "--parallel.dp=2", "--train.micro_batch=4"])
+    assert e.value.code == 130 and capsys.readouterr().err == "pith-train check-layout: interrupted\n"
