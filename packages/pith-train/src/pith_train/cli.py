@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
         if _rank0():  # the ranks check alike
             print(f"pith-train {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and stops itself)
+    except KeyboardInterrupt:  # Ctrl-C, or a stop of check-layout's pretrain
         print(f"pith-train {args.command}: interrupted", file=sys.stderr)
         sys.exit(130)
     finally:  # not left to the exit, where gloo can abort a finished rank

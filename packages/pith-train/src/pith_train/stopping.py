@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 
-class Interrupted(Exception):
+class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int, step: int, checkpoint):
         self.signum = signum
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; saved {checkpoint}")
