@@ -146,10 +146,9 @@ class Config:
 
 def _typed(where: str, value, kind: type):
     """`value` as `kind` (an int is a float too), or ValueError."""
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if not ok:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ValueError(f"{where}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
     return value
 
