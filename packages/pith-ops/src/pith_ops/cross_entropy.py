@@ -305,6 +305,6 @@ def linear_cross_entropy_fp8_reference(
     g8 = quantize_rows_reference(g_TV.float())
     loss = loss_T.sum() / n_valid if reduction == "mean" else loss_T.sum()
     parts = torch.tensor(fp8_wgrad_part_ends(*g_TV.shape), dtype=torch.int32, device=h_TD.device)
-    cols = lambda t8: dequantize_cols(*cols_from_rows_reference(*t8, parts), parts)  # noqa: E731
+    cols = lambda t8: dequantize_cols(*cols_from_rows_reference(*t8, parts), parts)
     dw = dloss * cols(g8) @ cols(quantize_rows_reference(h_TD)).T
     return loss, dloss * dequantize_rows(*g8) @ w8_VD, dw

@@ -187,5 +187,5 @@ def fp8_linear_reference(x_TD: Tensor, w_OD: Tensor, dy_TO: Tensor) -> tuple[Ten
     q, scale_O, _, _ = quantize_weight_reference(w_OD[None])
     w8 = dequantize_rows(q[0], scale_O[0])
     one = torch.full((1,), x_TD.shape[0], dtype=torch.int32)
-    cols = lambda t8: dequantize_cols(*cols_from_rows_reference(*t8, one), one)  # noqa: E731
+    cols = lambda t8: dequantize_cols(*cols_from_rows_reference(*t8, one), one)
     return dequantize_rows(*x8) @ w8.T, dequantize_rows(*dy8) @ w8, cols(dy8) @ cols(x8).T

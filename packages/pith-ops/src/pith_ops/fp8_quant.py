@@ -109,7 +109,7 @@ def _group_scale_kernel(s_ptr, ends_ptr, scale_ptr, f_ptr, M, K, G, BLOCK: tl.co
 @triton.jit
 def _cols_kernel(
     q_ptr, f_ptr, out_ptr, M, K, s_qb, s_qm, s_ob, s_out, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
-):  # fmt: skip
+):
     """A tile of batch entry program_id(2), rescaled by f (None: 1), stored transposed. Masks by M and K,
     whose alignment the compiler knows: by the last group end loads did not vectorise (9% of copy, H200)."""
     b = tl.program_id(2).to(tl.int64)

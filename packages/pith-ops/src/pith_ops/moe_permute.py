@@ -44,7 +44,7 @@ def _chunk_ids(ids_TK_ptr, c, T, K: tl.constexpr, CT: tl.constexpr):
 @triton.jit
 def _chunk_histogram_kernel(
     ids_TK_ptr, counts_CE_ptr, arrivals_ptr, T, E, K: tl.constexpr, CT: tl.constexpr, ET: tl.constexpr
-):  # fmt: skip
+):
     """counts[c, e] = entries of expert e in chunk c; program 0 resets the scan's arrival counter.
     Compares, as tl.histogram costs O(bins) per value and wants a power-of-two constexpr bin count."""
     c = tl.program_id(0)

@@ -49,7 +49,7 @@ def log_line(record: dict, total_steps: int) -> str:
         f"step {r['step']}/{total_steps} loss {r['loss']:.4f} lr {r['lr']:.3e} grad_norm {r['grad_norm']:.4f}"
         f" tokens_per_s {r['tokens_per_s']:.0f}" + (f" mfu {mfu:.4f}" if mfu else "") + f" load {load:.2f}"
         f" memory_gib {r['memory_gib']:.2f}"
-    )  # fmt: skip
+    )
     return line + (f" val_loss {r['val_loss']:.4f}" if "val_loss" in r else "")
 
 
