@@ -136,6 +136,11 @@ def test_formats_refuse_a_missing_field_and_an_existing_output(tmp_path):
         prepare([str(tmp_path / "p.parquet")], str(tmp_path / "ds"), progress=False)
     with pytest.raises(ValueError, match="p.parquet: column 'body' holds .*NoneType"):
         prepare([str(tmp_path / "p.parquet")], str(tmp_path / "ds"), text_field="body", progress=False)
+    data = (tmp_path / "p.parquet").read_bytes()
+    for cut in (data[: len(data) // 2], data[:-9], b"not parquet"):  # arrow's error named no file
+        (tmp_path / "cut.parquet").write_bytes(cut)
+        with pytest.raises(ValueError, match="cut.parquet: not a whole Parquet file"):
+            prepare([str(tmp_path / "cut.parquet")], str(tmp_path / "ds"), text_field="body", progress=False)
     (tmp_path / "blank.jsonl").write_text('\n{"text": ""}\n')
     with pytest.raises(ValueError, match=r"the inputs hold no text \(1 documents, all empty\)"):
         prepare([str(tmp_path / "blank.jsonl")], str(tmp_path / "ds"), progress=False)
