@@ -115,7 +115,10 @@ def _file_batches(path: str, field: str):
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        table, done = pq.ParquetFile(path), 0
+        try:
+            table, done = pq.ParquetFile(path), 0
+        except ValueError as e:  # arrow's names no file
+            raise ValueError(f"{path}: not a whole Parquet file ({e})") from None
         if field not in table.schema_arrow.names:
             raise ValueError(f"{path}: no column {field!r} (it has {table.schema_arrow.names})")
         for records in table.iter_batches(1024, columns=[field]):
