@@ -109,3 +109,43 @@ def test_the_mirror_answers_a_barrier():
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model", ["qwen3-moe-tiny", "deepseek-v2-tiny", "gpt-oss-tiny"])
+def test_each_fsdp_unit_reduces_gradients_of_one_dtype_with_bf16_weights(monkeypatch, model):
+    """torch 2.11's FSDP refuses to reduce a unit whose gradients mix bf16 and fp32 ("FSDP reduce-scatter
+    expects uniform gradient dtype"): every 8-GPU preset (one micro-batch) stopped at its first step on
+    an H100, its root unit holding the final norm's and lm_head's gradients, accumulated in fp32 since
+    the first backward segment, beside the embedding's, fresh in bf16 from the last. CPU runs fp32
+    weights (and newer torch reduces mixed groups): here the weights and stream are bf16, as on CUDA."""
+    import torch
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
+    from pith_train import measure, train
+    from pith_train.config import load_config
+
+    reduce, seen = group.foreach_reduce, []
+
+    def uniform(params, grads, *args, **kwargs):
+        seen.append({p._param_fqn: g.dtype for p, g in zip(params, grads)})
+        return reduce(params, grads, *args, **kwargs)
+
+    monkeypatch.setattr(group, "foreach_reduce", uniform)
+    build, stages = train.build_model, train.trainer_stages
+    monkeypatch.setattr(train, "build_model", lambda *a: build(*a[:4], torch.bfloat16, *a[5:]))
+    monkeypatch.setattr(
+        train, "trainer_stages", lambda *a: setattr(s := stages(*a), "dtype", torch.bfloat16) or s
+    )
+    overrides = [*BASE[1:], f"model.name={model}", "parallel.dp=2", "parallel.ep=2"]  # one micro-batch
+    measure.measure(load_config(None, overrides), 0, steps=1, warmup=1)
+    mixed = [dtypes for dtypes in seen if len(set(dtypes.values())) > 1]
+    assert seen and not mixed, mixed
+
+
+@pytest.mark.gpu
+def test_plan_measure_runs_fsdp_and_ep_on_cuda(capsys):
+    """The mirrored rank on CUDA (bf16 weights, this torch's FSDP): it caught the mixed-dtype reduction."""
+    from pith_train.cli import main
+
+    flags = [f"--{o}" for o in BASE[:-1]] + ["--parallel.dp=2", "--parallel.ep=2", "--train.global_batch=4"]
+    main(["plan", *flags, "--train.micro_batch=1", "--measure", "--steps=1"])
+    assert "step without communication" in capsys.readouterr().out
