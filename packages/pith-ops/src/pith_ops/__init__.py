@@ -1,4 +1,4 @@
-"""pith-ops: Triton and PyTorch operators for Mixture-of-Experts training."""
+"""pith-ops: Triton and PyTorch operators for Mixture-of-Experts training; the imports below are its API."""
 
 from pith_ops.adamw import adamw_, adamw_reference_, step_constants
 from pith_ops.cast import cast, drop_grad, grad, keep, keep_grads, kept_copy, stand_in, weight_grad
@@ -21,14 +21,3 @@ from pith_ops.moe_permute import moe_permute, moe_permute_reference, moe_unpermu
 from pith_ops.rmsnorm import rms_norm, rms_norm_reference
 from pith_ops.rope import apply_rope, apply_rope_reference
 from pith_ops.swiglu import swiglu, swiglu_fp8, swiglu_oss, swiglu_oss_reference, swiglu_reference
-
-__all__ = [
-    "copies_of_quantized", "FP8Rows", "adamw_", "adamw_reference_", "step_constants", "apply_rope", "cast",
-    "cols_from_rows", "cols_from_rows_reference", "drop_grad", "apply_rope_reference", "fp8_grouped_gemm",
-    "fp8_grouped_gemm_reference", "fp8_linear", "fp8_linear_reference", "fp8_rows", "grouped_gemm",
-    "grouped_gemm_backward", "grouped_gemm_reference", "grad", "keep", "keep_grads", "kept_copy",
-    "linear_cross_entropy", "linear_cross_entropy_reference", "moe_permute", "moe_permute_reference",
-    "moe_unpermute", "moe_unpermute_reference", "quantize_rows", "quantize_rows_reference", "quantize_weight",
-    "quantize_weight_reference", "rms_norm", "rms_norm_reference", "stand_in", "swiglu", "swiglu_fp8",
-    "swiglu_oss", "swiglu_oss_reference", "swiglu_reference", "weight_grad",
-]  # fmt: skip
