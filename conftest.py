@@ -47,6 +47,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_dynamo():
+    """Each test module on a CUDA machine starts with torch.compile's caches empty. A compiled function
+    compiles at most 8 variants in a process (dynamo's recompile_limit), then runs eagerly: the
+    ring-attention tests compile flex_attention for more head layouts and dtypes than that, and a module
+    run after them in the same worker got the eager flex, which fails under CUDA graph capture
+    (`test_cuda_graph_steps_train_like_eager_steps[False-True]` on an H100)."""
+    yield
+    import torch
+
+    if torch.cuda.is_available():
+        torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def reference_ops():
     """The operators' PyTorch references and one intra-op thread, for a module of tests of the framework
