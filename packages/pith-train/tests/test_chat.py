@@ -221,3 +221,43 @@ def test_a_global_batch_without_an_assistant_token_trains_on_with_a_loss_of_zero
     pretrain(load_config(None, [*args, "--log.progress=false", "--log.tensorboard=false"]), tmp_path / "run")
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
     assert len(losses) == 4 and 0.0 in losses and all(np.isfinite(losses)), losses
+
+
+def test_validation_windows_without_an_assistant_token_are_refused_before_training(chat_data, tmp_path):
+    """Held-out windows that hold no assistant token made every val_loss NaN (0 / 0), run after run."""
+    ds_dir = tmp_path / "data"
+    shutil.copytree(chat_data, ds_dir)
+    mask = np.fromfile(ds_dir / "loss_mask.bin", np.uint8)
+    loader = WindowLoader(PackedDataset(str(ds_dir)), 32, 2, seed=0)
+    for i in loader.val_ids:  # the labels of window i: tokens i*32+1 .. (i+1)*32
+        mask[i * 32 + 1 : (i + 1) * 32 + 1] = 0
+    mask.tofile(ds_dir / "loss_mask.bin")
+    with pytest.raises(ValueError, match=r"the 2 validation windows of .*data hold no assistant token"):
+        WindowLoader(PackedDataset(str(ds_dir)), 32, 2, seed=0)
+    WindowLoader(PackedDataset(str(ds_dir)), 32, 0, seed=0)  # none held out: nothing to refuse
+    WindowLoader(PackedDataset(str(ds_dir)), 32, 3, seed=0)  # others hold some
+
+
+def test_prepare_data_chat_reads_compressed_conversations_and_names_a_file_it_cannot(
+    chat_tokenizer, conversations, tmp_path
+):
+    """A .jsonl.gz or .jsonl.zst (which prepare-data finds in a directory) failed with UnicodeDecodeError
+    naming no file; so did a Parquet file."""
+    import gzip
+
+    import zstandard
+
+    text = "".join(json.dumps(c) + "\n" for c in conversations(5)).encode()
+    (tmp_path / "c.jsonl").write_bytes(text)
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(text))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(text))
+    for name in ("c.jsonl", "c.jsonl.gz", "c.jsonl.zst"):
+        prepare_chat(
+            [str(tmp_path / name)], str(tmp_path / name.replace(".", "_")), str(chat_tokenizer), 4097, False
+        )
+    for bin in ("tokens.bin", "loss_mask.bin", "doc_ends.bin"):
+        data = {(tmp_path / n / bin).read_bytes() for n in ("c_jsonl", "c_jsonl_gz", "c_jsonl_zst")}
+        assert len(data) == 1, bin
+    (tmp_path / "c.parquet").write_bytes(b"PAR1\x00\xff\xfe" * 9)
+    with pytest.raises(ValueError, match=r"c.parquet: not UTF-8 text .*--chat reads JSONL"):
+        prepare_chat([str(tmp_path / "c.parquet")], str(tmp_path / "p"), str(chat_tokenizer), 4097, False)
