@@ -56,7 +56,7 @@ def test_prepare_data_chat_counts_truncated_and_dropped_conversations(
 
 def test_labels_are_ignored_where_the_mask_is_zero(chat_data):
     ds = PackedDataset(str(chat_data))
-    loader = WindowLoader(ds, 32, 2, seed=0)
+    loader = WindowLoader(ds, 32, 3, seed=0)  # 2: the middle windows hold no assistant token
     ((inputs_BS, labels_BS),) = loader.step_batch(0, 4, 4)
     for b in range(4):
         first = loader._train_id(b) * 32
@@ -212,12 +212,12 @@ def test_a_global_batch_without_an_assistant_token_trains_on_with_a_loss_of_zero
     from pith_train.train import pretrain
 
     users = [{"messages": [m for m in c["messages"] if m["role"] == "user"]} for c in conversations(40)]
-    rows = [conversations(1)[0], *users]
+    rows = [*users[:20], conversations(1)[0], *users[20:]]  # the one held-out window: the middle one
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in rows))
     prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "c"), str(chat_tokenizer), 4097, False)
     args = [f"--data.path={tmp_path / 'c'}", f"--data.tokenizer={chat_tokenizer / 'tokenizer.json'}"]
     args += ["--model.vocab_size=320", "--data.seq_len=16", "--train.global_batch=2", "--train.micro_batch=1"]
-    args += ["--train.steps=4", "--optim.warmup_steps=1", "--log.eval_every=0", "--train.device=cpu"]
+    args += ["--train.steps=4", "--optim.warmup_steps=1", "--data.val_windows=1", "--train.device=cpu"]
     pretrain(load_config(None, [*args, "--log.progress=false", "--log.tensorboard=false"]), tmp_path / "run")
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
     assert len(losses) == 4 and 0.0 in losses and all(np.isfinite(losses)), losses
@@ -228,13 +228,12 @@ def test_validation_windows_without_an_assistant_token_are_refused_before_traini
     ds_dir = tmp_path / "data"
     shutil.copytree(chat_data, ds_dir)
     mask = np.fromfile(ds_dir / "loss_mask.bin", np.uint8)
-    loader = WindowLoader(PackedDataset(str(ds_dir)), 32, 2, seed=0)
+    loader = WindowLoader(PackedDataset(str(ds_dir)), 32, 4, seed=0)
     for i in loader.val_ids:  # the labels of window i: tokens i*32+1 .. (i+1)*32
         mask[i * 32 + 1 : (i + 1) * 32 + 1] = 0
     mask.tofile(ds_dir / "loss_mask.bin")
-    with pytest.raises(ValueError, match=r"the 2 validation windows of .*data hold no assistant token"):
-        WindowLoader(PackedDataset(str(ds_dir)), 32, 2, seed=0)
-    WindowLoader(PackedDataset(str(ds_dir)), 32, 0, seed=0)  # none held out: nothing to refuse
+    with pytest.raises(ValueError, match=r"the 4 validation windows of .*data hold no assistant token"):
+        WindowLoader(PackedDataset(str(ds_dir)), 32, 4, seed=0)
     WindowLoader(PackedDataset(str(ds_dir)), 32, 3, seed=0)  # others hold some
 
 
@@ -242,7 +241,7 @@ def test_prepare_data_chat_reads_compressed_conversations_and_names_a_file_it_ca
     chat_tokenizer, conversations, tmp_path
 ):
     """A .jsonl.gz or .jsonl.zst (which prepare-data finds in a directory) failed with UnicodeDecodeError
-    naming no file; so did a Parquet file."""
+    naming no file; so did a Parquet file, now not JSON at its line 1."""
     import gzip
 
     import zstandard
@@ -259,5 +258,5 @@ def test_prepare_data_chat_reads_compressed_conversations_and_names_a_file_it_ca
         data = {(tmp_path / n / bin).read_bytes() for n in ("c_jsonl", "c_jsonl_gz", "c_jsonl_zst")}
         assert len(data) == 1, bin
     (tmp_path / "c.parquet").write_bytes(b"PAR1\x00\xff\xfe" * 9)
-    with pytest.raises(ValueError, match=r"c.parquet: not UTF-8 text .*--chat reads JSONL"):
+    with pytest.raises(ValueError, match=r"c.parquet:1: not valid JSON"):
         prepare_chat([str(tmp_path / "c.parquet")], str(tmp_path / "p"), str(chat_tokenizer), 4097, False)

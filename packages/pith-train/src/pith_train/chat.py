@@ -46,7 +46,7 @@ def render(tok, messages: list[dict]) -> tuple[list[int], np.ndarray]:
 
 
 def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int, drop: bool) -> dict:
-    from pith_train.prepare import HFTokenizer, clear_leftover, jsonl_rows
+    from pith_train.prepare import HFTokenizer, _chunks, clear_leftover, jsonl_rows
 
     out = Path(out_dir).resolve()
     tmp = out.with_name(out.name + ".tmp")
@@ -57,7 +57,9 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
     ours = HFTokenizer(str(Path(tok.name_or_path) / "tokenizer.json"))
     tokens, masks, n_long = [], [], 0
     for f in files:
-        for n, row in jsonl_rows(Path(f).read_text("utf-8").splitlines(), f):
+        with open(f, "rb") as raw:  # .jsonl, .gz, .zst
+            text = b"".join(_chunks(f, raw)).decode(errors="replace")
+        for n, row in jsonl_rows(text.splitlines(), f):
             messages = row.get("messages") if isinstance(row, dict) else None
             ok = isinstance(messages, list) and all(
                 isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in messages

@@ -124,6 +124,10 @@ class WindowLoader:
         self.val_tokens, self.val_mask = val_from.tokens, val_from.loss_mask
         # the middle window of each of val_windows parts (a corpus's tail is often one document)
         self.val_ids = (2 * np.arange(val_windows) + 1) * val_total // (2 * val_windows)
+        m = self.val_mask
+        if m is not None and not any(m[i * seq_len + 1 :][:seq_len].any() for i in self.val_ids):
+            why = "hold no assistant token (val_loss 0/0): change data.val_windows"
+            raise ValueError(f"the {val_windows} validation windows of {val_from.path} {why}")
         self.train_ids = np.setdiff1d(np.arange(total), self.val_ids) if held else np.arange(total)
         self.num_train = len(self.train_ids)
         self._epoch, self._order = -1, None
