@@ -117,26 +117,35 @@ def test_each_fsdp_unit_reduces_gradients_of_one_dtype_with_bf16_weights(monkeyp
     expects uniform gradient dtype"): every 8-GPU preset (one micro-batch) stopped at its first step on
     an H100, its root unit holding the final norm's and lm_head's gradients, accumulated in fp32 since
     the first backward segment, beside the embedding's, fresh in bf16 from the last. CPU runs fp32
-    weights (and newer torch reduces mixed groups): here the weights and stream are bf16, as on CUDA."""
+    weights (and newer torch reduces mixed groups): here a mirrored dp2 x ep2 rank of the trainer's
+    parts has bf16 weights and stream, as on CUDA; the spy sees what FSDP reduces."""
     import torch
+    import torch.distributed as dist
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
-    from pith_train import measure, train
+    from pith_engine.step import Stages, train_step
+    from pith_train import train
     from pith_train.config import load_config
+    from pith_train.measure import BACKEND
+    from pith_train.optim import build_optimizer
 
     reduce, seen = group.foreach_reduce, []
 
-    def uniform(params, grads, *args, **kwargs):
+    def spy(params, grads, *args, **kwargs):
         seen.append({p._param_fqn: g.dtype for p, g in zip(params, grads)})
         return reduce(params, grads, *args, **kwargs)
 
-    monkeypatch.setattr(group, "foreach_reduce", uniform)
-    build, stages = train.build_model, train.trainer_stages
-    monkeypatch.setattr(train, "build_model", lambda *a: build(*a[:4], torch.bfloat16, *a[5:]))
-    monkeypatch.setattr(
-        train, "trainer_stages", lambda *a: setattr(s := stages(*a), "dtype", torch.bfloat16) or s
-    )
-    overrides = [*BASE[1:], f"model.name={model}", "parallel.dp=2", "parallel.ep=2"]  # one micro-batch
-    measure.measure(load_config(None, overrides), 0, steps=1, warmup=1)
+    monkeypatch.setattr(group, "foreach_reduce", spy)
+    cfg = load_config(None, [*BASE[1:], f"model.name={model}", "parallel.dp=2", "parallel.ep=2"])
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=4)
+    try:
+        mesh = train.parallel_layout(cfg, torch.device("cpu"))
+        model = train.build_model(cfg.model, mesh.device, 0, mesh, torch.bfloat16, True)
+        stages = Stages(model, mesh, dtype=torch.bfloat16)
+        ids = torch.randint(model.cfg.vocab_size, (2, 33))
+        micro = [(ids[:, :-1], ids[:, 1:])]  # one micro-batch: no accumulation evens the dtypes out
+        train_step(stages, build_optimizer(model, cfg), micro, 1e-3, *train.step_settings(cfg, model))
+    finally:
+        dist.destroy_process_group()
     mixed = [dtypes for dtypes in seen if len(set(dtypes.values())) > 1]
     assert seen and not mixed, mixed
 
