@@ -111,7 +111,10 @@ def test_the_mirror_answers_a_barrier():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("model", ["qwen3-moe-tiny", "deepseek-v2-tiny", "gpt-oss-tiny"])
+@pytest.mark.parametrize(
+    "model",
+    ["qwen3-moe-tiny", "deepseek-v2-tiny", "gpt-oss-tiny", "gpt-oss-tiny --model.tie_word_embeddings=true"],
+)
 def test_each_fsdp_unit_reduces_gradients_of_one_dtype_with_bf16_weights(monkeypatch, model):
     """torch 2.11's FSDP refuses to reduce a unit whose gradients mix bf16 and fp32 ("FSDP reduce-scatter
     expects uniform gradient dtype"): every 8-GPU preset (one micro-batch) stopped at its first step on
@@ -135,7 +138,8 @@ def test_each_fsdp_unit_reduces_gradients_of_one_dtype_with_bf16_weights(monkeyp
         return reduce(params, grads, *args, **kwargs)
 
     monkeypatch.setattr(group, "foreach_reduce", spy)
-    cfg = load_config(None, [*BASE[1:], f"model.name={model}", "parallel.dp=2", "parallel.ep=2"])
+    name, *tied = model.split(" --")  # a tied embedding: one unit with lm_head (FSDP refused two)
+    cfg = load_config(None, [*BASE[1:], f"model.name={name}", *tied, "parallel.dp=2", "parallel.ep=2"])
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=4)
     try:
         mesh = train.parallel_layout(cfg, torch.device("cpu"))

@@ -183,8 +183,7 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
         fully_shard(layer, mesh=mesh.dense_mesh, mp_policy=mp, ignored_params=plain)
         register_fsdp_forward_method(layer, "stage1")
     # The root stays unsharded after the epilogue: the loss reads lm_head.weight right after it. The
-    # embedding is a unit of its own: in one with the norm and lm_head, whose gradients accumulate in fp32
-    # from the first backward segment, its bf16 one of the last made a mixed reduction (torch 2.11 stops).
+    # embedding is a unit apart: a unit reduces one gradient dtype (pith-engine README, FSDP under PP).
     unit = dict(mesh=mesh.dense_mesh, mp_policy=mp, reshard_after_forward=False)
     if hasattr(model, "embed_tokens"):
         fully_shard(model.embed_tokens, **unit)
