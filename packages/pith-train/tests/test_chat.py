@@ -257,6 +257,15 @@ def test_prepare_data_chat_reads_compressed_conversations_and_names_a_file_it_ca
     for bin in ("tokens.bin", "loss_mask.bin", "doc_ends.bin"):
         data = {(tmp_path / n / bin).read_bytes() for n in ("c_jsonl", "c_jsonl_gz", "c_jsonl_zst")}
         assert len(data) == 1, bin
+    # A line separator (U+2028) inside a JSON string is one line; invalid UTF-8 is refused, not replaced
+    conv = {"messages": [{"role": "user", "content": "a\u2028b"}, {"role": "assistant", "content": "c"}]}
+    (tmp_path / "s.jsonl").write_text(json.dumps(conv, ensure_ascii=False) + "\n", "utf-8")
+    meta = prepare_chat([str(tmp_path / "s.jsonl")], str(tmp_path / "s"), str(chat_tokenizer), 99, False)
+    assert meta["num_docs"] == 1
+    bad = json.dumps(conv).replace("\\u2028", "\xff").encode("latin-1")  # "a\xffb": not UTF-8
+    (tmp_path / "u.jsonl").write_bytes(text.split(b"\n")[0] + b"\n" + bad + b"\n")
+    with pytest.raises(ValueError, match=r"u.jsonl:2: not valid JSON"):
+        prepare_chat([str(tmp_path / "u.jsonl")], str(tmp_path / "u"), str(chat_tokenizer), 4097, False)
     (tmp_path / "c.parquet").write_bytes(b"PAR1\x00\xff\xfe" * 9)
     with pytest.raises(ValueError, match=r"c.parquet:1: not valid JSON"):
         prepare_chat([str(tmp_path / "c.parquet")], str(tmp_path / "p"), str(chat_tokenizer), 4097, False)
