@@ -58,8 +58,8 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
     tokens, masks, n_long = [], [], 0
     for f in files:
         with open(f, "rb") as raw:  # .jsonl, .gz, .zst
-            text = b"".join(_chunks(f, raw)).decode(errors="replace")
-        for n, row in jsonl_rows(text.splitlines(), f):
+            lines = b"".join(_chunks(f, raw)).split(b"\n")
+        for n, row in jsonl_rows(lines, f):
             messages = row.get("messages") if isinstance(row, dict) else None
             ok = isinstance(messages, list) and all(
                 isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in messages
