@@ -137,7 +137,9 @@ def test_formats_refuse_a_missing_field_and_an_existing_output(tmp_path):
     with pytest.raises(ValueError, match="p.parquet: column 'body' holds .*NoneType"):
         prepare([str(tmp_path / "p.parquet")], str(tmp_path / "ds"), text_field="body", progress=False)
     data = (tmp_path / "p.parquet").read_bytes()
-    for cut in (data[: len(data) // 2], data[:-9], b"not parquet"):  # arrow's error named no file
+    footer, n = bytearray(data), int.from_bytes(data[-8:-4], "little")  # the metadata's length
+    footer[-n : -n + 8] = bytes(b ^ 0xFF for b in footer[-n : -n + 8])  # thrift: OSError, not ValueError
+    for cut in (data[: len(data) // 2], data[:-9], b"not parquet", footer):  # arrow's error named no file
         (tmp_path / "cut.parquet").write_bytes(cut)
         with pytest.raises(ValueError, match="cut.parquet: not a whole Parquet file"):
             prepare([str(tmp_path / "cut.parquet")], str(tmp_path / "ds"), text_field="body", progress=False)
