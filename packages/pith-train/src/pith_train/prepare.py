@@ -117,7 +117,7 @@ def _file_batches(path: str, field: str):
 
         try:
             table, done = pq.ParquetFile(path), 0
-        except ValueError as e:  # arrow's names no file
+        except (ValueError, OSError) as e:  # arrow's names no file
             raise ValueError(f"{path}: not a whole Parquet file ({e})") from None
         if field not in table.schema_arrow.names:
             raise ValueError(f"{path}: no column {field!r} (it has {table.schema_arrow.names})")
