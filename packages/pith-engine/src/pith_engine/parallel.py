@@ -183,10 +183,10 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
         fully_shard(layer, mesh=mesh.dense_mesh, mp_policy=mp, ignored_params=plain)
         register_fsdp_forward_method(layer, "stage1")
     # The root stays unsharded after the epilogue: the loss reads lm_head.weight right after it. An untied
-    # embedding is a unit apart, as gathered: a unit reduces one gradient dtype (pith-engine README).
+    # embedding is a unit apart, to reduce one gradient dtype (pith-engine README, FSDP under PP).
     unit = dict(mesh=mesh.dense_mesh, mp_policy=mp, reshard_after_forward=False)
     if hasattr(model, "embed_tokens") and model.embed_tokens.weight is not model.lm_head.weight:
-        fully_shard(model.embed_tokens, **unit).set_reshard_after_backward(False)
+        fully_shard(model.embed_tokens, **unit)
     fully_shard(model, **unit, ignored_params=plain)
     register_fsdp_forward_method(model, "prologue")
     register_fsdp_forward_method(model, "epilogue")

@@ -110,10 +110,11 @@ class Stages:
                 unit.set_reshard_after_forward(False, recurse=False)
                 unit.set_reshard_after_backward(False, recurse=False)
         elif isinstance(model, FSDPModule):
-            # The root (embedding, final norm, lm_head) stays gathered: the loss reads lm_head outside an
-            # FSDP call, and in an overlapped pair each backward segment's end (FSDP's final callback)
-            # would reshard it under the other micro-batch's forward.
-            model.set_reshard_after_backward(False, recurse=False)
+            # The root (norm, lm_head) and an untied embedding stay gathered: the loss reads lm_head outside
+            # an FSDP call, and in an overlapped pair each backward segment's end would reshard them under
+            # the other micro-batch's forward.
+            for unit in [m for m in (model, model.embed_tokens) if m in self.units]:
+                unit.set_reshard_after_backward(False, recurse=False)
 
 
 def local_tokens(inputs_BS: Tensor, labels_BS: Tensor, mesh: parallel.Mesh, pos_BS: Tensor | None = None):

@@ -57,7 +57,7 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
     ours = HFTokenizer(str(Path(tok.name_or_path) / "tokenizer.json"))
     tokens, masks, n_long = [], [], 0
     for f in files:
-        with open(f, "rb") as raw:  # .jsonl, .gz, .zst
+        with open(f, "rb") as raw:
             lines = b"".join(_chunks(f, raw)).split(b"\n")
         for n, row in jsonl_rows(lines, f):
             messages = row.get("messages") if isinstance(row, dict) else None
