@@ -112,10 +112,10 @@ def test_the_mirror_answers_a_barrier():
 
 
 @pytest.mark.parametrize(
-    "model",
-    ["qwen3-moe-tiny", "deepseek-v2-tiny", "gpt-oss-tiny", "gpt-oss-tiny --model.tie_word_embeddings=true"],
+    "model, tied",  # a tied embedding stays in the root unit with lm_head (FSDP refused it in two)
+    [("qwen3-moe-tiny", False), ("deepseek-v2-tiny", False), ("gpt-oss-tiny", False), ("gpt-oss-tiny", True)],
 )
-def test_each_fsdp_unit_reduces_gradients_of_one_dtype_with_bf16_weights(monkeypatch, model):
+def test_each_fsdp_unit_reduces_gradients_of_one_dtype_with_bf16_weights(monkeypatch, model, tied):
     """torch 2.11's FSDP refuses to reduce a unit whose gradients mix bf16 and fp32 ("FSDP reduce-scatter
     expects uniform gradient dtype"): every 8-GPU preset (one micro-batch) stopped at its first step on
     an H100, its root unit holding the final norm's and lm_head's gradients, accumulated in fp32 since
@@ -138,12 +138,13 @@ def test_each_fsdp_unit_reduces_gradients_of_one_dtype_with_bf16_weights(monkeyp
         return reduce(params, grads, *args, **kwargs)
 
     monkeypatch.setattr(group, "foreach_reduce", spy)
-    name, *tied = model.split(" --")  # a tied embedding: one unit with lm_head (FSDP refused two)
-    cfg = load_config(None, [*BASE[1:], f"model.name={name}", *tied, "parallel.dp=2", "parallel.ep=2"])
+    overrides = [f"model.name={model}", f"model.tie_word_embeddings={str(tied).lower()}"]
+    cfg = load_config(None, [*BASE[1:], *overrides, "parallel.dp=2", "parallel.ep=2"])
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=4)
     try:
         mesh = train.parallel_layout(cfg, torch.device("cpu"))
         model = train.build_model(cfg.model, mesh.device, 0, mesh, torch.bfloat16, True)
+        assert (model.lm_head.weight is model.embed_tokens.weight) == tied
         stages = Stages(model, mesh, dtype=torch.bfloat16)
         ids = torch.randint(model.cfg.vocab_size, (2, 33))
         micro = [(ids[:, :-1], ids[:, 1:])]  # one micro-batch: no accumulation evens the dtypes out
@@ -156,7 +157,8 @@ def test_each_fsdp_unit_reduces_gradients_of_one_dtype_with_bf16_weights(monkeyp
 
 @pytest.mark.gpu
 def test_plan_measure_runs_fsdp_and_ep_on_cuda(capsys):
-    """The mirrored rank on CUDA (bf16 weights, this torch's FSDP): it caught the mixed-dtype reduction."""
+    """A mirrored dp2 x ep2 rank on CUDA (bf16 weights, this torch's FSDP), as measure_presets.py plays the
+    8-GPU presets' ranks: torch 2.11 refused their mixed-dtype reduction before the embedding's own unit."""
     from pith_train.cli import main
 
     flags = [f"--{o}" for o in BASE[:-1]] + ["--parallel.dp=2", "--parallel.ep=2", "--train.global_batch=4"]

@@ -46,7 +46,7 @@ def render(tok, messages: list[dict]) -> tuple[list[int], np.ndarray]:
 
 
 def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int, drop: bool) -> dict:
-    from pith_train.prepare import HFTokenizer, _chunks, clear_leftover, jsonl_rows
+    from pith_train.prepare import HFTokenizer, clear_leftover, decompress, jsonl_rows
 
     out = Path(out_dir).resolve()
     tmp = out.with_name(out.name + ".tmp")
@@ -58,7 +58,7 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
     tokens, masks, n_long = [], [], 0
     for f in files:
         with open(f, "rb") as raw:
-            lines = b"".join(_chunks(f, raw)).split(b"\n")
+            lines = b"".join(decompress(f, raw)).split(b"\n")
         for n, row in jsonl_rows(lines, f):
             messages = row.get("messages") if isinstance(row, dict) else None
             ok = isinstance(messages, list) and all(

@@ -129,7 +129,7 @@ def _file_batches(path: str, field: str):
             yield size * done // table.metadata.num_rows, (list, texts)
         return
     with open(path, "rb") as raw:
-        chunks = filter(None, _chunks(path, raw))
+        chunks = filter(None, decompress(path, raw))
         if not re.search(r"\.jsonl(\.gz|\.zst)?$", path):
             yield size, (list, [b"".join(chunks).decode("utf-8", errors="replace")])
             return
@@ -146,7 +146,7 @@ def _file_batches(path: str, field: str):
                 return
 
 
-def _chunks(path: str, raw):
+def decompress(path: str, raw):
     """`path`'s bytes in chunks, decompressed (.zst: each frame, the last checked whole)."""
     bad = zlib.error
     if path.endswith(".zst"):  # only then: some installs lack it
