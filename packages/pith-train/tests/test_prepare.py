@@ -313,7 +313,8 @@ def test_refusals_name_the_input_and_a_fix_that_works_and_leave_nothing_behind(t
     """Each gave a message without the file or with a fix that did not work: BPE training on a bad input
     left OUT.tmp; `--out .` said "PosixPath('.') has an
     empty name"; `--chat` without --tokenizer blamed a 'byte' tokenizer nobody gave; a dataset whose
-    tokens.bin was cut told the user to prepare it again, which said "already prepared"."""
+    tokens.bin was cut told the user to prepare it again, which said "already prepared"; options of the
+    other kind of input (--max-tokens without --chat, --workers with it) were ignored."""
     (tmp_path / "a.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "c.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     a = str(tmp_path / "a.jsonl")
@@ -321,7 +322,11 @@ def test_refusals_name_the_input_and_a_fix_that_works_and_leave_nothing_behind(t
         ([a, "--out", str(tmp_path / "b"), "--train-tokenizer", "300"], "a.jsonl:1: expected a JSON object"),
         ([a, "--out", "."], "'.' exists and is not a prepared dataset"),
         ([str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "c"), "--chat"], "--chat needs --tokenizer"),
-    ]
+        ([a, "--out", str(tmp_path / "m"), "--max-tokens", "9", "--too-long", "drop"],
+         "--max-tokens, --too-long: used only with --chat; leave them out"),
+        ([str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "c"), "--chat", "--workers", "2"],
+         "--workers: not used with --chat; leave it out"),
+    ]  # fmt: skip
     monkeypatch.chdir(tmp_path)
     for args, why in cases:
         with pytest.raises(SystemExit):
