@@ -47,7 +47,7 @@ def test_convert_hf_to_pith_to_hf_gives_identical_tensors(micro_hf, tmp_path, ca
 
 
 @pytest.mark.parametrize("full", [False, True])
-def test_plot_writes_a_png_with_a_panel_per_metric(tmp_path, monkeypatch, full):
+def test_plot_writes_a_png_with_a_panel_per_metric(tmp_path, monkeypatch, capsys, full):
     import matplotlib.figure
 
     rows = [{"step": s, "loss": 5 - s, "tokens_per_s": 100 + s} for s in range(1, 4)]
@@ -69,6 +69,12 @@ def test_plot_writes_a_png_with_a_panel_per_metric(tmp_path, monkeypatch, full):
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     more = ["lr", "grad_norm", "expert load max/mean"] if full else []
     assert labels == ["loss", "tokens / s", *more]
+    # --out without an extension: matplotlib adds .png, and the path printed is the one written
+    capsys.readouterr()
+    main(["plot", str(tmp_path), "--out", str(tmp_path / "curves")])
+    main(["schedule", "--pp", "2", "--micro-batches", "4", "--png", str(tmp_path / "s")])
+    wrote = [line[6:] for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
+    assert len(wrote) == 2 and all(Path(p).read_bytes()[:4] == b"\x89PNG" for p in wrote), wrote
 
 
 def test_schedule_prints_every_rank_and_draws_a_png(tmp_path, capsys):
