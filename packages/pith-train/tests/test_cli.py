@@ -338,6 +338,8 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
             ["prepare-data", "{tmp}", "--chat", "--out", "{tmp}/x", "--max-tokens", "0"],
             "--max-tokens must be >= 1",
         ),
+        (["eval", "{run}", "--data", "{data}"], "a run directory: name a checkpoint, such as"),
+        (["generate", "{run}", "--prompt", "x"], "/checkpoints/step_000003"),
     ],
 )
 def test_inference_commands_fail_with_one_line(
@@ -347,7 +349,7 @@ def test_inference_commands_fail_with_one_line(
     shutil.copytree(trained, damaged)
     (damaged / "manifest.json").unlink()
     names = {"tmp": tmp_path, "ckpt": trained, "damaged": damaged, "data": byte_data, "hf": micro_hf}
-    names |= {"bad": bad_data, "chat": chat_tokenizer}
+    names |= {"bad": bad_data, "chat": chat_tokenizer, "run": trained.parent.parent}
     with pytest.raises(SystemExit) as e:
         main([a.format(**names) for a in argv])
     err = capsys.readouterr().err
