@@ -100,6 +100,21 @@ def test_plan_measure_refuses_a_rank_outside_the_layout_before_it_builds(capsys,
     assert not dist.is_initialized()
 
 
+def test_measure_called_as_a_library_takes_down_the_mirrored_group_it_made():
+    """The CLI took it down, a direct caller of measure() was left with it: its next init failed."""
+    import torch.distributed as dist
+    from pith_train.config import load_config
+    from pith_train.measure import measure
+
+    cfg = load_config(None, BASE + ["parallel.ep=2"])
+    try:
+        assert measure(cfg, 1, steps=1)["rank"] == 1
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():  # the next test's group
+            dist.destroy_process_group()
+
+
 def test_the_mirror_answers_a_barrier():
     import torch.distributed as dist
     from pith_train.measure import BACKEND
