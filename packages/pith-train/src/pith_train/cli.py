@@ -13,21 +13,25 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
     from pith_train.prepare import find_inputs, padded_vocab, prepare
 
     tokenizer, vocab = args.tokenizer or "byte", args.train_tokenizer
+    keys = ("text_field", "workers", "train_tokenizer") if args.chat else ("max_tokens", "too_long")
+    if bad := [f"--{k.replace('_', '-')}" for k in keys if getattr(args, k) is not None]:  # the other input's
+        why = "not used with" if args.chat else "used only with"
+        raise ValueError(f"{', '.join(bad)}: {why} --chat; leave {'it' if len(bad) == 1 else 'them'} out")
     files = find_inputs(args.inputs, args.glob)
     if args.chat:
         from pith_train.chat import prepare_chat
 
         if not args.tokenizer:
             raise ValueError("--chat needs --tokenizer: a Hugging Face tokenizer directory")
-        drop = args.too_long == "drop"
-        meta = prepare_chat(files, args.out, tokenizer, args.max_tokens, drop)
+        limit = args.max_tokens or 4097
+        meta = prepare_chat(files, args.out, tokenizer, limit, args.too_long == "drop")
         print(
             f"{args.out}: {meta['num_docs']:,} conversations, {meta['num_tokens']:,} tokens"
             f" ({meta['assistant_tokens']:,} the assistant's, which the loss counts); {meta['truncated']:,}"
-            f" truncated, {meta['dropped']:,} dropped as longer than {args.max_tokens:,} tokens"
+            f" truncated, {meta['dropped']:,} dropped as longer than {limit:,} tokens"
         )
         return
-    meta = prepare(files, args.out, tokenizer, args.text_field, args.workers, train_vocab=vocab)
+    meta = prepare(files, args.out, tokenizer, args.text_field or "text", args.workers, train_vocab=vocab)
     print(f"{args.out}: {meta['num_tokens']:,} tokens in {meta['num_docs']:,} documents")
     if vocab:
         train = f"--data.tokenizer={meta['tokenizer']} --model.vocab_size={padded_vocab(meta['vocab_size'])}"
@@ -315,11 +319,11 @@ def main(argv: list[str] | None = None) -> None:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--tokenizer", help="'byte' (the default) or a Hugging Face tokenizer.json")
     which.add_argument("--train-tokenizer", type=int, metavar="VOCAB", help="train a BPE instead")
-    p.add_argument("--text-field", default="text", help="the JSONL field or Parquet column holding the text")
+    p.add_argument("--text-field", help="the JSONL field or Parquet column holding the text (default: text)")
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: one per CPU)")
     p.add_argument("--chat", action="store_true", help='.jsonl {"messages": [...]} in the chat template')
-    p.add_argument("--max-tokens", type=int, default=4097, help="with --chat: the longest kept (seq_len + 1)")
-    p.add_argument("--too-long", choices=["truncate", "drop"], default="truncate", help="with --chat")
+    p.add_argument("--max-tokens", type=int, help="with --chat: the longest kept (seq_len + 1; default 4097)")
+    p.add_argument("--too-long", choices=["truncate", "drop"], help="with --chat (default: truncate)")
     p.set_defaults(run=cmd_prepare_data)
 
     p = sub.add_parser(
