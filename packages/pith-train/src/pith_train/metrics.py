@@ -158,10 +158,18 @@ def plot(run_dir: str, out: str | None = None) -> Path:
     axes[-1].set_xlabel("step")
     fig.suptitle(str(run_dir))
     fig.tight_layout()
-    path = Path(out) if out else Path(run_dir) / "metrics.png"
-    fig.savefig(path, dpi=100)
+    return _save(fig, Path(out) if out else Path(run_dir) / "metrics.png")
+
+
+def _save(fig, out: Path) -> Path:
+    """-> the file written: `out`, or out.png where it names no format (as matplotlib saves it)."""
+    import matplotlib.pyplot as plt
+
+    out = out if out.suffix else out.with_name(out.name + ".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
     plt.close(fig)
-    return path
+    return out
 
 
 def plot_schedule(pp: int, micro_batches: int, out: str) -> Path:
@@ -198,7 +206,4 @@ def plot_schedule(pp: int, micro_batches: int, out: str) -> Path:
         " (hatched: the rank's second chunk; red edges: one overlapped F+B action)"
     )
     fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return Path(out)
+    return _save(fig, Path(out))
