@@ -254,7 +254,13 @@ def model_config(model: "ModelConfig | str"):
                 f"model.name {name!r}: not a known model ({sorted(pith_models.MODELS)}) nor a directory"
             )
         if not (path / "config.json").is_file():
-            raise ValueError(f"model.name {name!r}: a model directory needs a config.json, and it has none")
+            run = sorted((path / "checkpoints").glob("step_*"))  # a pith-train run: its latest checkpoint
+            why = (
+                f"a run directory: name a checkpoint, such as {run[-1]}"
+                if run
+                else "a model directory needs a config.json, and it has none"
+            )
+            raise ValueError(f"model.name {name!r}: {why}")
         if model.overrides:
             raise ValueError(
                 f"model overrides {sorted(model.overrides)}: they apply to a preset name, not to the"
