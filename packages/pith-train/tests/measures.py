@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from pith_train.config import load_config
 from pith_train.measure import measure
 
@@ -22,5 +21,3 @@ for args in map(json.loads, sys.argv[4:]):
     held = {kind: {k: [list(s), str(d), b] for k, (s, d, b) in v.items()} for kind, v in r["held"].items()}
     out = {"held": held, "peak": r["peak"], "static": r["static"], "plan": r["plan"].total}
     Path(sys.argv[3], f"{args['name']}.{r['rank']}.json").write_text(json.dumps(out))
-    if args.get("mirror"):
-        dist.destroy_process_group()
