@@ -5,9 +5,10 @@ plan, and the rank's step time without communication; JSON to OUT (default $OUT/
 
     python3 packages/pith-train/benchmarks/measure_presets.py [OUT.json] [--eager]
 
-Steps: one of warm-up (compilation), two timed. Rows that would start after 400 s are skipped and a row
-still running at 470 s is stopped (END_S=470 in the environment), so the whole stays within 8 minutes:
-every preset's rank 0 first. A row that fails (out of memory) is reported as such.
+Steps: one of warm-up (compilation), four timed (each printed; the table has the median). Rows that
+would start after 400 s are skipped and a row still running at 470 s is stopped (END_S=470 in the
+environment), so the whole stays within 8 minutes: every preset's rank 0 first. A row that fails (out
+of memory) is reported as such.
 """
 
 import json
@@ -28,7 +29,7 @@ def one(config: str, rank: int, out: str, eager: bool) -> None:
     from pith_train.config import load_config, model_config
 
     cfg = load_config(config, ["train.compile=false"] if eager else [])
-    r = measure.measure(cfg, rank, steps=2, warmup=1)
+    r = measure.measure(cfg, rank, steps=4, warmup=1)
     print(measure.report(r), flush=True)
     m = plan.model_shape(model_config(cfg.model))
     row = {
@@ -36,7 +37,8 @@ def one(config: str, rank: int, out: str, eager: bool) -> None:
         "pipeline_rank": r["plan"].rank, "moment": r["plan"].moment, "device": r["device"],
         "plan_gib": r["plan"].total / plan.GIB, "peak_allocated_gib": r["peak"] / plan.GIB,
         "terms_gib": {k: v / plan.GIB for k, v in r["plan"].terms.items()},
-        "step_ms": r["step_s"] * 1e3, "compile": cfg.train.compile,
+        "step_ms": r["step_s"] * 1e3, "steps_ms": [t * 1e3 for t in r["steps_s"]],
+        "compile": cfg.train.compile,
         "held_gib": {k: sum(b for *_, b in v.values()) / plan.GIB for k, v in r["held"].items()},
     }  # fmt: skip
     Path(out).write_text(json.dumps(row))
