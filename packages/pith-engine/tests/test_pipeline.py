@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from pith_engine import checkpoint
 from pith_engine.fp8 import use_fp8
-from pith_engine.parallel import Layout, Mesh, build_mesh, full_state, held_layers, parallelize
+from pith_engine.parallel import Layout, Mesh, build_mesh, held_layers, parallelize
 from pith_engine.step import Aux, Stages, train_step
 from pith_models import deepseek_v2, gpt_oss, qwen3_moe
 
@@ -86,6 +86,8 @@ def train(
     rank's pipeline stage only); resumes from `load` and checkpoints to `save` at the end when given.
     fp8: the projections and expert GEMMs in FP8 (use_fp8). stage_flags: Stages' overlap and wgrad (on
     by default, as in the trainer)."""
+    from oracles import full_state
+
     from conftest import ScaledAdamW  # the worker runs as a script beside conftest.py
 
     model = module.Model(cfg)

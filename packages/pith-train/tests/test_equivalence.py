@@ -32,12 +32,15 @@ import torch
 import torch.distributed as dist
 from pith_engine import checkpoint
 from pith_engine.fp8 import FP8Switch, GatheredFP8
-from pith_engine.parallel import SINGLE, Layout, build_mesh, full_state, local_rows
+from pith_engine.parallel import SINGLE, Layout, build_mesh, local_rows
 from pith_engine.step import Stages, step_values, train_step
 from pith_models import deepseek_v2, gpt_oss, hf, qwen3_moe
 from pith_train import train
 from pith_train.config import load_config
 from pith_train.optim import build_optimizer
+
+sys.path.append(str(Path(__file__).parents[2] / "pith-engine" / "tests"))
+from oracles import full_state  # noqa: E402  (the engine tests' oracle)
 
 MODELS = {
     "qwen3_moe": dataclasses.replace(qwen3_moe.TINY, num_experts=8, mlp_only_layers=()),

@@ -107,16 +107,11 @@ def build_mesh(layout: Layout, device: torch.device) -> Mesh:
     dense = mesh["dp", "cp", "ep"]._flatten("dp_cp_ep")
     experts = mesh["dp", "cp"]._flatten("dp_cp")
     return Mesh(
-        layout,
-        device,
-        **{f"{axis}_rank": mesh.get_local_rank(axis) for axis in ("pp", "dp", "cp", "ep")},
+        layout, device, **{f"{axis}_rank": mesh.get_local_rank(axis) for axis in ("pp", "dp", "cp", "ep")},
         pp_group=mesh.get_group("pp") if layout.pp > 1 else None,
         cp_group=mesh.get_group("cp") if layout.cp > 1 else None,
-        ep_group=mesh.get_group("ep"),
-        reduce_group=dense.get_group(),
-        dense_mesh=dense,
-        expert_mesh=experts,
-    )
+        ep_group=mesh.get_group("ep"), reduce_group=dense.get_group(), dense_mesh=dense, expert_mesh=experts,
+    )  # fmt: skip
 
 
 def expert_comm(mesh: Mesh, align: int = 1) -> ExpertComm:
@@ -124,9 +119,7 @@ def expert_comm(mesh: Mesh, align: int = 1) -> ExpertComm:
 
 
 def held_layers(model: nn.Module) -> dict[int, nn.Module]:
-    if isinstance(model.layers, nn.ModuleDict):
-        return {int(i): layer for i, layer in model.layers.items()}
-    return dict(enumerate(model.layers))
+    return {int(i): layer for i, layer in model.layers.items()}
 
 
 def _expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -172,9 +165,7 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     mp = MixedPrecisionPolicy(param_dtype, torch.float32, cast_forward_inputs=False)
     fp32 = MixedPrecisionPolicy(torch.float32, torch.float32, cast_forward_inputs=False)
     layers = list(held_layers(model).values())
-    plain = (
-        {p for m in _expert_modules(model) for p in m.parameters()} if mesh.expert_mesh.size() == 1 else set()
-    )
+    plain = {p for m in _expert_modules(model) for p in m.parameters() if mesh.expert_mesh.size() == 1}
     for layer in layers:
         if layer.router is not None:
             fully_shard(layer.router, mesh=mesh.dense_mesh, mp_policy=fp32)
@@ -256,18 +247,3 @@ def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
 def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
     """What clipping scales the gradients by: 1 when max_norm <= 0."""
     return (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
-
-
-def full_state(model: nn.Module, mesh: Mesh, grads: bool = False) -> dict[str, Tensor]:
-    experts = expert_param_names(model)
-    out = {}
-    for name, p in model.named_parameters():
-        t = pith_ops.grad(p).to(p.dtype) if grads else p
-        # A copy: over a mesh of one rank full_tensor() is the local tensor itself.
-        t = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-        if name in experts and mesh.layout.ep > 1:
-            parts = [torch.empty_like(t) for _ in range(mesh.layout.ep)]
-            dist.all_gather(parts, t.contiguous(), group=mesh.ep_group)
-            t = torch.cat(parts)
-        out[name] = t
-    return out
