@@ -1,4 +1,4 @@
-"""The layer and model contract that the engine executes.
+"""The layer and model contract the engine executes.
 
 A decoder layer is cut at its expert-parallel communication boundaries, so a scheduler can run one
 micro-batch's compute while another's all-to-all is in flight:

@@ -24,7 +24,7 @@ from pith_engine.executor import DIRECT, Pending, Segments, Steps
 
 
 class Plan(NamedTuple):
-    """Split sizes of one MoE layer's exchanges, on the host (the layer's one host sync)."""
+    """Split sizes of one MoE layer's exchanges, on the host (ExpertParallel.plan)."""
 
     send_rows: list[int]  # to each EP rank (dispatch; received back in combine)
     recv_rows: list[int]

@@ -17,7 +17,7 @@ micro-batches, in eight phases:
   7. (n-r-1)  x W B(a)                    the queued weight work fills the bubbles
   8. (r+1)    x W
 ([F+B]: one overlapped action; Op says the rest.) Transfers are explicit entries (P2P); the tests
-simulate every rank to check that sends and receives pair up in order and no rank waits forever.
+simulate every rank: sends and receives pair up in order, no rank waits forever.
 """
 
 import enum

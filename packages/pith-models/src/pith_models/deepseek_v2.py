@@ -1,6 +1,6 @@
 """DeepSeek-V2 and DeepSeek-V2-Lite in the five-stage layer form.
 
-Architectural choices (those of transformers' DeepseekV2 and of DeepSeek's original code):
+Architectural choices (transformers' DeepseekV2 and DeepSeek's original code):
 - pre-norm decoder, final rms_norm, then lm_head; no biases anywhere;
 - multi-head latent attention (MLA): queries from q_proj, or q_b_proj(rms_norm(q_a_proj(x))) with a
   query LoRA; kv_a_proj_with_mqa maps x to a latent plus rotary dims shared by every head, and
@@ -50,11 +50,12 @@ from pith_models.hf_convert import (
     check_ranges,
     config_kwargs_from_hf,
     from_hf_swiglu_state_dict,
+    hf_fields,
     to_hf_swiglu_state_dict,
     yarn_params_from_hf,
 )
 
-LORA_NORM_EPS = 1e-6  # upstream builds q_a_layernorm / kv_a_layernorm with the default eps
+LORA_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -122,10 +123,9 @@ class Config:
             G, TG = self.n_group, self.topk_group
             if G is None or TG is None or E % G or not 1 <= TG <= G or K > TG * (E // G):
                 raise ValueError(
-                    "group_limited_greedy needs n_group dividing n_routed_experts, "
-                    "1 <= topk_group <= n_group and num_experts_per_tok <= topk_group * "
-                    "(n_routed_experts / n_group); got "
-                    f"n_routed_experts={E}, n_group={G}, topk_group={TG}, num_experts_per_tok={K}"
+                    "group_limited_greedy needs n_group dividing n_routed_experts, 1 <= topk_group <= n_group"
+                    " and num_experts_per_tok <= topk_group * (n_routed_experts / n_group); got"
+                    f" n_routed_experts={E}, n_group={G}, topk_group={TG}, num_experts_per_tok={K}"
                 )
 
     def is_moe(self, i: int) -> bool:
@@ -134,10 +134,7 @@ class Config:
     @classmethod
     def from_hf(cls, d: dict) -> "Config":
         """transformers 4.x or 5.x spelling, or DeepSeek's own."""
-        d = dict(d)
-        model_type = d.pop("model_type", cls.model_type)
-        if model_type != cls.model_type:
-            raise ValueError(f"expected model_type {cls.model_type!r}, got {model_type!r}")
+        d = hf_fields(d, cls)
         heads, kv_heads = d["num_attention_heads"], d.pop("num_key_value_heads", None)
         if kv_heads not in (None, heads):
             raise ValueError(
@@ -281,7 +278,6 @@ class MoE(nn.Module):
         self.gate = Router(D, E, bias=False)
         self.experts = Experts(E, D, F)
         self.shared_experts = MLP(D, cfg.n_shared_experts * F)
-        # Aux-loss-free balancing: for top-k selection only.
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
 
     def route(self, x_TD: Tensor) -> Routing:

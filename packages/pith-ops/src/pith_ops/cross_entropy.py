@@ -263,7 +263,7 @@ def linear_cross_entropy(
             raise ValueError(
                 f"w8 on CUDA: tokens, D and V must be multiples of 16 (FP8 GEMMs), got {T}, {D}, {V}"
             )
-    if not labels_T.is_cuda and not torch.compiler.is_compiling():  # a data-dependent check: eager CPU only
+    if not labels_T.is_cuda and not torch.compiler.is_compiling():
         bad = (labels_T != ignore_index) & ((labels_T < 0) | (labels_T >= V))
         if bad.any():
             raise ValueError(f"labels_T: expected ids in [0, {V}) or {ignore_index}, got {labels_T[bad][0]}")

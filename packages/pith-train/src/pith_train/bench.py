@@ -239,15 +239,13 @@ def run(
     mb = Bl if micro_batch is None else micro_batch
     if mb < 1 or Bl % mb:
         raise ValueError(f"micro_batch: expected a divisor of the {Bl} sequences per data rank, got {mb}")
-    cfg = load_config(
-        None,
-        [f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={mb}", f"train.device={device}",
-         f"train.compile={compile}", f"train.ac={ac}", f"train.seed={seed}", f"train.fp8={fp8}",
-         f"train.fp8_lm_head={fp8_lm_head}", f"train.cuda_graph={cuda_graph}",
-         f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}",
-         f"parallel.overlap={overlap}", f"parallel.wgrad_delay={wgrad_delay}",
-         f"data.document_mask={document_mask}"],
-    )  # fmt: skip
+    cfg = load_config(None, [
+        f"data.seq_len={S}", f"train.global_batch={B}", f"train.micro_batch={mb}", f"train.device={device}",
+        f"train.compile={compile}", f"train.ac={ac}", f"train.seed={seed}", f"train.fp8={fp8}",
+        f"train.fp8_lm_head={fp8_lm_head}", f"train.cuda_graph={cuda_graph}", f"parallel.dp={dp}",
+        f"parallel.cp={cp}", f"parallel.ep={ep}", f"parallel.overlap={overlap}",
+        f"parallel.wgrad_delay={wgrad_delay}", f"data.document_mask={document_mask}",
+    ])  # fmt: skip
     # As TorchTitan: freed blocks coalesce, so the reserved peak stays near the allocated one.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     dev = pick_device(device, "device")
@@ -341,26 +339,18 @@ def run(
     out = {
         "card": torch.cuda.get_device_name(dev) if cuda else "cpu",
         "layout": dict(world=mesh.layout.world, dp=dp, cp=cp, ep=ep, fsdp=mesh.dense_mesh is not None),
-        "workload": workload,
-        "settings": knobs,
-        "step_ms": step_s * 1e3,
-        "step_ms_all": [s * 1e3 for s in seconds],
-        "step_ms_back_to_back": back_to_back_ms,
-        "tokens_per_s": tokens_per_s,
-        "flops_per_token_causal": f_causal,
-        "flops_per_token_full": f_full,
-        "model_tflops_causal": f_causal * tokens_per_s / 1e12,
-        "measured_matmul_tflops": measured / 1e12,
+        "workload": workload, "settings": knobs, "step_ms": step_s * 1e3,
+        "step_ms_all": [s * 1e3 for s in seconds], "step_ms_back_to_back": back_to_back_ms,
+        "tokens_per_s": tokens_per_s, "flops_per_token_causal": f_causal, "flops_per_token_full": f_full,
+        "model_tflops_causal": f_causal * tokens_per_s / 1e12, "measured_matmul_tflops": measured / 1e12,
         "mfu_measured": f_causal * tokens_per_s / (measured * mesh.layout.world),
-        "datasheet_tflops": datasheet / 1e12,
-        "datasheet_source": datasheet_source,
+        "datasheet_tflops": datasheet / 1e12, "datasheet_source": datasheet_source,
         "mfu_989": f_full * tokens_per_s / (datasheet * mesh.layout.world),
         "peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / gib if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / gib if cuda else None,
         "plan_gib": {"total": planned.total / gib, **{k: v / gib for k, v in planned.terms.items()}},
-        "losses": [float(loss) for loss in losses],
-        "memory_at_peak": at_peak,
-    }
+        "losses": [float(loss) for loss in losses], "memory_at_peak": at_peak,
+    }  # fmt: skip
     if profile_steps:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:

@@ -308,17 +308,10 @@ def prepare(
         raise
     bar.close()
     meta = {
-        "tokenizer": str(out / "tokenizer.json") if train_vocab else tok.name,
-        "tokenizer_hash": tok.hash,
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        "max_token_id": top,
-        "dtype": tokens.dtype.name,
-        "num_tokens": n,
-        "num_docs": docs,
-        "num_files": len(files),
-        "source": key,  # what a re-run compares
-    }
+        "tokenizer": str(out / "tokenizer.json") if train_vocab else tok.name, "tokenizer_hash": tok.hash,
+        "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "max_token_id": top, "dtype": tokens.dtype.name,
+        "num_tokens": n, "num_docs": docs, "num_files": len(files), "source": key,  # what a re-run compares
+    }  # fmt: skip
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     tmp.rename(out)
     return meta

@@ -265,16 +265,11 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
             seconds = time.perf_counter() - start
             tokens_per_s = G * S / seconds
             record = {
-                "step": step,
-                "loss": loss,
-                "lr": lr,
-                "tokens_per_s": tokens_per_s,
+                "step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
                 **({"mfu": flops * tokens_per_s / (peak * mesh.layout.world)} if peak else {}),
-                "grad_norm": grad_norm,
-                "aux": aux_loss,
-                "expert_load_max_over_mean": load,
+                "grad_norm": grad_norm, "aux": aux_loss, "expert_load_max_over_mean": load,
                 "memory_gib": peak_memory_gib(device),
-            }
+            }  # fmt: skip
             if len(names) > 1:  # the realised mix so far
                 record.update({f"mix/{n}": c / cursor for n, c in zip(names, loader.taken(cursor))})
             signum = agreed(stop.signum, device)  # any rank's: all stop after the same step
@@ -303,10 +298,6 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     if len(names) > 1:
         warn(f"realised mix: {dict(zip(names, loader.taken(cursor)))} sequences, weights {d.weights}")
     return {
-        "step": step,
-        "loss": record.get("loss"),
-        "val_loss": record.get("val_loss"),
-        "run_dir": str(run_dir),
-        "metrics": str(run_dir / "metrics.jsonl"),
-        "checkpoints": str(ckpt_root),
-    }
+        "step": step, "loss": record.get("loss"), "val_loss": record.get("val_loss"), "run_dir": str(run_dir),
+        "metrics": str(run_dir / "metrics.jsonl"), "checkpoints": str(ckpt_root),
+    }  # fmt: skip
