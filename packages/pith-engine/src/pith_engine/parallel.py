@@ -119,7 +119,9 @@ def expert_comm(mesh: Mesh, align: int = 1) -> ExpertComm:
 
 
 def held_layers(model: nn.Module) -> dict[int, nn.Module]:
-    return {int(i): layer for i, layer in model.layers.items()}
+    if isinstance(model.layers, nn.ModuleDict):
+        return {int(i): layer for i, layer in model.layers.items()}
+    return dict(enumerate(model.layers))
 
 
 def _expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -165,7 +167,9 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     mp = MixedPrecisionPolicy(param_dtype, torch.float32, cast_forward_inputs=False)
     fp32 = MixedPrecisionPolicy(torch.float32, torch.float32, cast_forward_inputs=False)
     layers = list(held_layers(model).values())
-    plain = {p for m in _expert_modules(model) for p in m.parameters() if mesh.expert_mesh.size() == 1}
+    plain = (
+        {p for m in _expert_modules(model) for p in m.parameters()} if mesh.expert_mesh.size() == 1 else set()
+    )
     for layer in layers:
         if layer.router is not None:
             fully_shard(layer.router, mesh=mesh.dense_mesh, mp_policy=fp32)

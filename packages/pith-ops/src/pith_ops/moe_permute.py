@@ -264,9 +264,6 @@ def _static_rows(T: int, K: int, num_experts: int, align: int, rows: int | None)
     return rows if rows is not None else T * K + num_experts * (align - 1)
 
 
-# --- moe_permute
-
-
 def _permute_forward(
     x_TD: Tensor, expert_ids_TK: Tensor, num_experts: int, align: int, rows: int | None
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -419,9 +416,6 @@ def moe_permute(
     return _permute(x_TD, expert_ids_TK, num_experts, align, rows)
 
 
-# --- moe_unpermute
-
-
 def _unpermute_forward(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
     return _combine(y_ND, slots_TK.contiguous(), weights_TK.contiguous())
 
@@ -495,9 +489,6 @@ def moe_unpermute(y_ND: Tensor, slots_TK: Tensor, weights_TK: Tensor) -> Tensor:
     if not use_triton(y_ND):
         return moe_unpermute_reference(y_ND, slots_TK, weights_TK)
     return _unpermute(y_ND, slots_TK, weights_TK)
-
-
-# --- specification
 
 
 def moe_permute_reference(

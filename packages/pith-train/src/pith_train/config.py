@@ -254,7 +254,7 @@ def model_config(model: "ModelConfig | str"):
                 f"model.name {name!r}: not a known model ({sorted(pith_models.MODELS)}) nor a directory"
             )
         if not (path / "config.json").is_file():
-            run = sorted((path / "checkpoints").glob("step_*"))  # a pith-train run: its latest checkpoint
+            run = sorted((path / "checkpoints").glob("step_*"))  # a run directory's
             why = (
                 f"a run directory: name a checkpoint, such as {run[-1]}"
                 if run

@@ -151,15 +151,15 @@ class WindowLoader:
         ]
         return [self._rows(range(first, first + micro_batch)) for first in firsts]
 
-    def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1):
+    def val_batches(self, micro_batch: int, rank: int = 0, ranks: int = 1, ignore_index: int = -100):
         """This rank's share of the validation windows, sliced as step_batch slices a step; rows past
-        the last repeat it with labels -100 (ignored): every rank runs as many batches."""
+        the last repeat it with labels `ignore_index`: every rank runs as many batches."""
         n, per_round = len(self.val_ids), micro_batch * ranks
         for first in range(0, n, per_round):
             ids = np.arange(first + rank * micro_batch, first + (rank + 1) * micro_batch)
             val_ids = self.val_ids[np.minimum(ids, n - 1)]
             batch = windows(self.val_tokens, self.S, val_ids, self.val_doc_ends, self.val_mask)
-            batch[1][torch.from_numpy(ids >= n)] = -100
+            batch[1][torch.from_numpy(ids >= n)] = ignore_index
             yield batch
 
 
