@@ -356,6 +356,24 @@ def test_inference_commands_fail_with_one_line(
     assert e.value.code == 1 and message in err and "Traceback" not in err and len(err.splitlines()) == 1
 
 
+def test_a_run_directory_given_as_a_checkpoint_is_refused_naming_its_latest_intact_one(
+    trained, byte_data, chat_tokenizer, tmp_path, capsys
+):
+    """Of a run whose tokenizer is a Hugging Face one (no tokenizer.json in the run directory, only in its
+    checkpoints), with a damaged newer checkpoint beside the intact one: eval and generate named the
+    damaged one, or asked for --tokenizer."""
+    run = tmp_path / "run"
+    shutil.copytree(trained.parent.parent, run)
+    (run / "checkpoints" / "step_000009.damaged").mkdir()
+    config = (run / "config.toml").read_text().replace('"byte"', f'"{chat_tokenizer}/tokenizer.json"')
+    (run / "config.toml").write_text(config)
+    for argv in (["eval", str(run), "--data", str(byte_data)], ["generate", str(run), "--prompt", "x"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        err = capsys.readouterr().err
+        assert f"a run directory: name a checkpoint, such as {run}/checkpoints/step_000003\n" in err, err
+
+
 def test_prepare_data_trains_a_bpe_tokenizer_that_round_trips_and_a_model_trains_on_it(
     micro_config, micro_hf, tmp_path, capsys
 ):
