@@ -307,7 +307,8 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
         (["eval", "{ckpt}", "--data", "{data}", "--cpu-threads", "-1"], "--cpu-threads must be >= 0"),
         (["eval", "{ckpt}", "--data", "{data}", "--seq-len", "60000"], "not one window of --seq-len 60000"),
         (["generate", "{ckpt}", "--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
-        (["generate", "{tmp}", "--prompt", "x"], "no tokenizer.json and no run config"),
+        (["generate", "{hf}", "--prompt", "x"], "no tokenizer.json and no run config"),
+        (["generate", "{tmp}", "--prompt", "x"], "a model directory needs a config.json"),  # not --tokenizer
         (["eval", "{damaged}", "--data", "{data}", "--tokenizer", "byte"], "is damaged: manifest.json"),
         (["eval", "{tmp}/nope", "--data", "{data}"], "nope does not exist"),
         (["eval", "{ckpt}", "--data", "{bad}"], "holds token id 300, more than the model's 260"),

@@ -323,9 +323,9 @@ def test_refusals_name_the_input_and_a_fix_that_works_and_leave_nothing_behind(t
         ([a, "--out", "."], "'.' exists and is not a prepared dataset"),
         ([str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "c"), "--chat"], "--chat needs --tokenizer"),
         ([a, "--out", str(tmp_path / "m"), "--max-tokens", "9", "--too-long", "drop"],
-         "--max-tokens, --too-long: used only with --chat; leave them out"),
+         "--max-tokens, --too-long: used only with --chat; omit"),
         ([str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "c"), "--chat", "--workers", "2"],
-         "--workers: not used with --chat; leave it out"),
+         "--workers: not used with --chat; omit"),
     ]  # fmt: skip
     monkeypatch.chdir(tmp_path)
     for args, why in cases:

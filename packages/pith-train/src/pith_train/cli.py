@@ -15,8 +15,7 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
     tokenizer, vocab = args.tokenizer or "byte", args.train_tokenizer
     keys = ("text_field", "workers", "train_tokenizer") if args.chat else ("max_tokens", "too_long")
     if bad := [f"--{k.replace('_', '-')}" for k in keys if getattr(args, k) is not None]:
-        why = "not used with" if args.chat else "used only with"
-        raise ValueError(f"{', '.join(bad)}: {why} --chat; leave {'it' if len(bad) == 1 else 'them'} out")
+        raise ValueError(f"{', '.join(bad)}: {'not used' if args.chat else 'used only'} with --chat; omit")
     files = find_inputs(args.inputs, args.glob)
     if args.chat:
         from pith_train.chat import prepare_chat
