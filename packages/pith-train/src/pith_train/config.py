@@ -243,6 +243,7 @@ def _model_value(where: str, value, kind):
 def model_config(model: "ModelConfig | str"):
     """The model config of [model]: a preset with its overrides, or a directory's config.json."""
     import pith_models
+    from pith_engine.checkpoint import checkpoints
     from pith_models.hf import config_from_hf
 
     model = ModelConfig(model) if isinstance(model, str) else model
@@ -254,7 +255,7 @@ def model_config(model: "ModelConfig | str"):
                 f"model.name {name!r}: not a known model ({sorted(pith_models.MODELS)}) nor a directory"
             )
         if not (path / "config.json").is_file():
-            run = sorted((path / "checkpoints").glob("step_*"))  # a run directory's
+            run = checkpoints(path / "checkpoints")  # a run directory's
             why = (
                 f"a run directory: name a checkpoint, such as {run[-1]}"
                 if run

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from pith_train.config import Config, load_config
+from pith_train.config import Config, load_config, model_config
 from pith_train.data import PackedDataset, windows
 from pith_train.prepare import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -36,6 +36,7 @@ def run_tokenizer(path: Path, spec: str | None) -> ByteTokenizer | HFTokenizer:
         )
     if own or given:
         return own or given
+    model_config(str(path))  # a run directory's refusal first
     raise ValueError(f"{path} has no tokenizer.json and no run config naming its tokenizer: pass --tokenizer")
 
 

@@ -162,7 +162,7 @@ def plot(run_dir: str, out: str | None = None) -> Path:
 
 
 def _save(fig, out: Path) -> Path:
-    """-> the file written: `out`, or out.png where it names no format (as matplotlib saves it)."""
+    """-> the file written: `out`, + .png where it has no suffix (as matplotlib does)."""
     import matplotlib.pyplot as plt
 
     out = out if out.suffix else out.with_name(out.name + ".png")
