@@ -143,6 +143,14 @@ def test_formats_refuse_a_missing_field_and_an_existing_output(tmp_path):
         (tmp_path / "cut.parquet").write_bytes(cut)
         with pytest.raises(ValueError, match="cut.parquet: not a whole Parquet file"):
             prepare([str(tmp_path / "cut.parquet")], str(tmp_path / "ds"), text_field="body", progress=False)
+    # Metadata whole, a data page corrupt: arrow's OSError mid-read named no file either.
+    texts = [f"document {i} " * 20 for i in range(5000)]
+    pq.write_table(pa.table({"body": texts}), tmp_path / "page.parquet", row_group_size=1000)
+    page = bytearray((tmp_path / "page.parquet").read_bytes())
+    page[len(page) // 2 : len(page) // 2 + 200] = bytes(b ^ 0x5A for b in page[len(page) // 2 :][:200])
+    (tmp_path / "page.parquet").write_bytes(page)
+    with pytest.raises(ValueError, match="page.parquet: not a whole Parquet file"):
+        prepare([str(tmp_path / "page.parquet")], str(tmp_path / "ds"), text_field="body", progress=False)
     (tmp_path / "blank.jsonl").write_text('\n{"text": ""}\n')
     with pytest.raises(ValueError, match=r"the inputs hold no text \(1 documents, all empty\)"):
         prepare([str(tmp_path / "blank.jsonl")], str(tmp_path / "ds"), progress=False)
