@@ -115,13 +115,17 @@ def _file_batches(path: str, field: str):
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        try:
-            table, done = pq.ParquetFile(path), 0
-        except (ValueError, OSError) as e:  # arrow's names no file
-            raise ValueError(f"{path}: not a whole Parquet file ({e})") from None
+        def read(f, *args):  # arrow's errors name no file
+            try:
+                return f(*args)
+            except (ValueError, OSError) as e:
+                raise ValueError(f"{path}: not a whole Parquet file ({e})") from None
+
+        table, done = read(pq.ParquetFile, path), 0
         if field not in table.schema_arrow.names:
             raise ValueError(f"{path}: no column {field!r} (it has {table.schema_arrow.names})")
-        for records in table.iter_batches(1024, columns=[field]):
+        batches = table.iter_batches(1024, columns=[field])
+        while (records := read(next, batches, None)) is not None:
             texts = records.column(0).to_pylist()
             if not all(isinstance(t, str) for t in texts):
                 raise ValueError(f"{path}: column {field!r} holds {set(map(type, texts))}, not strings")
