@@ -339,7 +339,7 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
             ["prepare-data", "{tmp}", "--chat", "--out", "{tmp}/x", "--max-tokens", "0"],
             "--max-tokens must be >= 1",
         ),
-        (["eval", "{run}", "--data", "{data}"], "a run directory: name a checkpoint, such as"),
+        (["eval", "{run}", "--data", "{data}"], "a run directory; name a checkpoint, e.g."),
         (["generate", "{run}", "--prompt", "x"], "/checkpoints/step_000003"),
     ],
 )
@@ -372,7 +372,7 @@ def test_a_run_directory_given_as_a_checkpoint_is_refused_naming_its_latest_inta
         with pytest.raises(SystemExit):
             main(argv)
         err = capsys.readouterr().err
-        assert f"a run directory: name a checkpoint, such as {run}/checkpoints/step_000003\n" in err, err
+        assert f"a run directory; name a checkpoint, e.g. {run}/checkpoints/step_000003\n" in err, err
 
 
 def test_prepare_data_trains_a_bpe_tokenizer_that_round_trips_and_a_model_trains_on_it(

@@ -255,13 +255,9 @@ def model_config(model: "ModelConfig | str"):
                 f"model.name {name!r}: not a known model ({sorted(pith_models.MODELS)}) nor a directory"
             )
         if not (path / "config.json").is_file():
-            run = checkpoints(path / "checkpoints")  # a run directory's
-            why = (
-                f"a run directory: name a checkpoint, such as {run[-1]}"
-                if run
-                else "a model directory needs a config.json, and it has none"
-            )
-            raise ValueError(f"model.name {name!r}: {why}")
+            if run := checkpoints(path / "checkpoints"):
+                raise ValueError(f"model.name {name!r}: a run directory; name a checkpoint, e.g. {run[-1]}")
+            raise ValueError(f"model.name {name!r}: a model directory needs a config.json, and it has none")
         if model.overrides:
             raise ValueError(
                 f"model overrides {sorted(model.overrides)}: they apply to a preset name, not to the"

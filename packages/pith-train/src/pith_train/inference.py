@@ -36,7 +36,7 @@ def run_tokenizer(path: Path, spec: str | None) -> ByteTokenizer | HFTokenizer:
         )
     if own or given:
         return own or given
-    model_config(str(path))  # a run directory's refusal first
+    model_config(str(path))  # a run directory: refused
     raise ValueError(f"{path} has no tokenizer.json and no run config naming its tokenizer: pass --tokenizer")
 
 

@@ -204,7 +204,7 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
         return {"rank": rank, "held": held, "peak": peak, "static": static, "device": str(device),
                 "plan": max(start, at_step, key=lambda x: x.total), "step_plan": at_step,
                 "step_s": statistics.median(seconds[warmup:]), "steps_s": seconds[warmup:]}  # fmt: skip
-    finally:  # the group it made
+    finally:
         if mirrored:
             dist.destroy_process_group()
 

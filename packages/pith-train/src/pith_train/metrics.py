@@ -162,10 +162,10 @@ def plot(run_dir: str, out: str | None = None) -> Path:
 
 
 def _save(fig, out: Path) -> Path:
-    """-> the file written: `out`, + .png where it has no suffix (as matplotlib does)."""
+    """-> the file written (matplotlib adds .png to a name without a suffix)."""
     import matplotlib.pyplot as plt
 
-    out = out if out.suffix else out.with_name(out.name + ".png")
+    out = out if out.suffix else Path(f"{out}.png")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
