@@ -57,6 +57,17 @@ def test_plan_measure_prints_measured_beside_planned(capsys):
     assert "step without communication" in out
 
 
+def test_a_mirrored_ep_rank_receives_its_own_experts_entries_as_the_counts_say(capsys):
+    """Top-3 over ep2: a token with two experts here and one there goes out in two rows. The mirror
+    handed every row sent back, so this rank took more entries of its own experts than the exchanged
+    counts allow: on CPU moe_permute's `rows` check, on CUDA writes past the buffer."""
+    from pith_train.cli import main
+
+    flags = [*(f"--{o}" for o in BASE), "--parallel.ep=2", "--model.num_experts_per_tok=3"]
+    main(["plan", *flags, "--measure", "--rank=1", "--steps=1"])
+    assert "step without communication" in capsys.readouterr().out
+
+
 def test_plan_measure_runs_muon_whose_all_to_all_receives_more_than_it_sends(capsys):
     import torch.distributed as dist
     from pith_train.cli import main
