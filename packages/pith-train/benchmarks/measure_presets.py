@@ -13,6 +13,7 @@ of memory) is reported as such.
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -37,7 +38,7 @@ def one(config: str, rank: int, out: str, eager: bool) -> None:
         "pipeline_rank": r["plan"].rank, "moment": r["plan"].moment, "device": r["device"],
         "plan_gib": r["plan"].total / plan.GIB, "peak_allocated_gib": r["peak"] / plan.GIB,
         "terms_gib": {k: v / plan.GIB for k, v in r["plan"].terms.items()},
-        "step_ms": r["step_s"] * 1e3, "steps_ms": [t * 1e3 for t in r["steps_s"]],
+        "step_ms": statistics.median(r["steps_s"]) * 1e3, "steps_ms": [t * 1e3 for t in r["steps_s"]],
         "compile": cfg.train.compile,
         "held_gib": {k: sum(b for *_, b in v.values()) / plan.GIB for k, v in r["held"].items()},
     }  # fmt: skip

@@ -90,7 +90,7 @@ def expert_gemm(
     if fp8:
         w8 = FP8Switch.fp8_weight(w_EIO, fp8_grouped_gemm_weight)
         # Not x_ND in the closure: it kept the bf16 rows alive to the backward beside their FP8 copy
-        # (the pith-train bench: 2 GiB of permuted rows and 0.8 GiB of SwiGLU outputs at its peak, H200).
+        # (2.8 GiB at the bench's peak, H200).
         x_dtype = x_ND.dtype
 
         def split_backward(saved, dy_NO, need_dx):
@@ -100,7 +100,7 @@ def expert_gemm(
         split = (lambda x, w: fp8_grouped_forward(x, w, group_ends_E, w8, x8), split_backward)
         forward = lambda x, w: pith_ops.fp8_grouped_gemm(x, w, group_ends_E, w8, x8)
         # In the rows' dtype, as the bf16 path's cast: the weight holds its bf16 gradient, not widened
-        # into .grad (that widening and the optimizer's wider reads cost FP8 6.6% of tokens/s, H100).
+        # into .grad (pith-train README, the FP8 regression).
         return defer_wgrad(queue, forward, split, x_ND, pith_ops.stand_in(w_EIO, x_dtype))
 
     def split_backward(saved, dy_NO, need_dx):

@@ -156,8 +156,8 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
                 raise ValueError(f"expert weight {name} {tuple(p.shape)}: {p.shape[0]} experts over ep={ep}")
             held = p.shape[0] // ep
             setattr(m, name, nn.Parameter(p.detach()[r * held : (r + 1) * held].clone()))
-    # A group of one rank shards nothing, FSDP over it only adds copies (the bench under torchrun on one
-    # H200: 87.6% of one process's tokens/s): such weights stay plain.
+    # A group of one rank shards nothing, FSDP over it only adds copies (pith-engine README, 87.6%):
+    # such weights stay plain.
     if mesh.dense_mesh is None or mesh.dense_mesh.size() == 1:
         return model
     # FSDP2 warns at every forward of a unit that returned a view (12 lines a step on the tiny default):

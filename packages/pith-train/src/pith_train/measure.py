@@ -53,8 +53,11 @@ class Mirror(dist.ProcessGroup):
     def reduce_scatter_single(self, out, x, opts):
         return self._done(lambda: self._sum(out.copy_(x.view(self.n, -1)[self.rank()].view_as(out)), opts))
 
-    def all_to_all_single(self, out, x, out_splits, in_splits, opts):  # the splits mirror, or x repeats
-        return self._done(lambda: _repeat_into(out.view(-1), x.reshape(-1)))
+    def all_to_all_single(self, out, x, out_splits, in_splits, opts):  # from each: what this one sends itself
+        r, ins = self.rank(), in_splits or [len(x) // self.n] * self.n
+        own = x[sum(ins[:r]) : sum(ins[: r + 1])].reshape(-1)
+        outs = out.split(out_splits or len(out) // self.n)
+        return self._done(lambda: [_repeat_into(o.reshape(-1), own) for o in outs])
 
     def broadcast(self, tensors=(), opts=None):  # also barrier(opts=...)
         return self._done()
@@ -92,7 +95,7 @@ class Mirror(dist.ProcessGroup):
 
 
 def _repeat_into(out, x):
-    """out <- x, repeated or cut to out's length (Muon's FSDP pieces differ in size); x empty: zeros."""
+    """out <- x, repeated or cut to out's length (pieces differ in size); x empty: zeros."""
     if not len(x):
         return out.zero_()
     for i in range(0, len(out), len(x)):
@@ -101,7 +104,7 @@ def _repeat_into(out, x):
 
 BACKEND = "pith-mirror"
 # String-keyed as torch requires (the one such place): DeviceMesh, FSDP2 and DCP make subgroups by
-# the default group's backend name, so the mirror's subgroups mirror too.
+# the default group's backend name (so they mirror too).
 dist.Backend.register_backend(BACKEND, lambda store, r, n, timeout: Mirror(r, n), devices=["cpu", "cuda"])
 
 
@@ -142,7 +145,7 @@ def _tensors(named) -> dict[str, tuple]:
     return {k: (tuple(t.shape), t.dtype, t.numel() * t.element_size()) for k, t in named if t is not None}
 
 
-def heaviest(cfg: Config, m: plan.Model, cuda: bool) -> int:  # benchmarks/measure_presets.py's too
+def heaviest(cfg: Config, m: plan.Model, cuda: bool) -> int:  # measure_presets.py's too
     """The global rank (data, context, expert 0) of the pipeline rank that holds most."""
     return plan.plan(cfg, m, cuda).rank * (cfg.world // cfg.parallel.pp)
 
@@ -203,7 +206,7 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
         start, at_step = plan.rank_plan(cfg, m, mesh.pp_rank, cuda)
         return {"rank": rank, "held": held, "peak": peak, "static": static, "device": str(device),
                 "plan": max(start, at_step, key=lambda x: x.total), "step_plan": at_step,
-                "step_s": statistics.median(seconds[warmup:]), "steps_s": seconds[warmup:]}  # fmt: skip
+                "steps_s": seconds[warmup:]}  # fmt: skip
     finally:
         if mirrored:
             dist.destroy_process_group()
@@ -224,6 +227,6 @@ def report(r: dict) -> str:
         *(f"  {k:<30}{cell(p):>10}{cell(m):>10}" for k, p, m in rows),
         f"measured / planned peak: {r['peak'] / out.total:.3f}; gradients at the optimizer step, planned"
         f" {cell(r['step_plan'].terms['gradients'])}, measured {cell(grads)}",
-        f"step without communication: {r['step_s'] * 1e3:.1f} ms, the median of"
+        f"step without communication: {statistics.median(r['steps_s']) * 1e3:.1f} ms, the median of"
         f" {', '.join(f'{t * 1e3:.1f}' for t in r['steps_s'])} (a lower bound on the real step)",
     ])  # fmt: skip
