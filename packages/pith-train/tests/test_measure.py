@@ -111,6 +111,22 @@ def test_plan_measure_refuses_a_rank_outside_the_layout_before_it_builds(capsys,
     assert not dist.is_initialized()
 
 
+def test_plan_measure_refuses_a_rank_the_plan_says_does_not_fit_before_it_builds(capsys, monkeypatch):
+    """It built the model and was killed by the OOM killer: the DeepSeek preset at 4,096 tokens on a
+    24 GiB CPU machine (the plan: 23.9 GiB)."""
+    import torch.distributed as dist
+    from pith_train import plan, train
+    from pith_train.cli import main
+
+    monkeypatch.setattr(plan, "device_memory", lambda device, processes=1: (2**20, "a 1 MiB device"))
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("built a rank that does not fit"))
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *(f"--{o}" for o in BASE), "--parallel.ep=2", "--measure", "--rank=1", "--steps=1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "plan: a rank of this run needs" in err and "a 1 MiB device is 0.0 GiB" in err
+    assert not dist.is_initialized()
+
+
 def test_measure_called_as_a_library_takes_down_the_mirrored_group_it_made():
     """The CLI took it down, a direct caller of measure() was left with it: its next init failed."""
     import torch.distributed as dist
