@@ -43,7 +43,7 @@ class Mirror(dist.ProcessGroup):
     def allreduce(self, tensors, opts):
         return self._done(lambda: [self._sum(t, opts) for t in tensors])
 
-    def all_gather_single(self, out, x, opts):  # FSDP2 gathers in place: x may be this rank's piece
+    def all_gather_single(self, out, x, opts):  # FSDP2 gathers in place: x may be out's
         x = x.reshape(-1)
         return self._done(lambda: [o.copy_(x) for o in out.view(self.n, -1) if o.data_ptr() != x.data_ptr()])
 
@@ -53,7 +53,7 @@ class Mirror(dist.ProcessGroup):
     def reduce_scatter_single(self, out, x, opts):
         return self._done(lambda: self._sum(out.copy_(x.view(self.n, -1)[self.rank()].view_as(out)), opts))
 
-    def all_to_all_single(self, out, x, out_splits, in_splits, opts):  # from each: what this one sends itself
+    def all_to_all_single(self, out, x, out_splits, in_splits, opts):  # from each: what it sends itself
         r, ins = self.rank(), in_splits or [len(x) // self.n] * self.n
         own = x[sum(ins[:r]) : sum(ins[: r + 1])].reshape(-1)
         outs = out.split(out_splits or len(out) // self.n)
@@ -104,7 +104,7 @@ def _repeat_into(out, x):
 
 BACKEND = "pith-mirror"
 # String-keyed as torch requires (the one such place): DeviceMesh, FSDP2 and DCP make subgroups by
-# the default group's backend name (so they mirror too).
+# the default group's backend name.
 dist.Backend.register_backend(BACKEND, lambda store, r, n, timeout: Mirror(r, n), devices=["cpu", "cuda"])
 
 
@@ -145,7 +145,7 @@ def _tensors(named) -> dict[str, tuple]:
     return {k: (tuple(t.shape), t.dtype, t.numel() * t.element_size()) for k, t in named if t is not None}
 
 
-def heaviest(cfg: Config, m: plan.Model, cuda: bool) -> int:  # measure_presets.py's too
+def heaviest(cfg: Config, m: plan.Model, cuda: bool) -> int:
     """The global rank (data, context, expert 0) of the pipeline rank that holds most."""
     return plan.plan(cfg, m, cuda).rank * (cfg.world // cfg.parallel.pp)
 
@@ -154,13 +154,12 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
     """`warmup` + `steps` steps on random tokens as `rank` (default: the heaviest), mirrored unless
     under torchrun -> held tensors {kind: {name: (shape, dtype, bytes)}}, peak, plans, step s."""
     device = train.pick_device(cfg.train.device, "train.device", cfg.train.cpu_threads)
-    cuda, m = device.type == "cuda", plan.model_shape(model_config(cfg.model))
-    plan.valid(cfg, m)
-    world = cfg.world
+    cuda, m, world = device.type == "cuda", plan.model_shape(model_config(cfg.model)), cfg.world
+    plan.check(cfg, model_config(cfg.model), device, "", world)
     rank = heaviest(cfg, m, cuda) if rank is None else rank
     if not 0 <= rank < world or steps < 1:
         raise ValueError(f"--rank {rank}, --steps {steps}: expected a rank 0 to {world - 1}, steps >= 1")
-    if mirrored := not dist.is_initialized() and "RANK" not in os.environ:  # under torchrun: the real group
+    if mirrored := not dist.is_initialized() and "RANK" not in os.environ:  # torchrun: the real group
         if cuda:
             torch.cuda.set_device(device)
         dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world)

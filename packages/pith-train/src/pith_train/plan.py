@@ -22,14 +22,14 @@ from pith_train.muon import hidden_matrices
 
 GIB = 2**30
 SLACK = 1.05  # reserved / allocated of the bench on an H200 (expandable segments)
-CONTEXT = GIB  # the CUDA context and libraries' workspaces (CPU: Python and torch); not measured
+CONTEXT = GIB  # the CUDA context and libraries' workspaces (CPU: Python, torch); not measured
 LOGITS = 2**29  # pith_ops.cross_entropy.CHUNK_LOGITS: the logits the fused loss holds at once
 FSDP_UNIT = 10  # bytes an element of the unit at work: gathered, the next prefetched, 2+4 for its grads
 
 
 class Layer(NamedTuple):
     dense: int  # parameters outside the routed experts (attention, norms, router, shared or dense MLP)
-    experts: int  # the routed experts' (all E of them)
+    experts: int  # the routed experts' (all E)
     gemm: int  # of which the 3-D GEMM weights (kept casts, FP8 copies, Muon)
     linear: int  # the projections' (pith_engine.layers.Linear)
     muon: int  # the hidden matrices Muon takes outside the experts
@@ -239,10 +239,10 @@ def terms(out: Plan) -> list[tuple[str, float]]:
     return [(k, v / GIB) for k, v in sorted(out.terms.items(), key=lambda kv: -kv[1])]  # GiB, largest first
 
 
-def check(cfg: Config, model_cfg, device: torch.device, launch: str) -> Plan:
-    """ValueError when the layout does not match the processes started (naming the torchrun line) or
-    the plan does not fit `device`."""
-    m, started = model_shape(model_cfg), int(os.environ.get("WORLD_SIZE", 1))
+def check(cfg: Config, model_cfg, device: torch.device, launch: str, started: int = 0) -> Plan:
+    """ValueError when the layout does not match the processes `started` (else torchrun's; naming its
+    line) or the plan does not fit `device`."""
+    m, started = model_shape(model_cfg), started or int(os.environ.get("WORLD_SIZE", 1))
     world = cfg.world
     try:
         valid(cfg, m, started)
