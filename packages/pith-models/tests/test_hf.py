@@ -242,3 +242,13 @@ def test_a_size_below_one_or_a_float_not_positive_is_refused_naming_the_field(mo
         for bad in [least - 1] if isinstance(v, int) else [0.0, -1.0, math.inf, math.nan]:
             with pytest.raises(ValueError, match=name):
                 dataclasses.replace(module.TINY, **{name: bad})
+
+
+@pytest.mark.parametrize("module", [qwen3_moe, deepseek_v2, gpt_oss])
+def test_from_hf_refuses_another_familys_model_type_and_reads_its_own_or_none(module):
+    d = module.TINY.to_hf()
+    assert d["model_type"] == module.Config.model_type and module.Config.from_hf(d) == module.TINY
+    assert module.Config.from_hf({k: v for k, v in d.items() if k != "model_type"}) == module.TINY
+    with pytest.raises(ValueError, match=f"expected model_type '{module.Config.model_type}', got 'other'"):
+        module.Config.from_hf({**d, "model_type": "other"})
+    assert d["model_type"] == module.Config.model_type  # the caller's dict is left as it was

@@ -50,6 +50,7 @@ from pith_models.hf_convert import (
     check_ranges,
     config_kwargs_from_hf,
     from_hf_swiglu_state_dict,
+    hf_fields,
     to_hf_swiglu_state_dict,
     yarn_params_from_hf,
 )
@@ -133,10 +134,7 @@ class Config:
     @classmethod
     def from_hf(cls, d: dict) -> "Config":
         """transformers 4.x or 5.x spelling, or DeepSeek's own."""
-        d = dict(d)
-        model_type = d.pop("model_type", cls.model_type)
-        if model_type != cls.model_type:
-            raise ValueError(f"expected model_type {cls.model_type!r}, got {model_type!r}")
+        d = hf_fields(d, cls)
         heads, kv_heads = d["num_attention_heads"], d.pop("num_key_value_heads", None)
         if kv_heads not in (None, heads):
             raise ValueError(

@@ -40,7 +40,7 @@ from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from pith_models.hf_convert import check_ranges, config_kwargs_from_hf, yarn_params_from_hf
+from pith_models.hf_convert import check_ranges, config_kwargs_from_hf, hf_fields, yarn_params_from_hf
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -102,10 +102,7 @@ class Config:
 
     @classmethod
     def from_hf(cls, d: dict) -> "Config":
-        d = dict(d)
-        model_type = d.pop("model_type", cls.model_type)
-        if model_type != cls.model_type:
-            raise ValueError(f"expected model_type {cls.model_type!r}, got {model_type!r}")
+        d = hf_fields(d, cls)
         quant = d.pop("quantization_config", {"quant_method": "mxfp4"}).get("quant_method")
         if quant != "mxfp4":  # dequantised as read (pith_models.hf)
             raise ValueError(f"config field quantization_config: quant_method {quant!r}; only mxfp4 loads")

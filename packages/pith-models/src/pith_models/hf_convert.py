@@ -25,6 +25,14 @@ def check_ranges(cfg, zero_ok: tuple[str, ...] = ()) -> None:
             raise ValueError(f"{name} must be >= {least}, got {v}")
 
 
+def hf_fields(d: dict, cls: type) -> dict:
+    """A copy of config.json's `d` without its model_type, which must be cls's (or absent)."""
+    d = dict(d)
+    if (model_type := d.pop("model_type", cls.model_type)) != cls.model_type:
+        raise ValueError(f"expected model_type {cls.model_type!r}, got {model_type!r}")
+    return d
+
+
 def config_kwargs_from_hf(d: dict, cls: type, fixed: dict, ignored: tuple[str, ...]) -> dict:
     """-> cls's keyword arguments, `ignored` and BOOKKEEPING dropped. ValueError: a `fixed` field
     holding another value, a field cls lacks, a required field absent."""

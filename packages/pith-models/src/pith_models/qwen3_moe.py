@@ -42,6 +42,7 @@ from pith_models.hf_convert import (
     check_ranges,
     config_kwargs_from_hf,
     from_hf_swiglu_state_dict,
+    hf_fields,
     to_hf_swiglu_state_dict,
 )
 
@@ -90,10 +91,7 @@ class Config:
     @classmethod
     def from_hf(cls, d: dict) -> "Config":
         """transformers 4.x or 5.x spelling."""
-        d = dict(d)
-        model_type = d.pop("model_type", cls.model_type)
-        if model_type != cls.model_type:
-            raise ValueError(f"expected model_type {cls.model_type!r}, got {model_type!r}")
+        d = hf_fields(d, cls)
         # transformers 5 writes num_local_experts and rope_parameters; 4.x num_experts and rope_theta.
         if "num_local_experts" in d:
             d["num_experts"] = d.pop("num_local_experts")
