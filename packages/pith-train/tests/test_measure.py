@@ -128,6 +128,22 @@ def test_plan_measure_refuses_a_rank_the_plan_says_does_not_fit_before_it_builds
     assert not dist.is_initialized()
 
 
+def test_plan_measure_packs_documents_when_the_config_masks_them(capsys, monkeypatch):
+    """With data.document_mask the rank attends within documents (the positions restart), as the run
+    does: it ran plain causal attention over the window."""
+    from pith_train import measure
+    from pith_train.cli import main
+
+    seen, step = [], measure.train_step
+    monkeypatch.setattr(measure, "train_step", lambda s, o, mb, *a: seen.append(mb) or step(s, o, mb, *a))
+    flags = ["--data.document_mask=true", "--data.seq_len=512"]  # documents' median: 330 tokens
+    main(["plan", *(f"--{o}" for o in BASE), *flags, "--measure", "--steps=1"])
+    assert "step without communication" in capsys.readouterr().out
+    assert len(seen) == 2 and all(len(m) == 3 for micro in seen for m in micro)  # ids, labels, positions
+    positions = [m[2] for micro in seen for m in micro]
+    assert all(p.shape == (2, 512) for p in positions) and any((p[:, 1:] == 0).any() for p in positions)
+
+
 def test_measure_called_as_a_library_takes_down_the_mirrored_group_it_made():
     """The CLI took it down, a direct caller of measure() was left with it: its next init failed."""
     import torch.distributed as dist
