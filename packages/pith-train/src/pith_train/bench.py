@@ -255,7 +255,7 @@ def run(
             "memory_peak records the CUDA allocator's history over the warm-up steps: run on a CUDA"
             f" device with warmup >= 1 (got {dev.type}, warmup {warmup}), or drop it"
         )
-    planned = check(cfg, model_cfg, dev, f"bench --dp {dp} --cp {cp} --ep {ep}")  # before anything is built
+    planned = check(cfg, model_cfg, dev, f"bench --dp {dp} --cp {cp} --ep {ep}")  # before building
     pith_ops._common.USE_TORCH_GROUPED_MM = grouped_gemm == "torch"
     torch.manual_seed(seed)
     mesh = parallel_layout(cfg, dev)

@@ -32,7 +32,7 @@ def check_layout(
     with tempfile.TemporaryDirectory(prefix="pith-check-layout-") as tmp:
         one, many = Path(tmp) / "one", Path(tmp) / "layout"
         pretrain(load_config(config, [*overrides, *same, *single]), one)  # in this process
-        data = [] if cfg.data.path else [f"--data.path={one / 'data'}"]  # the corpus the first run prepared
+        data = [] if cfg.data.path else [f"--data.path={one / 'data'}"]  # the first run's corpus
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         cmd += ["-m", "pith_train", "pretrain", *base, *data, "--run-dir", str(many)]
         if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode:

@@ -78,7 +78,7 @@ class MetricsLog:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # a dependency, but a preinstalled-torch machine (PYTHONPATH) may lack it
+            except ImportError:  # a machine run by PYTHONPATH may lack it
                 print("tensorboard is not installed: no event files (--log.tensorboard=false silences this)")
             else:
                 self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start + 1)

@@ -77,7 +77,7 @@ def trainer_stages(cfg: Config, model: nn.Module, mesh: parallel.Mesh) -> Stages
     cuda = mesh.device.type == "cuda"
     compile = cfg.train.compile and cuda
     dtype, align = torch.bfloat16 if cuda else None, GROUP_ALIGN if cfg.train.fp8 else 1
-    # Weight-gradient delay only where the schedule has bubbles to fill (pith-train README, Throughput).
+    # Weight-gradient delay only where the schedule has bubbles to fill.
     overlap, wgrad = cfg.parallel.overlap, cfg.parallel.wgrad_delay and mesh.layout.pp > 1
     graph = cfg.train.cuda_graph and cuda
     return Stages(model, mesh, compile, cfg.train.ac, dtype, align, overlap, wgrad, graph)
