@@ -5,7 +5,9 @@ plan, and the rank's step time without communication; JSON to OUT (default $OUT/
 
     python3 packages/pith-train/benchmarks/measure_presets.py [OUT.json] [--eager]
 
-Steps: one of warm-up (compilation), four timed (each printed; the table has the median). Rows that
+Steps: one of warm-up (compilation), four timed (each printed; the table has the median). Each step's
+host CPU time, allocator retries, new CUDA segments and Dynamo frames (compilations) are recorded
+beside it: a step slower in one process than in another shows which of these differ. Rows that
 would start after 400 s are skipped and a row still running at 470 s is stopped (END_S=470 in the
 environment), so the whole stays within 8 minutes: every preset's rank 0 first. A row that fails (out
 of memory) is reported as such.
@@ -20,17 +22,41 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-PRESETS = ["deepseek-v2-lite-8gpu.toml", "gpt-oss-20b-8gpu.toml", "qwen3-30b-a3b-8gpu.toml"]
+PRESETS = [
+    "deepseek-v2-lite-8gpu.toml",
+    "gpt-oss-20b-8gpu.toml",
+    "qwen3-30b-a3b-8gpu.toml",
+    "sft-qwen3-30b-a3b-8gpu.toml",
+]
 END_S = int(os.environ.get("END_S", 470))  # every row ends by END_S (a device call's time left)
 BUDGET_S = END_S - 70  # and none starts after BUDGET_S
 
 
 def one(config: str, rank: int, out: str, eager: bool) -> None:
+    import torch
     from pith_train import measure, plan
     from pith_train.config import load_config, model_config
+    from torch._dynamo.utils import counters
 
     cfg = load_config(config, ["train.compile=false"] if eager else [])
+    step, per_step = measure.train_step, []
+
+    def traced_step(*args):  # what each step did besides its kernels: where a slow step's time went
+        stats, cpu, frames = torch.cuda.memory_stats(), time.process_time(), sum(counters["frames"].values())
+        result = step(*args)
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_stats()
+        per_step.append({
+            "cpu_s": time.process_time() - cpu,
+            "alloc_retries": after["num_alloc_retries"] - stats["num_alloc_retries"],
+            "cuda_mallocs": after["segment.all.allocated"] - stats["segment.all.allocated"],
+            "dynamo_frames": sum(counters["frames"].values()) - frames,
+        })  # fmt: skip
+        return result
+
+    measure.train_step = traced_step
     r = measure.measure(cfg, rank, steps=4, warmup=1)
+    stats = torch.cuda.memory_stats()
     print(measure.report(r), flush=True)
     m = plan.model_shape(model_config(cfg.model))
     row = {
@@ -39,7 +65,9 @@ def one(config: str, rank: int, out: str, eager: bool) -> None:
         "plan_gib": r["plan"].total / plan.GIB, "peak_allocated_gib": r["peak"] / plan.GIB,
         "terms_gib": {k: v / plan.GIB for k, v in r["plan"].terms.items()},
         "step_ms": statistics.median(r["steps_s"]) * 1e3, "steps_ms": [t * 1e3 for t in r["steps_s"]],
-        "compile": cfg.train.compile,
+        "compile": cfg.train.compile, "per_step": per_step,
+        "reserved_peak_gib": stats["reserved_bytes.all.peak"] / plan.GIB,
+        "alloc_retries": stats["num_alloc_retries"], "ooms": stats["num_ooms"],
         "held_gib": {k: sum(b for *_, b in v.values()) / plan.GIB for k, v in r["held"].items()},
     }  # fmt: skip
     Path(out).write_text(json.dumps(row))
@@ -83,14 +111,17 @@ def main() -> None:
         rows.append(
             json.loads(part.read_text()) if error is None else {"config": name, "rank": rank, "error": error}
         )
-    print(f"\n{'preset':<28}{'rank':>5}{'plan GiB':>10}{'peak GiB':>10}{'peak/plan':>11}{'step ms':>10}")
+    print(f"\n{'preset':<28}{'rank':>5}{'plan GiB':>10}{'peak GiB':>10}{'peak/plan':>11}{'reserved':>10}"
+          f"{'retries':>8}{'step ms':>10}{'CPU s':>7}  timed steps, ms")  # fmt: skip
     for r in rows:
         if "error" in r:
             print(f"{r['config']:<28}{r['rank']:>5}  {r['error']}")
         else:
-            ratio = r["peak_allocated_gib"] / r["plan_gib"]
+            ratio, cpu = r["peak_allocated_gib"] / r["plan_gib"], [s["cpu_s"] for s in r["per_step"][1:]]
+            steps = ", ".join(f"{t:.0f}" for t in r["steps_ms"])
             print(f"{r['config']:<28}{r['rank']:>5}{r['plan_gib']:10.2f}{r['peak_allocated_gib']:10.2f}"
-                  f"{ratio:11.3f}{r['step_ms']:10.1f}")  # fmt: skip
+                  f"{ratio:11.3f}{r['reserved_peak_gib']:10.2f}{r['alloc_retries']:8}{r['step_ms']:10.1f}"
+                  f"{statistics.median(cpu):7.2f}  {steps}")  # fmt: skip
     out.write_text(json.dumps({"rows": rows, "seconds": time.monotonic() - start}, indent=1))
     print(f"wrote {out} ({time.monotonic() - start:.0f} s)")
 
