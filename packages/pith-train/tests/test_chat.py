@@ -237,6 +237,25 @@ def test_validation_windows_without_an_assistant_token_are_refused_before_traini
     WindowLoader(PackedDataset(str(ds_dir)), 32, 3, seed=0)  # others hold some
 
 
+def test_validation_windows_whose_assistant_tokens_all_start_documents_are_refused_under_the_mask(
+    chat_data, tmp_path
+):
+    """Under data.document_mask a label that starts a document is ignored too: held-out windows whose
+    only assistant tokens start documents passed the check, and every val_loss was 0 / 0."""
+    ds_dir = tmp_path / "data"
+    shutil.copytree(chat_data, ds_dir)
+    mask, ds = np.fromfile(ds_dir / "loss_mask.bin", np.uint8), PackedDataset(str(ds_dir))
+    val_ids = WindowLoader(ds, 32, 8, seed=0, docs=True).val_ids
+    for i in val_ids:  # the labels of window i: tokens i*32+1 .. (i+1)*32; kept where a document starts
+        g = np.arange(i * 32 + 1, (i + 1) * 32 + 1)
+        mask[g] = np.isin(g, ds.doc_ends)
+    assert mask[np.concatenate([np.arange(i * 32 + 1, (i + 1) * 32 + 1) for i in val_ids])].any()
+    mask.tofile(ds_dir / "loss_mask.bin")
+    WindowLoader(PackedDataset(str(ds_dir)), 32, 8, seed=0)  # without the mask they count
+    with pytest.raises(ValueError, match=r"the 8 validation windows of .*data hold no assistant token"):
+        WindowLoader(PackedDataset(str(ds_dir)), 32, 8, seed=0, docs=True)
+
+
 def test_prepare_data_chat_reads_compressed_conversations_and_names_a_file_it_cannot(
     chat_tokenizer, conversations, tmp_path
 ):
