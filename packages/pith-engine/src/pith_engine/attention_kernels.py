@@ -64,7 +64,7 @@ def _compiled_flex_attention():
 
 def flex_attention_lse(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -> tuple[Tensor, Tensor]:
     """-> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] fp32)."""
-    from torch.nn.attention.flex_attention import AuxRequest  # here: flex's import is slow, CUDA-only
+    from torch.nn.attention.flex_attention import AuxRequest  # here: slow to import, CUDA-only
 
     out_BHSD, aux = _compiled_flex_attention()(
         *(t.transpose(1, 2) for t in (q, k, v)),

@@ -186,7 +186,7 @@ def save(
     _barrier(mesh)
     _write_manifest(tmp, mesh)
     if rank == 0:
-        if path.exists():  # saving the same step again: the old copy stays until the new one is in place
+        if path.exists():  # the same step again: the old copy stays until the new one is in place
             shutil.rmtree(old, ignore_errors=True)
             path.rename(old)
         tmp.rename(path)

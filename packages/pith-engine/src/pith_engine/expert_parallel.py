@@ -60,7 +60,7 @@ class ExpertParallel:
         if E % R:
             raise ValueError(f"expert parallelism: {E} experts do not divide over ep={R} ranks")
         dest_TK = r.expert_ids_TK // (E // R)
-        # A one-hot [R, T, K] (small: R*T*K bools), not an index_put of True, whose scalar is a host copy.
+        # A one-hot [R, T, K] of bools, not an index_put of True, whose scalar is a host copy.
         hit_RTK = dest_TK[None] == torch.arange(R, device=dev)[:, None, None]
         need_RT = hit_RTK.any(2)
         send_counts_R2 = torch.stack([need_RT.sum(1), hit_RTK.sum((1, 2))], 1)

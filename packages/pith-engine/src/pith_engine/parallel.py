@@ -195,7 +195,7 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
-            # A plain SUM collective: gloo has no PREMUL_SUM/AVG, and fp32 reduction needs no pre-scaling.
+            # A plain SUM: gloo has no PREMUL_SUM/AVG, and fp32 reduction needs no pre-scaling.
             m.set_force_sum_reduction_for_comms(True)
     return model
 

@@ -90,7 +90,7 @@ def from_hf_swiglu_state_dict(
         held = [f"{hf}{e}." for e in (range(E) if experts is None else experts)]
         gate_up = [torch.cat((sd[x + "gate_proj.weight"].T, sd[x + "up_proj.weight"].T), dim=1) for x in held]
         down = [sd[x + "down_proj.weight"].T for x in held]
-        for name, t in (("w_gate_up", gate_up), ("w_down", down)):  # none held (an empty FSDP piece): empty
+        for name, t in (("w_gate_up", gate_up), ("w_down", down)):  # an empty FSDP piece: empty
             out[f"{ours}experts.{name}"] = torch.stack(t) if t else torch.empty(0, 0, 0, dtype=v.dtype)
         out[ours + "expert_bias"] = torch.zeros(E, dtype=torch.float32)
     if tie_word_embeddings:

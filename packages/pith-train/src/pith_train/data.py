@@ -124,8 +124,8 @@ class WindowLoader:
         self.val_tokens, self.val_mask = val_from.tokens, val_from.loss_mask
         # the middle window of each of val_windows parts (a corpus's tail is often one document)
         self.val_ids = (2 * np.arange(val_windows) + 1) * val_total // (2 * val_windows)
-        m = self.val_mask
-        if m is not None and not any(m[i * seq_len + 1 :][:seq_len].any() for i in self.val_ids):
+        m = self.val_mask  # as tokens too: a label >= 0 counts
+        if m is not None and (windows(m, seq_len, self.val_ids, self.val_doc_ends, m)[1] < 0).all():
             why = "hold no assistant token (val_loss 0/0): change data.val_windows"
             raise ValueError(f"the {val_windows} validation windows of {val_from.path} {why}")
         self.train_ids = np.setdiff1d(np.arange(total), self.val_ids) if held else np.arange(total)
