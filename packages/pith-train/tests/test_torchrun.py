@@ -7,7 +7,14 @@ message naming the numbers."""
 
 import dataclasses
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
 import pith_models
 import pytest
@@ -172,3 +179,49 @@ def test_pretrain_under_torchrun_leaves_the_process_group_before_it_exits(
         if dist.is_initialized():
             dist.destroy_process_group()
     assert "done: step 1" in capsys.readouterr().out
+
+
+def _marked(mark: str) -> dict[int, bytes]:
+    """The processes whose environment holds PITH_TEST_MARK=mark -> their command lines."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if f"PITH_TEST_MARK={mark}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:  # gone, or not ours
+            pass
+    return found
+
+
+@pytest.mark.distributed
+def test_sigterm_to_check_layout_stops_its_layout_run_and_leaves_no_process(
+    micro_args, subprocess_env, tmp_path
+):
+    """check-layout ran torchrun through subprocess.run: a SIGTERM (a scheduler's stop, `kill`) ended it
+    at once and left torchrun's agent and workers training, orphaned. Now its workers get the signal,
+    stop as a run does, and it exits as interrupted."""
+    mark = uuid.uuid4().hex
+    args = [a for a in micro_args if not a.startswith(("--train.steps", "--checkpoint"))]
+    cmd = [sys.executable, "-m", "pith_train", "check-layout", "--nproc", "2", "--steps", "100", *args]
+    cmd += ["--parallel.dp=2", "--train.micro_batch=1", "--train.device=cpu"]
+    log = (tmp_path / "err").open("wb")  # not a pipe: its reader would wait for orphans holding it
+    parent = subprocess.Popen(cmd, env={**subprocess_env, "PITH_TEST_MARK": mark}, stderr=log)
+    workers = lambda: [pid for pid, line in _marked(mark).items() if b"pith_train pretrain" in line]
+    try:
+        deadline = time.monotonic() + 300
+        while len(workers()) < 2 and parent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)  # until the layout's two workers have started
+        assert parent.poll() is None and len(workers()) >= 2, "the layout run did not start"
+        time.sleep(3)
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(timeout=120)
+        err = (tmp_path / "err").read_bytes()
+        deadline = time.monotonic() + 5  # the workers had more steps to go
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = list(_marked(mark).values())
+        assert not left, f"left running after check-layout exited {parent.returncode}: {left}"
+        assert parent.returncode == 130 and b"pith-train check-layout: interrupted" in err, err[-2000:]
+    finally:
+        for pid in _marked(mark):
+            os.kill(pid, signal.SIGKILL)
