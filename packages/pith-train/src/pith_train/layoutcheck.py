@@ -1,14 +1,15 @@
 """`pith-train check-layout`. Adam eps 1e-3: with 1e-8, near-zero second moments amplify the layouts'
-different rounding (pith-train README)."""
+different rounding."""
 
+import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from pith_train.config import load_config, model_config
 from pith_train.metrics import read_metrics
 from pith_train.plan import model_shape, valid
+from pith_train.stopping import launch_local
 from pith_train.train import pretrain
 
 
@@ -20,9 +21,9 @@ def check_layout(
     config: str | None, overrides: list[str], nproc: int, steps: int, eps: float, rtol: float
 ) -> bool:
     """Prints a table of per-step losses; True when every step agrees within rtol."""
-    cfg = load_config(config, overrides)  # ValueError here, before any process starts
+    cfg = load_config(config, overrides)  # before any process starts
     cfg.started("--nproc", nproc)
-    valid(cfg, model_shape(model_config(cfg.model)))  # what pretrain refuses, before the first run
+    valid(cfg, model_shape(model_config(cfg.model)))  # as pretrain refuses
     same = [f"--train.steps={steps}", f"--optim.eps={eps}", "--checkpoint.every=0", "--log.eval_every=0"]
     same += ["--log.progress=false", "--log.tensorboard=false", "--log.every=0"]
     single = ["--parallel.pp=1", "--parallel.dp=1", "--parallel.cp=1", "--parallel.ep=1"]
@@ -33,10 +34,11 @@ def check_layout(
         one, many = Path(tmp) / "one", Path(tmp) / "layout"
         pretrain(load_config(config, [*overrides, *same, *single]), one)  # in this process
         data = [] if cfg.data.path else [f"--data.path={one / 'data'}"]  # the first run's corpus
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        cmd += ["-m", "pith_train", "pretrain", *base, *data, "--run-dir", str(many)]
-        if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode:
-            raise ValueError("the torchrun run failed (its error is above)")
+        code = launch_local(nproc, [*base, *data, "--run-dir", str(many)], subprocess.DEVNULL)  # signals too
+        if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            raise KeyboardInterrupt
+        if code:
+            raise ValueError("the layout's run failed (its error is above)")
         want, got = _losses(one), _losses(many)
     p = cfg.parallel
     print(f"layout pp={p.pp} dp={p.dp} cp={p.cp} ep={p.ep} on {nproc} processes, Adam eps {eps:g}")

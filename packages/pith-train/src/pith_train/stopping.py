@@ -87,7 +87,7 @@ def torchrun_line() -> list[str] | None:
     return ["torchrun", *argv[starts[0] + 1 :]] if starts and "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
+def launch_local(nproc: int, argv: list[str], stdout=None) -> int:
     """`pith-train pretrain ARGV` in nproc processes -> the exit status (killed by signal N: 128 + N).
     Signals are forwarded; a failed worker ends the others."""
     with socket.socket() as s:  # a free port for the env:// rendezvous
@@ -102,7 +102,8 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     status = lambda: [None if c is None else 128 - c if c < 0 else c for c in (w.poll() for w in workers)]
     try:
         workers += [
-            subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)
+            subprocess.Popen(command, stdout=stdout, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+            for r in range(nproc)
         ]
         while True:
             codes = status()
