@@ -1,9 +1,9 @@
 """`pith-train pretrain --parallel.*=...` under torchrun's environment variables trains like one process: 4
 gloo processes (conftest's run_ranks, pretrains.py) in cp2 x ep2, pp2 x ep2 and pp4 log (rank 0 only) the
 per-step global-batch losses and the validation loss of the single-process run, and a checkpoint written
-under pp2 x ep2 (and pp4) resumes on one process with the same losses; check-layout starts its layout's processes
-itself (stopping them on a SIGTERM) and reports agreement; layouts that cannot work stop before any compute with a
-message naming the numbers."""
+under pp2 x ep2 (and pp4) resumes on one process with the same losses; check-layout starts its layout's
+processes itself (stopping them on a SIGTERM) and reports agreement; layouts that cannot work stop before
+any compute with a message naming the numbers."""
 
 import dataclasses
 import json
