@@ -6,8 +6,9 @@ plan, and the rank's step time without communication; JSON to OUT (default $OUT/
     python3 packages/pith-train/benchmarks/measure_presets.py [OUT.json] [--eager]
 
 Steps: one of warm-up (compilation), four timed (each printed; the table has the median). Each step's
-host CPU time, allocator retries, new CUDA segments and Dynamo frames (compilations) are recorded
-beside it: a step slower in one process than in another shows which of these differ. Rows that
+host CPU time, allocator retries, new CUDA segments, Dynamo frames (compilations) and the (row, expert)
+pairs its MoE layers' experts received are recorded beside it (against `even_pairs`, tokens x top-k of
+a micro-batch): a step slower or larger in one process than in another shows which of these differ. Rows that
 would start after 400 s are skipped and a row still running at 470 s is stopped (END_S=470 in the
 environment), so the whole stays within 8 minutes: every preset's rank 0 first. A row that fails (out
 of memory) is reported as such.
@@ -34,15 +35,24 @@ BUDGET_S = END_S - 70  # and none starts after BUDGET_S
 
 def one(config: str, rank: int, out: str, eager: bool) -> None:
     import torch
+    from pith_engine.expert_parallel import ExpertParallel
     from pith_train import measure, plan
     from pith_train.config import load_config, model_config
     from torch._dynamo.utils import counters
 
     cfg = load_config(config, ["train.compile=false"] if eager else [])
-    step, per_step = measure.train_step, []
+    step, per_step, received, plan_of = measure.train_step, [], [], ExpertParallel.plan
+
+    def recorded(self, counts):  # each MoE layer's exchange: what this rank's experts receive
+        split = plan_of(self, counts)
+        received.append(split.recv_pairs)
+        return split
+
+    ExpertParallel.plan = recorded
 
     def traced_step(*args):  # what each step did besides its kernels: where a slow step's time went
         stats, cpu, frames = torch.cuda.memory_stats(), time.process_time(), sum(counters["frames"].values())
+        received.clear()
         result = step(*args)
         torch.cuda.synchronize()
         after = torch.cuda.memory_stats()
@@ -51,6 +61,9 @@ def one(config: str, rank: int, out: str, eager: bool) -> None:
             "alloc_retries": after["num_alloc_retries"] - stats["num_alloc_retries"],
             "cuda_mallocs": after["segment.all.allocated"] - stats["segment.all.allocated"],
             "dynamo_frames": sum(counters["frames"].values()) - frames,
+            # (row, local expert) pairs per MoE layer and micro-batch (forward and recompute): the
+            # experts' load, against tokens x top-k for an even one
+            "recv_pairs_max": max(received, default=0), "recv_pairs_sum": sum(received),
         })  # fmt: skip
         return result
 
@@ -66,6 +79,7 @@ def one(config: str, rank: int, out: str, eager: bool) -> None:
         "terms_gib": {k: v / plan.GIB for k, v in r["plan"].terms.items()},
         "step_ms": statistics.median(r["steps_s"]) * 1e3, "steps_ms": [t * 1e3 for t in r["steps_s"]],
         "compile": cfg.train.compile, "per_step": per_step,
+        "even_pairs": cfg.train.micro_batch * cfg.data.seq_len // cfg.parallel.cp * m.cfg.num_experts_per_tok,
         "reserved_peak_gib": stats["reserved_bytes.all.peak"] / plan.GIB,
         "alloc_retries": stats["num_alloc_retries"], "ooms": stats["num_ooms"],
         "held_gib": {k: sum(b for *_, b in v.values()) / plan.GIB for k, v in r["held"].items()},
