@@ -156,8 +156,9 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
     """`warmup` + `steps` steps on random tokens as `rank` (default: the heaviest), mirrored unless
     under torchrun -> held tensors {kind: {name: (shape, dtype, bytes)}}, peak, plans, step s."""
     device = train.pick_device(cfg.train.device, "train.device", cfg.train.cpu_threads)
-    cuda, m, world = device.type == "cuda", plan.model_shape(model_config(cfg.model)), cfg.world
-    plan.check(cfg, model_config(cfg.model), device, "", world)
+    cuda, model_cfg, world = device.type == "cuda", model_config(cfg.model), cfg.world
+    plan.check(cfg, model_cfg, device, "", world)
+    m = plan.model_shape(model_cfg)
     rank = heaviest(cfg, m, cuda) if rank is None else rank
     if not 0 <= rank < world or steps < 1:
         raise ValueError(f"--rank {rank}, --steps {steps}: expected a rank 0 to {world - 1}, steps >= 1")
