@@ -223,3 +223,29 @@ def test_plan_measure_runs_fsdp_and_ep_on_cuda(capsys):
     flags = [f"--{o}" for o in BASE[:-1]] + ["--parallel.dp=2", "--parallel.ep=2", "--train.global_batch=4"]
     main(["plan", *flags, "--train.micro_batch=1", "--measure", "--steps=1"])
     assert "step without communication" in capsys.readouterr().out
+
+
+def test_a_mirrored_rank_gathers_a_router_whose_experts_score_apart(monkeypatch):
+    """FSDP shards the router over dp x ep: gathered as copies of this rank's rows, experts e, e + 2, ...
+    scored alike, and CUDA's top-k took the lowest ids of the ties. On an H100 the DeepSeek preset's
+    rank 0 received 1.33 of an even load and rank 7 none (peaks 77 and 44 GiB, held tensors equal)."""
+    from pith_train import measure, train
+    from pith_train.config import load_config
+
+    gathered, hooks, build, train_step = [], [], train.build_model, measure.train_step
+
+    def spied(*args):
+        model = build(*args)
+        for router in [layer.router for layer in model.layers.values() if layer.router is not None]:
+            hooks.append(router.register_forward_pre_hook(lambda m, i: gathered.append(m.weight.clone())))
+        return model
+
+    def step(*args):  # the warm-up step's: the timed one counts what its ops allocate
+        train_step(*args)
+        [hook.remove() for hook in hooks]
+
+    monkeypatch.setattr(train, "build_model", spied)
+    monkeypatch.setattr(measure, "train_step", step)
+    overrides = ["parallel.ep=4", "model.num_experts=8", "train.compile=false"]
+    measure.measure(load_config(None, BASE + overrides), 3, steps=1)
+    assert gathered and all(w.shape[0] == 8 and w.unique(dim=0).shape[0] == 8 for w in gathered), gathered
