@@ -46,8 +46,16 @@ class Mirror(dist.ProcessGroup):
         return self._done(lambda: [self._sum(t, opts) for t in tensors])
 
     def all_gather_single(self, out, x, opts):  # FSDP2 gathers in place: x may be out's
-        x = x.reshape(-1)
-        return self._done(lambda: [o.copy_(x) for o in out.view(self.n, -1) if o.data_ptr() != x.data_ptr()])
+        x, r = x.reshape(-1), self.rank()
+
+        def fill():  # rank r + k's shard: this one turned by k values (copies: the router's rows score
+            for j, o in enumerate(out.view(self.n, -1)):  # alike, and CUDA's top-k picks the lowest ids)
+                k = (j - r) % max(len(x), 1) * x.is_floating_point()
+                if o.data_ptr() != x.data_ptr():
+                    o[:k].copy_(x[len(x) - k :])
+                    o[k:].copy_(x[: len(x) - k])
+
+        return self._done(fill)
 
     def allgather(self, outs, xs, opts):
         return self._done(lambda: [o.copy_(x) for os, x in zip(outs, xs) for o in os])
