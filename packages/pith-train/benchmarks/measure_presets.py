@@ -3,7 +3,9 @@ last rank of each, one after another on this one GPU (each in a fresh process: t
 group and the compiled stages are per process). A table of the measured peak allocated against the
 plan, and the rank's step time without communication; JSON to OUT (default $OUT/measure_presets.json).
 
-    python3 packages/pith-train/benchmarks/measure_presets.py [OUT.json] [--eager]
+    python3 packages/pith-train/benchmarks/measure_presets.py [OUT.json] [--eager] [PRESET.toml:RANK ...]
+
+Rows named PRESET.toml:RANK are measured alone, in that order.
 
 Steps: one of warm-up (compilation), four timed (each printed; the table has the median). Each step's
 host CPU time, allocator retries, new CUDA segments, Dynamo frames (compilations) and the (row, expert)
@@ -88,7 +90,8 @@ def one(config: str, rank: int, out: str, eager: bool) -> None:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--eager"]
+    args = [a for a in sys.argv[1:] if a != "--eager" and ".toml:" not in a]
+    chosen = [(a.split(":")[0], int(a.split(":")[1])) for a in sys.argv[1:] if ".toml:" in a]
     eager = "--eager" in sys.argv
     out = Path(args[0] if args else Path(os.environ.get("OUT", "."), "measure_presets.json"))
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -103,6 +106,7 @@ def main() -> None:
         heavy = measure.heaviest(cfg, plan.model_shape(model_config(cfg.model)), True)
         jobs += [(name, r) for r in sorted({0, heavy, p.pp * p.dp * p.cp * p.ep - 1})]
     jobs.sort(key=lambda job: job[1] != 0)
+    jobs = chosen or jobs
     out.parent.mkdir(parents=True, exist_ok=True)
     rows, start = [], time.monotonic()
     for name, rank in jobs:
@@ -126,16 +130,18 @@ def main() -> None:
             json.loads(part.read_text()) if error is None else {"config": name, "rank": rank, "error": error}
         )
     print(f"\n{'preset':<28}{'rank':>5}{'plan GiB':>10}{'peak GiB':>10}{'peak/plan':>11}{'reserved':>10}"
-          f"{'retries':>8}{'step ms':>10}{'CPU s':>7}  timed steps, ms")  # fmt: skip
+          f"{'retries':>8}{'step ms':>10}{'CPU s':>7}{'load':>6}  timed steps, ms")  # fmt: skip
     for r in rows:
         if "error" in r:
             print(f"{r['config']:<28}{r['rank']:>5}  {r['error']}")
         else:
             ratio, cpu = r["peak_allocated_gib"] / r["plan_gib"], [s["cpu_s"] for s in r["per_step"][1:]]
             steps = ", ".join(f"{t:.0f}" for t in r["steps_ms"])
+            # the most (row, expert) pairs one MoE exchange gave this rank's experts, in even loads
+            load = max(s["recv_pairs_max"] for s in r["per_step"]) / r["even_pairs"]
             print(f"{r['config']:<28}{r['rank']:>5}{r['plan_gib']:10.2f}{r['peak_allocated_gib']:10.2f}"
                   f"{ratio:11.3f}{r['reserved_peak_gib']:10.2f}{r['alloc_retries']:8}{r['step_ms']:10.1f}"
-                  f"{statistics.median(cpu):7.2f}  {steps}")  # fmt: skip
+                  f"{statistics.median(cpu):7.2f}{load:6.2f}  {steps}")  # fmt: skip
     out.write_text(json.dumps({"rows": rows, "seconds": time.monotonic() - start}, indent=1))
     print(f"wrote {out} ({time.monotonic() - start:.0f} s)")
 
