@@ -28,7 +28,7 @@ from pith_engine.ring_attention import ring_attention
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
-    # enable_gqa only when the head counts differ: backends without GQA support may refuse the flag
+    # enable_gqa only when the head counts differ: backends without GQA may refuse the flag
     qkv = (t.transpose(1, 2) for t in (q, k, v))
     out = F.scaled_dot_product_attention(
         *qkv, is_causal=True, scale=scale, enable_gqa=q.shape[2] != k.shape[2]

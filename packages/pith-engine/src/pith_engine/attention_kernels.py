@@ -34,7 +34,7 @@ def attention_reference(
 
 
 def flex_fits(q: Tensor, v: Tensor) -> bool:
-    # flex's Triton kernels need head dims of at least 16 (tl.dot); smaller ones are toy models
+    # flex's Triton kernels need head dims >= 16 (tl.dot); smaller ones are toy models
     return q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16
 
 
@@ -56,7 +56,7 @@ _FP32_BLOCKS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK
 
 @functools.cache
 def _compiled_flex_attention():
-    # imported on first use: flex_attention's import costs about half of torch's own
+    # imported on first use: flex_attention's import costs ~half of torch's own
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention)
@@ -72,7 +72,7 @@ def flex_attention_lse(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float
         scale=scale,
         enable_gqa=True,
         return_aux=AuxRequest(lse=True),
-        # fp32 tiles at flex's default block sizes overflow shared memory for head dims above 128 (MLA's
+        # fp32 tiles at flex's default block sizes overflow shared memory for head dims > 128 (MLA's
         # 192): 32-row blocks fit every head dim here; bf16 keeps the tuned defaults.
         kernel_options=dict.fromkeys(_FP32_BLOCKS, 32) if q.dtype == torch.float32 else None,
     )

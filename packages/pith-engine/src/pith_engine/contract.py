@@ -11,11 +11,10 @@ micro-batch's compute while another's all-to-all is in flight:
 
 Under EP stage 5 may get other slots/weights than the router's (one pre-weighted row per destination
 rank); a slot < 0 contributes nothing. Models see process groups only through `Positions.cp_group`
-(the pith-engine README, "The contract").
+(pith-engine README, "The contract").
 
 Shape legend: B batch, S sequence (local to this rank under CP), T = B*S tokens, D model dim,
-K router top-k, E experts, N rows grouped by expert (>= T*K when padded), V vocabulary,
-H heads, R rotary half-dim.
+K router top-k, E experts, N rows grouped by expert (>= T*K when padded), V vocabulary, R rotary half-dim.
 """
 
 from typing import NamedTuple, Protocol
@@ -51,8 +50,8 @@ class Stage1Out(NamedTuple):
 
 class DecoderLayer(Protocol):
     # The routed experts: a module holding only their weights [E_held, ...], called by stage3 (so FSDP's
-    # hooks run); None for a dense layer. Sliced under EP, sharded apart. Its `fp8` flag
-    # (pith_engine.fp8.FP8Switch): stage 2 sends it FP8 rows.
+    # hooks run); None for a dense layer. Sliced under EP, sharded apart. Its FP8Switch `fp8`
+    # flag: stage 2 sends it FP8 rows.
     experts: nn.Module | None
     # The router, a module stage1 calls (-> fp32 logits_TE), so FSDP can keep its weight fp32.
     router: nn.Module | None

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from pith_engine.contract import DecoderLayer, MoEModel, Positions, Routing, model_positions
 
-Steps = Generator[None, None, Any]  # stage pieces; each yield: an exchange was issued and is in flight
+Steps = Generator[None, None, Any]  # stage pieces; each yield: an exchange is in flight
 
 
 class Segments(Protocol):

@@ -5,7 +5,7 @@ rank holding any of its top-k experts, with its combine weights and global exper
 gradient flows back through the exchange); the receiver expands the rows over its local experts.
 Combine sends back, per received row, the weighted sum over its experts. One host sync per MoE
 layer, in dispatch (all_to_all_single needs its split sizes on the host); with FP8 rows 5 all-to-alls
-forward, not 4, of half bf16's bytes. More: the pith-engine README, "Parallelism".
+forward, not 4, of half bf16's bytes. More: pith-engine README, "Parallelism".
 
 Shape legend: T local tokens, K top-k, D model dim, R EP ranks, El experts per rank, S rows sent
 (one per (token, destination)), M rows received, N grouped rows.

@@ -48,7 +48,7 @@ class FP8Switch:
     @staticmethod
     def fp8_weight(w: Tensor, quantize: Callable[[Tensor], tuple]) -> tuple:
         """w's FP8 copies: its kept copies while valid, else quantize(w), kept when w's optimizer marks
-        it (the pith-engine README, "FP8 weight copies"); compiled: quantised per call (no Python state)."""
+        it (pith-engine README, "FP8 weight copies"); compiled: quantised per call (no Python state)."""
         if isinstance(w, GatheredFP8):
             return w.copies[:4]
         if torch.compiler.is_compiling():
@@ -68,15 +68,14 @@ class FP8Switch:
 
 
 def use_fp8(model: nn.Module, enabled: bool = True, lm_head: bool = False) -> None:
-    """Every projection and expert GEMM of `model` in FP8 (the recipe: the pith-ops README); lm_head
-    by its own switch."""
+    """`model`'s projections and expert GEMMs in FP8 (recipe: pith-ops README); lm_head by its own switch."""
     for name, m in model.named_modules():
         if isinstance(m, FP8Switch):
             m.fp8 = lm_head if name == "lm_head" else enabled
 
 
 def gather_in_fp8(model: nn.Module, experts_only: bool = False) -> int:
-    """Let FSDP2 all-gather the FP8 weights of `model` in e4m3 (the pith-train README,
+    """Let FSDP2 all-gather the FP8 weights of `model` in e4m3 (pith-train README,
     train.fp8_all_gather). experts_only: a compiled graph does not take a GatheredFP8. Call after
     use_fp8, before the first forward (FSDP's lazy init looks for the hooks). -> how many weights."""
     tied = {

@@ -223,7 +223,7 @@ def init_normal(
     model: nn.Module, seed: int, std: float, zero: tuple[str, ...] = (), mesh: Mesh = SINGLE
 ) -> None:
     """Norm weights 1, parameters named ending in `zero` 0, expert_bias 0, others N(0, std), each
-    tensor of the checkpoint layout seeded by (seed, its name) (the pith-engine README, Parallelism)."""
+    tensor of the checkpoint layout seeded by (seed, its name) (pith-engine README, Parallelism)."""
     if next(model.parameters()).device.type == "meta":
         raise ValueError("the model is on the meta device: materialise it (model.to_empty(device=...)) first")
     experts = expert_param_names(model)

@@ -1,7 +1,7 @@
 """The device mesh, the layout checks, FSDP2 wrapping and the few collectives a training step needs.
 
 FSDP2 shards expert weights over dp x cp and every other weight over dp x cp x ep, gradients SUMMED.
-The design, the module calls FSDP's hooks run on, and the measurements: the pith-engine README,
+The design, the module calls FSDP's hooks run on, and the measurements: pith-engine README,
 "Parallelism".
 
 Shape legend: E experts, El experts per EP rank.
@@ -156,11 +156,10 @@ def parallelize(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None = 
                 raise ValueError(f"expert weight {name} {tuple(p.shape)}: {p.shape[0]} experts over ep={ep}")
             held = p.shape[0] // ep
             setattr(m, name, nn.Parameter(p.detach()[r * held : (r + 1) * held].clone()))
-    # A group of one rank shards nothing, FSDP over it only adds copies (pith-engine README, 87.6%):
-    # such weights stay plain.
+    # A group of one rank shards nothing; FSDP over it only adds copies (pith-engine README, 87.6%).
     if mesh.dense_mesh is None or mesh.dense_mesh.size() == 1:
         return model
-    # FSDP2 warns at every forward of a unit that returned a view (12 lines a step on the tiny default):
+    # FSDP2 warns at every forward of a unit that returned a view (12 lines a step, tiny model):
     # an in-place op on it would drop a hook, but the Tape hands each stage output on detached.
     warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor")
     # cast_forward_inputs off: Positions carries fp32 rotary tables that must stay fp32.
@@ -239,7 +238,7 @@ def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
     """The global gradient norm (fp32), with no host sync: each gradient element lives on one rank."""
     local = [to_local(g) for g in map(pith_ops.grad, params) if g is not None]
     # One fused read of the gradients per dtype (a per-tensor pow/sum loop also writes a temporary the
-    # size of each: ~10 ms more per step on the pith-train bench's 3B fp32 gradients).
+    # size of each: ~10 ms more a step on the bench's 3B fp32 gradients).
     sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
     if local:
         by_dtype = [[g for g in local if g.dtype == d] for d in dict.fromkeys(g.dtype for g in local)]

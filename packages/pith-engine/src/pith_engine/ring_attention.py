@@ -13,7 +13,7 @@ after the merge: out * sigmoid(lse - sink).
 Backward. The ring runs again, dK/dV accumulators one step behind K/V (their transfer overlaps the
 next block's compute). With out = sum_b w_b out_b, w_b = exp(lse_b - lse), a block's outputs receive
 d out_b = dout * w_b and d lse_b = w_b * (dout.out_b - dout.out); each block is recomputed and
-backpropagated with those, exactly (about one more block forward per block backward; flex_attention
+backpropagated with those, exactly (~one more block forward per block backward; flex_attention
 has no public backward taking a given out and lse). Sinks: d sink = -sum exp(sink - lse) dout.out.
 
 Shape legend: B batch, S local sequence (two chunks of C), L full sequence, H heads (Hq query,

@@ -144,7 +144,7 @@ def dualpipev(pp: int, rank: int, micro_batches: int) -> list[Action | Overlap]:
     return out
 
 
-COSTS = {Op.F: 1.0, Op.B: 2.0, Op.I: 1.0, Op.W: 1.0}  # relative times: a backward is about two forwards
+COSTS = {Op.F: 1.0, Op.B: 2.0, Op.I: 1.0, Op.W: 1.0}  # relative times: a backward is ~two forwards
 
 
 def _transfers(pp: int, rank: int, op: Op, c: int) -> tuple[int | None, int | None]:
@@ -236,7 +236,7 @@ def schedule(
 
 def forward_schedule(pp: int, rank: int, micro_batches: int) -> list[Action | P2P]:
     """Forwards only (evaluation): rank r runs 2(pp-1-r) micro-batches down its first chunk, then
-    alternates its two: 2M + 2pp - 2 forward times for M micro-batches (one at a time took 2pp*M)."""
+    alternates its two: 2M + 2pp - 2 forward times for M micro-batches (one at a time: 2pp*M)."""
     M = micro_batches
     if pp == 1:
         return [Action(Op.F, 0, m) for m in range(M)]

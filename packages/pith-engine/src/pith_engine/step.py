@@ -2,7 +2,7 @@
 order, each (chunk, micro-batch) forward recorded on an executor.Tape; then the gradient norm, the
 optimizer and the expert-bias update. Each data rank back-propagates its share of the global loss, so
 gradients are SUMMED over data ranks and every layout trains as one process does. Design and costs:
-the pith-engine README, "The training step".
+pith-engine README, "The training step".
 
 Shape legend: B sequences, S sequence length, T = B*S tokens, D hidden, E experts, K top-k, L layers.
 """
@@ -49,8 +49,7 @@ class Stages:
     recomputes stage 3 (its T*K hidden rows of 3F: the largest activations), "full" stages 1, 3 and 5.
     dtype: the residual stream's. align: each expert's row padding (16 for FP8's GEMM). overlap:
     interleave overlapped pairs at their exchanges. wgrad: I actions leave weight gradients to W
-    actions (under compile only the eager expert GEMMs defer). Neither changes a result
-    (test_overlap.py).
+    actions (under compile only the eager expert GEMMs defer). Neither changes a result (test_overlap.py).
     """
 
     class Layer:

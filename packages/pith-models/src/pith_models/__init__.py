@@ -1,5 +1,4 @@
-"""pith-models: one self-contained file per MoE model family, plus Hugging Face interop (usage: the
-pith-models README)."""
+"""pith-models: one self-contained file per MoE model family, plus HF interop (usage: pith-models README)."""
 
 import torch
 from pith_engine.parallel import SINGLE, Mesh

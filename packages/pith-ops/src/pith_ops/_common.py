@@ -57,7 +57,7 @@ def eager_or_custom(custom_op, setup_context, forward_fn, grads, op_backward, ea
     return lambda *inputs: custom_op(*inputs) if torch.compiler.is_compiling() else eager(*inputs)
 
 
-# torch's grouped matmul where it applies (faster than the Triton kernel: the README). False: A/B runs.
+# torch's grouped matmul where it applies (faster than the Triton kernel: README). False: A/B runs.
 USE_TORCH_GROUPED_MM = True
 
 # False: every pith_ops.cast is a fresh one, nothing kept (A/B runs).

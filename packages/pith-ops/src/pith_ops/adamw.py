@@ -1,7 +1,7 @@
 """AdamW update of one fp32 tensor with its gradient scaled by a device scalar (the clip coefficient).
 
 A scale in device memory spares the clipping a host sync and a pass over the gradients (~6 ms a step
-on the pith-train bench, H200); a non-finite one skips the update, so the trainer need not check the
+on the bench, H200); a non-finite one skips the update, so the trainer need not check the
 loss on the host. p's kept copies are rewritten in the same pass (FP8: delayed scaling, the new amax
 reduced by atomics for the next update).
 """
@@ -54,7 +54,7 @@ def _adamw_kernel(
             _, inv = _pow2_scale(amax)
             tl.store(q_ptr + offs, _cast(p, inv).to(q_ptr.dtype.element_ty), mask=mask)
             _amax_into(amax_new_ptr, b, tl.abs(p), mask, ALIGNED)
-    elif FP8:  # nothing changes: the amax stays the old one
+    elif FP8:  # nothing changes: the old amax stays
         b, amax = _entry_amax(amax_ptr, offs, mask, RC, ALIGNED, BLOCK)
         _amax_into(amax_new_ptr, b, amax, mask, ALIGNED)
 

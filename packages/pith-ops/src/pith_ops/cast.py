@@ -1,5 +1,5 @@
 """A differentiable dtype cast whose backward widens the gradient with a vectorised kernel (torch's
-cast: 47% of copy; the README).
+cast: 47% of copy; README).
 
 Kept copies. A trainable weight (not a DTensor) cast to bf16 with grad mode on keeps its cast, valid
 while x's version counter and storage hold; adamw_ rewrites it in its update pass (bench: ~1.3 ms for
@@ -124,7 +124,7 @@ def _copy_for(x: Tensor, dtype: torch.dtype) -> Tensor | None:
 
 
 def stand_in(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """x in dtype without its values (the README): no cast of x kept (the bench's lm_head: 0.6 GiB)."""
+    """x in dtype without its values (README): no cast of x kept (the bench's lm_head: 0.6 GiB)."""
     check("x", x, dtypes=FLOAT_DTYPES)
     if x.dtype == dtype and type(x) in (Tensor, torch.nn.Parameter):
         return x

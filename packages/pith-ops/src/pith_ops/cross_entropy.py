@@ -1,5 +1,5 @@
 """Fused lm_head + cross-entropy: loss(h @ w.T, labels) without the full logits (the chunks, the
-FP8 GEMMs and their measurements: the pith-ops README).
+FP8 GEMMs and their measurements: pith-ops README).
 
 Shape legend: T tokens, C tokens in one chunk, D model dim, V vocabulary.
 

@@ -1,8 +1,8 @@
 """FP8 linear: y = x @ w.T with e4m3 operands (pith_ops.fp8_quant), bf16 out.
 
-Shape legend: T rows (tokens; leading dims are flattened), D input features, O output features.
+Shape legend: T rows (tokens; leading dims flattened), D input features, O output features.
 
-Each GEMM's operands are scaled along the axis it contracts (the pith-ops README): y = x8 @ w8.T,
+Each GEMM's operands are scaled along the axis it contracts (pith-ops README): y = x8 @ w8.T,
 dx = dy8 @ w8t.T, dw = dy8c @ x8c.T, with x8 and dy8 by rows (quantize_rows), w8 = quantize_weight(w)
 and w8t its transposed copy, dy8c and x8c requantised by columns over T (cols_from_rows). The forward
 keeps x8 (half the bytes of the bf16 input).
@@ -56,7 +56,7 @@ def _forward(
     x_TD: Tensor, w_OD: Tensor, w8_OD: Tensor, w8_scale_O: Tensor, w8t_DO: Tensor, w8t_scale_D: Tensor,
     x8_TD: Tensor, x8_scale_T: Tensor,
 ) -> Tensor:  # fmt: skip
-    """x_TD and w_OD are not read: x8 comes from its own op (_rows_of; why: the pith-ops README)."""
+    """x_TD and w_OD are not read: x8 comes from its own op (_rows_of; why: pith-ops README)."""
     return _mm(x8_TD, x8_scale_T, w8_OD, w8_scale_O).to(x_TD.dtype)
 
 

@@ -1,5 +1,5 @@
 """FP8 (e4m3) quantisation with power-of-two scales, in the three forms the FP8 GEMMs take (recipe
-and measurements: the pith-ops README).
+and measurements: pith-ops README).
 
 Shape legend: M rows, K columns, G row groups (ending at group_ends), B batch entries (a stacked
 weight's experts), R and C a weight's rows and columns.
@@ -47,8 +47,8 @@ def fp8_rows(x_MK: Tensor) -> FP8Rows:
 
 # Rows kernel: BLOCK_M rows a program, BLOCK_K columns a step (82% of copy, H200, [131072, 2048] bf16).
 ROWS_TILE = (4, 128) if INTERPRET else (16, 1024)
-# Columns kernel, [BLOCK_M, BLOCK_K] e4m3 tiles, 4 warps. Transposing [132992, 2048] e4m3 on an H200:
-# 64 x 128 149 us (88% of copy), as fast as 128 x 128; 64-wide tiles and 8 warps slower.
+# Columns kernel, [BLOCK_M, BLOCK_K] e4m3 tiles, 4 warps: 64 x 128 transposes [132992, 2048] at 88% of
+# copy (H200), as fast as 128 x 128; 64-wide tiles and 8 warps slower.
 COLS_TILE = (16, 32) if INTERPRET else (64, 128)
 
 
@@ -125,7 +125,7 @@ def _cols_kernel(
 @triton.jit
 def _entry_amax(amax_ptr, offs, mask, RC, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """-> (b, amax[b]) of a block's flat offsets into [B, R, C]. ALIGNED (R * C a multiple of BLOCK): one
-    load a block (per element, AdamW with FP8 copies took 24.4-31.9 ms a step against 21.8, H200)."""
+    load a block (per element: AdamW with FP8 copies 24.4-31.9 ms a step, not 21.8; H200)."""
     if ALIGNED:
         b = (tl.program_id(0).to(tl.int64) * BLOCK) // RC
         amax = tl.load(amax_ptr + b)
@@ -267,7 +267,7 @@ def quantize_weight(w_BRC: Tensor, amax_B: Tensor | None = None, out_dtype: torc
 
 def weight_copies(copies: FP8Weight, gate: Tensor | None = None) -> None:
     """Writes copies' scales and transposed copy from q and amax (the scales stay where gate, adamw_'s
-    clip scale, is not finite). Apart from q's kernel: the README (Weights from the optimizer)."""
+    clip scale, is not finite). Apart from q's kernel: README (Weights from the optimizer)."""
     q3, qt3 = (copies.q, copies.qt) if copies.q.ndim == 3 else (copies.q[None], copies.qt[None])
     B, R, C = q3.shape
     if B:

@@ -1,5 +1,5 @@
 """Grouped GEMM over contiguous per-expert row segments: y[rows of e] = x[rows of e] @ w[e], by
-torch's grouped matmul where it applies (faster: the pith-ops README), else Triton kernels.
+torch's grouped matmul where it applies (faster: pith-ops README), else Triton kernels.
 
 Shape legend: N grouped rows, I input features, O output features, E experts (groups).
 """

@@ -1,13 +1,12 @@
 """Group token rows by expert (moe_permute) and the weighted combine back (moe_unpermute), each
-other's backward. How the launches overlap and what they measured: the pith-ops README.
+other's backward. How the launches overlap and what they measured: pith-ops README.
 
 Shape legend: T tokens, K router top-k, D model dim, E experts, N grouped rows, C chunks of CT tokens
 (CT * K <= CHUNK entries), R rows of a tile.
 
 A negative expert id routes nowhere, so a caller can route a subset of the entries (EP's rows by
 destination rank) with a static `rows`. Ids >= E and a too small `rows` are caught for eager CPU
-tensors only (on CUDA: a host sync). Two (t, k) entries may not share a row of moe_unpermute's y
-(moe_permute's slots never do).
+tensors only. Two (t, k) entries may not share a row of moe_unpermute's y (moe_permute's slots never do).
 """
 
 import functools
@@ -205,7 +204,7 @@ def _combine_kernel(
     y_ND_ptr, slots_TK_ptr, w_TK_ptr, out_TD_ptr, T, D,
     K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr, ELEMS: tl.constexpr,
 ):  # fmt: skip
-    """out[t] = sum_k w[t, k] * y[slots[t, k]] in fp32 (w = 1 without HAS_W); K unrolled so that the K
+    """out[t] = sum_k w[t, k] * y[slots[t, k]] in fp32 (w = 1 without HAS_W); K unrolled so the K
     row gathers are in flight together."""
     ROWS: tl.constexpr = (ELEMS + BLOCK_D - 1) // BLOCK_D
     tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

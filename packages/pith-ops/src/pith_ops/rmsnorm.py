@@ -1,5 +1,5 @@
 """RMSNorm, fused forward and backward (dx and dweight); the passes and the weight gradient's partial
-sums: the pith-ops README.
+sums: pith-ops README.
 
 Shape legend: N rows (leading dims flattened), D normalised width; weight_D.
 """

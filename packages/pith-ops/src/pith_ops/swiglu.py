@@ -22,7 +22,7 @@ def _swiglu_kernel(
     x_ptr, dy_ptr, out_ptr, N, F, alpha, limit,
     BLOCK_F: tl.constexpr, OSS: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Forward: out = y_NF. Backward: out = dx_N2F from dy_NF (the activation recomputed)."""
+    """Forward: out = y_NF. Backward: out = dx_N2F from dy_NF."""
     # Column blocks vary fastest, so programs running together cover whole rows (contiguous memory).
     col_blocks = tl.cdiv(F, BLOCK_F)
     rows = ((tl.program_id(0) // col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)

@@ -42,7 +42,7 @@ def _rank0() -> bool:
 
 
 def _config_and_overrides(rest: list[str]) -> tuple[str | None, list[str]]:
-    config, overrides = None, []  # `--train.steps 10` as well as `--train.steps=10`
+    config, overrides = None, []  # `--train.steps 10` or `--train.steps=10`
     for item in rest:
         if item.startswith("--"):
             overrides.append(item)

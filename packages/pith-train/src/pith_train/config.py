@@ -41,11 +41,11 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 120  # optimizer steps
-    global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    global_batch: int = 8  # sequences per optimizer step, over all data ranks
     micro_batch: int = 8  # sequences per forward/backward on one data rank (gradient accumulation)
     lr: float = 3e-3  # peak learning rate
     seed: int = 0  # weight init and data order
-    device: str = "auto"  # auto (cuda when there is one) | cpu | cuda
+    device: str = "auto"  # auto (cuda if present) | cpu | cuda
     compile: bool = True  # torch.compile the non-expert stages (CUDA only)
     ac: str = "none"  # activation checkpointing: none | selective (expert MLPs) | full (every stage)
     fp8: bool = False  # projections and expert GEMMs in FP8 (e4m3)
@@ -72,7 +72,7 @@ class OptimConfig:
     schedule: str = "cosine"  # cosine (linear warmup, cosine decay) | wsd (warmup, stable, decay)
     warmup_steps: int = 12
     min_lr_ratio: float = 0.1  # final lr as a fraction of train.lr
-    decay_fraction: float = 0.2  # wsd: fraction of the steps spent in the final linear decay
+    decay_fraction: float = 0.2  # wsd: fraction of the steps in the final linear decay
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -96,7 +96,7 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 40  # steps between checkpoints (0 = only at the end, where one always is)
-    keep: int = 2  # how many of the latest checkpoints to keep
+    keep: int = 2  # latest checkpoints kept
     resume: bool = True  # continue from the latest checkpoint in RUN_DIR/checkpoints
     # A checkpoint a new run starts from (its state, its data position if the order is the same, this
     # config's schedule from step 0); read only while RUN_DIR has no checkpoint

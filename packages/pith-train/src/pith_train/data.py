@@ -41,7 +41,7 @@ class PackedDataset:
         self.tokens = np.memmap(tokens_bin, dtype=dtype, mode="r", shape=(n,))
         mask = Path(path) / "loss_mask.bin"  # prepare-data --chat's: 1 where a token's loss counts
         self.loss_mask = np.memmap(mask, np.uint8, "r") if mask.is_file() else None
-        chat = "assistant_tokens" in self.meta  # prepare-data --chat's
+        chat = "assistant_tokens" in self.meta
         if chat != mask.is_file() or chat and len(self.loss_mask) != n:
             raise ValueError(f"{mask} is missing or not one byte per token; prepare the dataset again")
         self.doc_ends = np.fromfile(Path(path) / "doc_ends.bin", dtype=np.int64)

@@ -88,8 +88,8 @@ def _exchange(send: list[Tensor], recv_sizes: list[int], group) -> list[Tensor]:
 
 
 def _orthogonalise_spread(shapes: list[torch.Size], u_local: list[Tensor], mesh, dtype) -> list[Tensor]:
-    """This rank's rows of NS5 of each row-sharded matrix: each goes whole to one owner rank (greedy by
-    NS cost) and its rows of O come back, two all-to-alls."""
+    """This rank's rows of NS5 of each row-sharded matrix: each goes whole to its owner rank (_owners)
+    and its rows of O come back, two all-to-alls."""
     group, W, me, n = mesh.get_group(), mesh.size(), mesh.get_local_rank(), len(shapes)
     owner = _owners(shapes, W)
     rows = [_rows(s[0], W) for s in shapes]

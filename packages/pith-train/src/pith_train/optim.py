@@ -13,8 +13,8 @@ from pith_train.muon import Chain, Muon, hidden_matrices
 
 class AdamW(torch.optim.AdamW):
     """torch's AdamW by pith_ops.adamw_: `step(grad_scale=coef)` scales the gradients inside the update
-    (clipping in the same pass) and skips it where coef is not finite, with no host sync.
-    Kept casts and FP8 copies are rewritten in the same pass."""
+    (clipping, and rewriting kept casts and FP8 copies, in the same pass) and skips it where coef is
+    not finite, with no host sync."""
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

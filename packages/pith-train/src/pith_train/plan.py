@@ -93,8 +93,7 @@ def rank_plan(cfg: Config, m: Model, rank: int, cuda: bool) -> list[Plan]:
     T = t.micro_batch * cfg.data.seq_len / p.cp
     flight = in_flight(cfg, len(m.layers), rank)
     mine, root, lm = [m.layers[i] for i in flight], m.root * (rank == 0), m.lm_head * (rank == 0)
-    # FSDP2 shards dense weights over dp*cp*ep, this EP rank's experts over dp*cp; a group of one leaves
-    # them plain tensors.
+    # FSDP2 shards dense weights over dp*cp*ep, this EP rank's experts over dp*cp (a group of one: plain).
     dense_ranks, expert_ranks = p.dp * p.cp * p.ep, p.dp * p.cp
     dense, ex = sum(x.dense for x in mine) + root, sum(x.experts for x in mine) / p.ep
     gemm, linear = sum(x.gemm for x in mine) / p.ep, sum(x.linear for x in mine)

@@ -19,8 +19,7 @@ from pith_train.optim import lr_at
 # The learning-rate schedule's [optim] keys (checked against the steps trained).
 SCHEDULE = ("schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
 # The keys that decide which sequences each step trains on (pith-train README, Data layout): datasets
-# by content (data_ids), data.val_windows where it picks held-out training windows.
-# data.val_path: with one, no training window is held out.
+# by content (data_ids), data.val_windows where it picks held-out training windows (without data.val_path).
 DATA_ORDER = ("data.path", "data.val_path", "data.weights", "data.val_windows", "data.seq_len", "train.seed",
               "train.global_batch")  # fmt: skip
 

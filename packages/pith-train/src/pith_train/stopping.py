@@ -21,8 +21,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 class StopOnSignal:
-    """SIGINT/SIGTERM set a flag instead of killing the process (in the main thread: Python delivers
-    signals there)."""
+    """SIGINT/SIGTERM set a flag rather than kill the process (main thread: Python delivers signals there)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -52,7 +51,7 @@ class StopOnSignal:
 
 
 def agreed(value: int, device: torch.device) -> int:
-    """The largest `value` of any rank, so that all act alike."""
+    """The largest `value` of any rank, so all act alike."""
     if not dist.is_initialized():
         return value
     flag = torch.tensor(value, device=device)

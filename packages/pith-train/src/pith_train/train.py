@@ -141,8 +141,7 @@ def open_data(cfg: Config, run_dir: Path, main: bool) -> tuple[list, list]:
 
 
 def pick_device(choice: str, key: str, cpu_threads: int = 0) -> torch.device:
-    """auto | cpu | cuda: this process's device (LOCAL_RANK's card), on CPU with `cpu_threads` intra-op
-    threads."""
+    """auto | cpu | cuda: this process's device (LOCAL_RANK's GPU); on CPU, `cpu_threads` intra-op threads."""
     if choice == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{key} is cuda, but torch sees no CUDA device")
     if choice == "cpu" or not torch.cuda.is_available():
