@@ -101,6 +101,28 @@ def test_every_format_gives_each_documents_own_tokens_whatever_the_workers(tmp_p
     assert meta["max_token_id"] == max(map(max, want)) and meta["num_docs"] == len(texts)
 
 
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst"])
+def test_a_compressed_input_gets_the_workers_its_text_needs_not_its_size_on_disk(
+    tmp_path, monkeypatch, suffix
+):
+    """The workers were capped at the file's bytes over BATCH_BYTES: a compressed input holds many
+    batches of text in few bytes, and was tokenized by one worker."""
+    import gzip
+
+    import zstandard
+
+    monkeypatch.setattr(prep, "BATCH_BYTES", 1 << 12)
+    text = "".join(json.dumps({"text": f"document {i % 7} " * 20}) + "\n" for i in range(3000)).encode()
+    path = tmp_path / f"in{suffix}"  # ~800 KB of text: 200 batches
+    path.write_bytes(gzip.compress(text) if suffix.endswith(".gz") else zstandard.compress(text))
+    chose, encoded = [], prep._encoded
+    monkeypatch.setattr(
+        prep, "_encoded", lambda b, workers, spec: chose.append(workers) or encoded(b, 1, spec)
+    )
+    prepare([str(path)], str(tmp_path / "out"), workers=4, progress=False)
+    assert path.stat().st_size <= 3 * prep.BATCH_BYTES and chose == [4], (path.stat().st_size, chose)
+
+
 @settings(max_examples=40)
 @given(
     docs=st.lists(st.text(max_size=20), max_size=12),
