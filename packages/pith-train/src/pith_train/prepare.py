@@ -293,7 +293,9 @@ def prepare(
             train_bpe(files, text_field, train_vocab, tmp / "tokenizer.json", show)
         tok = load_tokenizer(spec := str(tmp / "tokenizer.json") if train_vocab else tokenizer)
         total = sum(size for _, size, _ in inputs)
-        workers = min(workers or os.cpu_count() or 1, -(-total // BATCH_BYTES))  # no more than the batches
+        # No more than the batches: a plain file's bytes over BATCH_BYTES (a compressed one holds more).
+        most = total if any(f.endswith((".gz", ".zst")) for f in files) else -(-total // BATCH_BYTES)
+        workers = min(workers or os.cpu_count() or 1, most)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not show)
         start, docs, n, top = time.monotonic(), 0, 0, 0
         with open(tmp / "tokens.bin", "wb") as tf, open(tmp / "doc_ends.bin", "wb") as ef:
