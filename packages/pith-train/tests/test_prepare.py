@@ -101,26 +101,44 @@ def test_every_format_gives_each_documents_own_tokens_whatever_the_workers(tmp_p
     assert meta["max_token_id"] == max(map(max, want)) and meta["num_docs"] == len(texts)
 
 
-@pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst"])
-def test_a_compressed_input_gets_the_workers_its_text_needs_not_its_size_on_disk(
-    tmp_path, monkeypatch, suffix
+@pytest.mark.parametrize(
+    "suffix, docs, pool", [(".jsonl.gz", 3000, [4]), (".parquet", 5000, [4]), (".jsonl.gz", 10, [])]
+)
+def test_the_workers_are_as_many_as_the_batches_allow_whatever_the_bytes_on_disk(
+    tmp_path, monkeypatch, suffix, docs, pool
 ):
-    """The workers were capped at the file's bytes over BATCH_BYTES: a compressed input holds many
-    batches of text in few bytes, and was tokenized by one worker."""
+    """The workers were capped at the inputs' bytes over BATCH_BYTES: a compressed file (or a Parquet
+    file's batches of 1,024 records) holds many batches in few bytes, and one worker tokenized them.
+    One batch is tokenized in-process, with no pool to start."""
     import gzip
 
-    import zstandard
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     monkeypatch.setattr(prep, "BATCH_BYTES", 1 << 12)
-    text = "".join(json.dumps({"text": f"document {i % 7} " * 20}) + "\n" for i in range(3000)).encode()
-    path = tmp_path / f"in{suffix}"  # ~800 KB of text: 200 batches
-    path.write_bytes(gzip.compress(text) if suffix.endswith(".gz") else zstandard.compress(text))
-    chose, encoded = [], prep._encoded
+    texts = [f"document {i % 7} " * 20 for i in range(docs)]  # 3000: ~800 KB of text, 200 batches
+    path, lines = tmp_path / f"in{suffix}", "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    if suffix == ".parquet":
+        pq.write_table(pa.table({"text": texts}), path)
+    else:
+        path.write_bytes(gzip.compress(lines))
+    assert path.stat().st_size <= 3 * prep.BATCH_BYTES  # what the cap took for the batches
+
+    class Started(Exception):
+        pass
+
+    def spawned(n, *args):
+        raise Started(n)
+
     monkeypatch.setattr(
-        prep, "_encoded", lambda b, workers, spec: chose.append(workers) or encoded(b, 1, spec)
+        prep.multiprocessing, "get_context", lambda kind: type("Spawn", (), {"Pool": spawned})
     )
-    prepare([str(path)], str(tmp_path / "out"), workers=4, progress=False)
-    assert path.stat().st_size <= 3 * prep.BATCH_BYTES and chose == [4], (path.stat().st_size, chose)
+    try:
+        prepare([str(path)], str(tmp_path / "out"), workers=4, progress=False)
+        started = []
+    except Started as e:
+        started = list(e.args)
+    assert started == pool
 
 
 @settings(max_examples=40)
