@@ -205,8 +205,11 @@ def _encode(batch: tuple) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _encoded(batches, workers: int, spec: str):
-    """(pos, _encode(batch)) for each (pos, batch), in order; spawned: the parent may hold torch's threads."""
-    if workers == 1:  # in-process: no start-up, no __main__ guard needed
+    """(pos, _encode(batch)) for each (pos, batch), in order; spawned: the parent may hold torch's threads.
+    No more workers than batches, counted ahead: a compressed file's bytes do not tell them."""
+    first = list(itertools.islice(batches, 2 * workers))
+    workers, batches = min(workers, len(first)), itertools.chain(first, batches)
+    if workers <= 1:  # in-process: no start-up, no __main__ guard needed
         _init_worker(spec, False)
         yield from ((pos, _encode(batch)) for pos, batch in batches)
         return
@@ -293,9 +296,7 @@ def prepare(
             train_bpe(files, text_field, train_vocab, tmp / "tokenizer.json", show)
         tok = load_tokenizer(spec := str(tmp / "tokenizer.json") if train_vocab else tokenizer)
         total = sum(size for _, size, _ in inputs)
-        # No more than the batches: a plain file's bytes over BATCH_BYTES (a compressed one holds more).
-        most = total if any(f.endswith((".gz", ".zst")) for f in files) else -(-total // BATCH_BYTES)
-        workers = min(workers or os.cpu_count() or 1, most)
+        workers = workers or os.cpu_count() or 1
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not show)
         start, docs, n, top = time.monotonic(), 0, 0, 0
         with open(tmp / "tokens.bin", "wb") as tf, open(tmp / "doc_ends.bin", "wb") as ef:
