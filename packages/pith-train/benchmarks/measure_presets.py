@@ -5,7 +5,7 @@ plan, and the rank's step time without communication; JSON to OUT (default $OUT/
 
     python3 packages/pith-train/benchmarks/measure_presets.py [OUT.json] [--eager] [PRESET.toml:RANK ...]
 
-Rows named PRESET.toml:RANK are measured alone, in that order.
+Rows named PRESET.toml:RANK (a file in configs/) are measured alone, in that order.
 
 Steps: one of warm-up (compilation), four timed (each printed; the table has the median). Each step's
 host CPU time, allocator retries, new CUDA segments, Dynamo frames (compilations) and the (row, expert)
