@@ -177,6 +177,22 @@ def trained(micro_config, tmp_path_factory):
     return run / "checkpoints" / "step_000003"
 
 
+def test_pretrain_refuses_a_run_directory_in_a_checkpoint_and_changes_nothing(
+    trained, micro_args, tmp_path, capsys
+):
+    """A run directory inside a checkpoint trained, and its config.toml overwrote the checkpoint's:
+    the run it came from found its only checkpoint damaged."""
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000003"
+    shutil.copytree(trained, ckpt)
+    before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    for run_dir in (ckpt, ckpt / "new"):
+        with pytest.raises(SystemExit) as e:
+            main(["pretrain", *micro_args, "--train.steps=1", "--run-dir", str(run_dir)])
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and f"--run-dir {run_dir} is in a checkpoint: choose another" in err, err
+    assert {p: p.read_bytes() for p in before} == before and not (ckpt / "new").exists()
+
+
 def test_convert_of_a_run_with_routing_bias_exports_with_a_note_or_refuses(trained, tmp_path, capsys):
     model = build_model(str(trained), torch.device("cpu"), seed=0)
     assert any(b.any() for n, b in model.named_buffers() if n.endswith("expert_bias"))
