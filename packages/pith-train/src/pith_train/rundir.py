@@ -18,8 +18,8 @@ from pith_train.optim import lr_at
 
 # The learning-rate schedule's [optim] keys (checked against the steps trained).
 SCHEDULE = ("schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
-# The keys that decide which sequences each step trains on (pith-train README, Data layout): datasets
-# by content (data_ids), data.val_windows where it picks held-out training windows (without data.val_path).
+# The keys that decide which sequences each step trains on: datasets by content (data_ids),
+# data.val_windows where it picks held-out training windows (without data.val_path).
 DATA_ORDER = ("data.path", "data.val_path", "data.weights", "data.val_windows", "data.seq_len", "train.seed",
               "train.global_batch")  # fmt: skip
 
@@ -170,6 +170,8 @@ def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
 
 def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
     """A launch's checks, before anything is built: -> the checkpoint to resume from (None: new run)."""
+    if any((p / ".metadata").is_file() for p in [run_dir.resolve(), *run_dir.resolve().parents]):
+        raise ValueError(f"--run-dir {run_dir} is in a checkpoint: choose another")
     ckpt_root = run_dir / "checkpoints"
     check_writable(ckpt_root)
     if (o := cfg.optim).warmup_steps >= cfg.train.steps:
