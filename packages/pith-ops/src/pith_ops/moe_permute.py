@@ -24,7 +24,7 @@ from pith_ops.fp8_quant import FP8, FP8Rows
 EXPERT_TILE = 256 if INTERPRET else 64
 # The per-expert scan takes [SCAN_CHUNKS, EXPERT_SCAN] a step: T=16384 at top-8 in one, 125 registers at
 # 8 warps (sm_90; 8 or 16 experts spill). The interpreter pays per program (4096 experts in programs of
-# 4: 35 s on CPU); its short step takes the carried loop.
+# 4: 35 s on CPU).
 EXPERT_SCAN = 256 if INTERPRET else 4
 SCAN_CHUNKS = 4 if INTERPRET else 1024
 # Entries a chunk holds at most (the in-chunk rank is a [CHUNK, CHUNK] compare); also bounds top-k.

@@ -48,9 +48,9 @@ class Mirror(dist.ProcessGroup):
     def all_gather_single(self, out, x, opts):  # FSDP2 gathers in place: x may be out's
         x, r = x.reshape(-1), self.rank()
 
-        def fill():  # rank r + k's shard: this one turned by k values (copies: the router's rows score
-            for j, o in enumerate(out.view(self.n, -1)):  # alike, and CUDA's top-k picks the lowest ids)
-                k = (j - r) % max(len(x), 1) * x.is_floating_point()
+        def fill():  # rank r + k's: this shard turned by k (copies tie a router's scores, top-k picks
+            for j, o in enumerate(out.view(self.n, -1)):  # the lowest ids)
+                k = (j - r) % len(x) * x.is_floating_point()
                 if o.data_ptr() != x.data_ptr():
                     o[:k].copy_(x[len(x) - k :])
                     o[k:].copy_(x[: len(x) - k])
@@ -113,8 +113,8 @@ def _repeat_into(out, x):
 
 
 BACKEND = "pith-mirror"
-# String-keyed as torch requires (the one such place): DeviceMesh, FSDP2 and DCP make subgroups by
-# the default group's backend name.
+# String-keyed as torch requires: DeviceMesh, FSDP2 and DCP make subgroups by the default group's
+# backend name.
 dist.Backend.register_backend(BACKEND, lambda store, r, n, timeout: Mirror(r, n), devices=["cpu", "cuda"])
 
 
