@@ -102,14 +102,15 @@ def test_every_format_gives_each_documents_own_tokens_whatever_the_workers(tmp_p
 
 
 @pytest.mark.parametrize(
-    "suffix, docs, pool", [(".jsonl.gz", 3000, [4]), (".parquet", 5000, [4]), (".jsonl.gz", 10, [])]
+    "suffix, docs, pool",
+    [(".jsonl.gz", 3000, [4]), (".parquet", 9000, [4]), (".jsonl.gz", 40, []), (".jsonl.gz", 10, [])],
 )
 def test_the_workers_are_as_many_as_the_batches_allow_whatever_the_bytes_on_disk(
     tmp_path, monkeypatch, suffix, docs, pool
 ):
     """The workers were capped at the inputs' bytes over BATCH_BYTES: a compressed file (or a Parquet
     file's batches of 1,024 records) holds many batches in few bytes, and one worker tokenized them.
-    One batch is tokenized in-process, with no pool to start."""
+    Fewer than 2 batches a worker are tokenized in-process: starting a pool costs more."""
     import gzip
 
     import pyarrow as pa
