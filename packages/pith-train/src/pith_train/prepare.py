@@ -206,9 +206,9 @@ def _encode(batch: tuple) -> tuple[np.ndarray, np.ndarray]:
 
 def _encoded(batches, workers: int, spec: str):
     """(pos, _encode(batch)) for each (pos, batch), in order; spawned: the parent may hold torch's threads.
-    No more workers than batches, counted ahead: a compressed file's bytes do not tell them."""
+    A pool only at 2 batches a worker, counted ahead (compressed bytes do not say)."""
     first = list(itertools.islice(batches, 2 * workers))
-    workers, batches = min(workers, len(first)), itertools.chain(first, batches)
+    workers, batches = workers * (len(first) == 2 * workers), itertools.chain(first, batches)
     if workers <= 1:  # in-process: no start-up, no __main__ guard needed
         _init_worker(spec, False)
         yield from ((pos, _encode(batch)) for pos, batch in batches)
