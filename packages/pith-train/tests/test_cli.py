@@ -177,20 +177,22 @@ def trained(micro_config, tmp_path_factory):
     return run / "checkpoints" / "step_000003"
 
 
-def test_pretrain_refuses_a_run_directory_in_a_checkpoint_and_changes_nothing(
-    trained, micro_args, tmp_path, capsys
+def test_pretrain_refuses_a_run_directory_in_a_checkpoint_or_a_dataset_and_changes_nothing(
+    trained, byte_data, micro_args, tmp_path, capsys
 ):
     """A run directory inside a checkpoint trained, and its config.toml overwrote the checkpoint's:
-    the run it came from found its only checkpoint damaged."""
-    ckpt = tmp_path / "run" / "checkpoints" / "step_000003"
+    the run it came from found its only checkpoint damaged. One in a dataset or a run's checkpoints/
+    mixed run files into it."""
+    ckpt, data = tmp_path / "run" / "checkpoints" / "step_000003", tmp_path / "data"
     shutil.copytree(trained, ckpt)
-    before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
-    for run_dir in (ckpt, ckpt / "new"):
+    shutil.copytree(byte_data, data)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for run_dir in (ckpt, ckpt / "new", ckpt.parent, data, data / "new"):
         with pytest.raises(SystemExit) as e:
             main(["pretrain", *micro_args, "--train.steps=1", "--run-dir", str(run_dir)])
         err = capsys.readouterr().err
-        assert e.value.code == 1 and f"--run-dir {run_dir} is in a checkpoint: choose another" in err, err
-    assert {p: p.read_bytes() for p in before} == before and not (ckpt / "new").exists()
+        assert e.value.code == 1 and f"--run-dir {run_dir} is in a checkpoint, a dataset or" in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 def test_convert_of_a_run_with_routing_bias_exports_with_a_note_or_refuses(trained, tmp_path, capsys):
@@ -357,6 +359,16 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
         ),
         (["eval", "{run}", "--data", "{data}"], "a run directory; name a checkpoint, e.g."),
         (["generate", "{run}", "--prompt", "x"], "/checkpoints/step_000003"),
+        (["generate", "{ckpt}", "--prompt", "x", "--temperature", "2"], "--temperature and --seed sample"),
+        (["generate", "{ckpt}", "--prompt", "x", "--seed", "3"], "--seed sample: add --top-p"),
+        (["check-layout", "--nproc", "1", "--rtol", "-1"], "--rtol must be >= 0, got -1.0"),
+        (["check-layout", "--nproc", "1", "--rtol", "nan"], "--rtol must be >= 0, got nan"),
+        (["bench", "--tiny", "--json", "{tmp}/nope/b.json"], "--json {tmp}/nope/b.json: no directory"),
+        (["bench", "--tiny", "--device", "cpu", "--cuda-graph"], "train.cuda_graph needs a CUDA device"),
+        (["plan", "--gpus", "4", "--parallel.dp=2"], "--gpus sets parallel.dp: give one of them"),
+        (["plan", "--rank", "1"], "--rank and --steps are for --measure: add it"),
+        (["plan", "--steps", "3"], "--rank and --steps are for --measure: add it"),
+        (["schedule", "--pp", "2", "--micro-batches", "3"], "got 3 (raise --micro-batches)"),
     ],
 )
 def test_inference_commands_fail_with_one_line(
