@@ -80,12 +80,14 @@ def split_layers(num_layers: int, pp: int) -> list[range]:
     return [range(s, s + n) for s, n in zip(starts, sizes)]
 
 
-def check(pp: int, micro_batches: int, num_layers: int | None = None) -> None:
+def check(
+    pp: int, micro_batches: int, num_layers: int | None = None,
+    more: str = "raise train.global_batch or lower train.micro_batch",
+) -> None:  # fmt: skip
     problems = []
     if pp > 1 and micro_batches < 2 * pp:
         problems.append(
-            f"DualPipeV needs at least 2*pp = {2 * pp} micro-batches per step, got {micro_batches}"
-            f" (raise train.global_batch or lower train.micro_batch)"
+            f"DualPipeV needs at least 2*pp = {2 * pp} micro-batches per step, got {micro_batches} ({more})"
         )
     if num_layers is not None and num_layers < num_chunks(pp):
         problems.append(

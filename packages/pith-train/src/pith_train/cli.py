@@ -191,7 +191,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from pith_train.chat import hf_tokenizer
     from pith_train.inference import generate, run_tokenizer
 
-    if args.top_p is not None and not 0 < args.top_p <= 1 or args.temperature <= 0:
+    if args.top_p is None and (args.temperature, args.seed) != (None, None):
+        raise ValueError("--temperature and --seed sample: add --top-p (greedy decoding uses neither)")
+    if args.top_p is not None and not 0 < args.top_p <= 1 or (args.temperature or 1) <= 0:
         raise ValueError(
             f"--top-p must be in (0, 1] and --temperature > 0; got {args.top_p}, {args.temperature}"
         )
@@ -208,7 +210,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not args.prompt:
         raise ValueError("--prompt is empty")
     model = _model(path, args)
-    new = generate(model, prompt, args.max_new_tokens, tok, args.top_p, args.temperature, args.seed)
+    new = generate(model, prompt, args.max_new_tokens, tok, args.top_p, args.temperature or 1, args.seed or 0)
     print(("" if args.chat else text) + tok.decode(new))
 
 
@@ -224,6 +226,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     from pith_train.bench import record, run, summary
 
+    if not Path(args.json).parent.is_dir():  # before the benchmark
+        raise ValueError(f"--json {args.json}: no directory {Path(args.json).parent} to write it in")
     on = {k: getattr(args, k) == "on" for k in ("compile", "overlap", "wgrad_delay")}
     skip = {"command", "rest", "run", "json", "record", "compare", "profile", *on}
     result = run(**{k: v for k, v in vars(args).items() if k not in skip}, **on, profile_steps=args.profile)
@@ -245,6 +249,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from pith_train import plan
     from pith_train.config import load_config, model_config, validate
 
+    if args.gpus is not None and any(a.startswith("--parallel.dp") for a in args.rest):
+        raise ValueError("--gpus sets parallel.dp: give one of them")
     cfg = load_config(*_config_and_overrides(args.rest))
     p = cfg.parallel
     if args.gpus is not None:  # the data ranks that fill N GPUs
@@ -257,10 +263,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
         validate(cfg)
     if args.gpu_memory is not None and not 0 < args.gpu_memory < float("inf"):
         raise ValueError(f"--gpu-memory {args.gpu_memory}: expected the GiB of one card, > 0")
-    if args.measure or args.rank is not None:
+    if not args.measure and (args.rank, args.steps) != (None, None):
+        raise ValueError("--rank and --steps are for --measure: add it")
+    if args.measure:
         from pith_train import measure
 
-        return print(measure.report(measure.measure(cfg, args.rank, args.steps)))
+        return print(measure.report(measure.measure(cfg, args.rank, args.steps or 2)))
     m, cuda = plan.model_shape(model_config(cfg.model)), cfg.train.device != "cpu"
     plan.valid(cfg, m)
     capacity, what = (args.gpu_memory * plan.GIB, "--gpu-memory") if args.gpu_memory else (None, "")
@@ -280,7 +288,7 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 
 def cmd_schedule(args: argparse.Namespace) -> None:
-    from pith_engine.schedule import P2P, Overlap, schedule
+    from pith_engine.schedule import P2P, Overlap, check, schedule
 
     def show(item) -> str:
         if isinstance(item, P2P):
@@ -289,6 +297,7 @@ def cmd_schedule(args: argparse.Namespace) -> None:
             return "[" + "+".join(show(a) for a in item) + "]"
         return f"{item.op.value}{item.chunk}.{item.micro}"
 
+    check(args.pp, args.micro_batches, more="raise --micro-batches")
     lists = [schedule(args.pp, rank, args.micro_batches) for rank in range(args.pp)]
     print("op chunk.micro; [F+B] one overlapped action; >rN / <rN: send to / receive from rank N")
     for rank, lst in enumerate(lists):
@@ -299,12 +308,13 @@ def cmd_schedule(args: argparse.Namespace) -> None:
         print(f"wrote {plot_schedule(args.pp, args.micro_batches, args.png)}")
 
 
-# Each integer option's least value, whichever command has it
-LEAST = dict.fromkeys(["batch", "seq_len", "steps", "nproc", "pp", "micro_batches", "max_new_tokens"], 1)
+# Each number option's least value, whichever command has it
+LEAST = dict.fromkeys(["cpu_threads", "max_windows", "warmup", "profile", "rtol"], 0)
 LEAST |= dict.fromkeys(
-    ["gpus", "layers", "workers", "nproc_per_node", "dp", "cp", "ep", "micro_batch", "max_tokens"], 1
+    ["batch", "seq_len", "steps", "nproc", "pp", "micro_batches", "max_new_tokens", "gpus", "layers"]
+    + ["workers", "nproc_per_node", "dp", "cp", "ep", "micro_batch", "max_tokens"],
+    1,
 )
-LEAST |= dict.fromkeys(["cpu_threads", "max_windows", "warmup", "profile"], 0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -364,8 +374,8 @@ def main(argv: list[str] | None = None) -> None:
     gen_p.add_argument("--prompt", required=True)
     gen_p.add_argument("--max-new-tokens", type=int, default=64)
     gen_p.add_argument("--top-p", type=float, help="sample from the top-p nucleus (default: greedy)")
-    gen_p.add_argument("--temperature", type=float, default=1.0, help="with --top-p")
-    gen_p.add_argument("--seed", type=int, default=0, help="with --top-p")
+    gen_p.add_argument("--temperature", type=float, help="with --top-p (default 1)")
+    gen_p.add_argument("--seed", type=int, help="with --top-p (default 0)")
     gen_p.add_argument("--chat", action="store_true", help="--prompt as a user turn of the chat template")
     gen_p.set_defaults(run=cmd_generate)
 
@@ -415,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gpu-memory", type=float, help="GiB per card (default: this machine's card, if any)")
     p.add_argument("--measure", action="store_true", help="play a rank on this device, the others mirrored")
     p.add_argument("--rank", type=int, help="the rank --measure plays (default: the plan's heaviest)")
-    p.add_argument("--steps", type=int, default=2, help="steps --measure times, after one of warm-up")
+    p.add_argument("--steps", type=int, help="steps --measure times, after one of warm-up (default 2)")
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("plot", help="PNG of loss and throughput against step")
@@ -437,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     ours = not (dist and dist.is_initialized())  # a group the command starts, it ends
     try:
         for key, least in LEAST.items():
-            if (value := getattr(args, key, None)) is not None and value < least:
+            if (value := getattr(args, key, None)) is not None and not value >= least:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= {least}, got {value}")
         args.run(args)
     except (ValueError, FloatingPointError, OSError) as e:  # bad input, a diverged run, a full disk

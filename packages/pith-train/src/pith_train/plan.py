@@ -241,6 +241,8 @@ def terms(out: Plan) -> list[tuple[str, float]]:
 def check(cfg: Config, model_cfg, device: torch.device, launch: str, started: int = 0) -> Plan:
     """ValueError when the layout does not match the processes `started` (else torchrun's; naming its
     line) or the plan does not fit `device`."""
+    if device.type == "cpu" and cfg.train.cuda_graph:
+        raise ValueError("train.cuda_graph needs a CUDA device, and this run is on the CPU: turn it off")
     m, started = model_shape(model_cfg), started or int(os.environ.get("WORLD_SIZE", 1))
     world = cfg.world
     try:

@@ -155,8 +155,6 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     """Train per `cfg` in `run_dir`, resuming from its latest intact checkpoint, up to step `stop_at`
     if given; SIGINT/SIGTERM save and raise Interrupted. -> the last step, losses and paths."""
     device = pick_device(cfg.train.device, "train.device", cfg.train.cpu_threads)
-    if device.type == "cpu" and cfg.train.cuda_graph:
-        raise ValueError("train.cuda_graph needs a CUDA device, and this run is on the CPU: turn it off")
     model_cfg = model_config(cfg.model)
     plan.check(cfg, model_cfg, device, "pretrain CONFIG")  # before anything is built
     mesh = parallel_layout(cfg, device)
