@@ -51,6 +51,16 @@ def document_positions(B: int, S: int, rng) -> torch.Tensor:
     return windows(np.zeros(B * S + 1), S, np.arange(B), np.cumsum(n))[2]
 
 
+def random_steps(V: int, B: int, S: int, micro_batch: int, device, seed: int, docs: bool):
+    """Steps of B uniform random-token sequences in micro-batches; docs: with document_positions (labels
+    crossing documents kept: the same work)."""
+    gen, rng = torch.Generator(device).manual_seed(seed), np.random.default_rng(seed)
+    while True:
+        ids_BS = torch.randint(V, (B, S + 1), device=device, generator=gen)
+        micro = [(x[:, :-1], x[:, 1:]) for x in ids_BS.split(micro_batch)]
+        yield [(*m, document_positions(micro_batch, S, rng)) for m in micro] if docs else micro
+
+
 AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policies
 
 # Profile components: a kernel goes by QUANT_FRAGMENTS, the trainer's record_function range, its
@@ -269,22 +279,18 @@ def run(
     optimizer = build_optimizer(model, cfg)
     stages = trainer_stages(cfg, model, mesh)
     settings = step_settings(cfg, model)
-    generator = torch.Generator(dev).manual_seed(seed + mesh.data_rank)
     loader = None
     if data is not None:
         ds = PackedDataset(data)
         ds.check_vocab(model_cfg.vocab_size)
         loader = WindowLoader(ds, S, cfg.data.val_windows, seed, docs=document_mask)
-    doc_rng = np.random.default_rng(seed + mesh.data_rank)
+    randoms = random_steps(model_cfg.vocab_size, Bl, S, mb, dev, seed + mesh.data_rank, document_mask)
     cursor = 0
 
     def step() -> torch.Tensor:
         nonlocal cursor
         if loader is None:
-            ids_BS = torch.randint(model_cfg.vocab_size, (Bl, S + 1), device=dev, generator=generator)
-            micro = [(ids[:, :-1], ids[:, 1:]) for ids in ids_BS.split(mb)]
-            if document_mask:  # labels crossing documents kept: the same work
-                micro = [(*m, document_positions(mb, S, doc_rng)) for m in micro]
+            micro = next(randoms)
         else:
             micro = loader.step_batch(cursor, B, mb, mesh.data_rank, mesh.layout.data_ranks)
             cursor += B

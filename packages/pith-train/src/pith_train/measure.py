@@ -6,7 +6,6 @@ import os
 import statistics
 import time
 
-import numpy as np
 import pith_ops
 import torch
 import torch.distributed as dist
@@ -18,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from pith_train import plan, train
-from pith_train.bench import document_positions
+from pith_train.bench import random_steps
 from pith_train.config import Config, model_config
 from pith_train.optim import build_optimizer
 
@@ -193,16 +192,13 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
             return update(**kw)
 
         optimizer.step = step_with_snapshot
-        gen = torch.Generator(device).manual_seed(cfg.train.seed + mesh.data_rank)
-        docs = np.random.default_rng(cfg.train.seed + mesh.data_rank)
         B, S, V = cfg.train.global_batch // mesh.layout.data_ranks, cfg.data.seq_len, m.cfg.vocab_size
+        seed = cfg.train.seed + mesh.data_rank
+        batches = random_steps(V, B, S, cfg.train.micro_batch, device, seed, cfg.data.document_mask)
         live, sync = Live(), torch.cuda.synchronize if cuda else lambda: None
         seconds = []
         for i in range(warmup + steps):
-            ids = torch.randint(V, (B, S + 1), device=device, generator=gen)
-            micro = [(x[:, :-1], x[:, 1:]) for x in ids.split(cfg.train.micro_batch)]
-            if cfg.data.document_mask:
-                micro = [(*x, document_positions(len(x[0]), S, docs)) for x in micro]
+            micro = next(batches)
             if i == warmup and cuda:
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
