@@ -150,7 +150,7 @@ def test_bad_settings_are_value_errors_before_any_compute():
         bench.run(tiny=True, steps=0)
     with pytest.raises(ValueError, match="grouped_gemm: expected torch or triton, got 'cublas'"):
         bench.run(tiny=True, grouped_gemm="cublas")
-    with pytest.raises(ValueError, match="train.ac: expected none, selective or full, got 'some'"):
+    with pytest.raises(ValueError, match="train.ac: expected 'none', 'selective' or 'full', got 'some'"):
         bench.run(tiny=True, ac="some")
     for bad in (0, 3):  # the tiny batch's sequences per data rank do not split into micro-batches of 3
         with pytest.raises(ValueError, match=f"micro_batch: expected a divisor of the .* got {bad}"):

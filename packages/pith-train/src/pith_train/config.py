@@ -8,6 +8,7 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 # Samples over which a blend's mix is exact (pith_train.data.Blend): its finest share.
@@ -282,24 +283,20 @@ def validate(cfg: Config) -> None:
     if cfg.model.overrides:  # the preset's fields and the overrides' types; the values as typed
         model = model_config(cfg.model)
         cfg.model.overrides = {k: getattr(model, k) for k in cfg.model.overrides}
-    t, o, p = cfg.train, cfg.optim, cfg.parallel
+    t, o = cfg.train, cfg.optim
     for section in dataclasses.fields(cfg):  # TOML has no inf or nan
         values = dataclasses.asdict(getattr(cfg, section.name))
         for key, value in values.items():
             for v in value if isinstance(value, tuple) else [value]:
                 if isinstance(v, float) and not math.isfinite(v):
                     raise ValueError(f"{section.name}.{key} must be finite, got {v}")
-    at_least = {  # key: (value, the least allowed)
-        "train.steps": (t.steps, 1), "train.global_batch": (t.global_batch, 1),
-        "train.micro_batch": (t.micro_batch, 1), "data.seq_len": (cfg.data.seq_len, 1),
-        "data.val_windows": (cfg.data.val_windows, 1), "checkpoint.keep": (cfg.checkpoint.keep, 1),
-        "parallel.pp": (p.pp, 1), "parallel.dp": (p.dp, 1), "parallel.cp": (p.cp, 1),
-        "parallel.ep": (p.ep, 1), "checkpoint.every": (cfg.checkpoint.every, 0),
-        "log.eval_every": (cfg.log.eval_every, 0), "log.every": (cfg.log.every, 0),
-        "train.cpu_threads": (t.cpu_threads, 0),
+    at_least = {  # key: the least allowed
+        "train.steps": 1, "train.global_batch": 1, "train.micro_batch": 1, "data.seq_len": 1,
+        "data.val_windows": 1, "checkpoint.keep": 1, "parallel.pp": 1, "parallel.dp": 1, "parallel.cp": 1,
+        "parallel.ep": 1, "checkpoint.every": 0, "log.eval_every": 0, "log.every": 0, "train.cpu_threads": 0,
     }  # fmt: skip
-    for key, (value, least) in at_least.items():
-        if value < least:
+    for key, least in at_least.items():
+        if (value := attrgetter(key)(cfg)) < least:
             raise ValueError(f"{key} must be >= {least}, got {value}")
     if not 0 <= t.seed < 2**63:
         raise ValueError(f"train.seed must be in [0, 2**63), got {t.seed}")
@@ -324,35 +321,34 @@ def validate(cfg: Config) -> None:
         )
     if t.cuda_graph and cfg.world > 1:
         raise ValueError(f"train.cuda_graph runs on one process, got pp*dp*cp*ep = {cfg.world}: turn it off")
-    for key, value, a, b in (
-        ("schedule", o.schedule, "cosine", "wsd"),
-        ("name", o.name, "adamw", "muon"),
-        ("muon_ns_dtype", o.muon_ns_dtype, "bfloat16", "float32"),
-    ):
-        if value not in (a, b):
-            raise ValueError(f"optim.{key}: expected {a!r} or {b!r}, got {value!r}")
-    if t.ac not in ("none", "selective", "full"):
-        raise ValueError(f"train.ac: expected none, selective or full, got {t.ac!r}")
-    if t.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"train.device: expected auto, cpu or cuda, got {t.device!r}")
-    ranges = {  # key: (value, allowed, what the fix is)
-        "train.lr": (t.lr, t.lr > 0, "> 0"),
-        "train.lbl_coef": (t.lbl_coef, t.lbl_coef >= 0, ">= 0 (0 turns it off)"),
-        "train.z_loss_coef": (t.z_loss_coef, t.z_loss_coef >= 0, ">= 0 (0 turns it off)"),
-        "train.bias_rate": (t.bias_rate, t.bias_rate >= 0, ">= 0 (0 turns it off)"),
-        "optim.warmup_steps": (o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
-        "optim.grad_clip": (o.grad_clip, o.grad_clip >= 0, ">= 0 (0 turns clipping off)"),
-        "optim.beta1": (o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
-        "optim.beta2": (o.beta2, 0 <= o.beta2 < 1, "in [0, 1)"),
-        "optim.muon_momentum": (o.muon_momentum, 0 <= o.muon_momentum < 1, "in [0, 1)"),
-        "optim.min_lr_ratio": (o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
-        "optim.decay_fraction": (o.decay_fraction, 0 <= o.decay_fraction <= 1, "in [0, 1]"),
-        "optim.eps": (o.eps, o.eps > 0, "> 0"),
-        "optim.weight_decay": (o.weight_decay, o.weight_decay >= 0, ">= 0"),
+    choices = {
+        "optim.schedule": ("cosine", "wsd"), "optim.name": ("adamw", "muon"),
+        "optim.muon_ns_dtype": ("bfloat16", "float32"), "train.ac": ("none", "selective", "full"),
+        "train.device": ("auto", "cpu", "cuda"),
+    }  # fmt: skip
+    for key, allowed in choices.items():
+        if (value := attrgetter(key)(cfg)) not in allowed:
+            names = ", ".join(map(repr, allowed[:-1]))
+            raise ValueError(f"{key}: expected {names} or {allowed[-1]!r}, got {value!r}")
+    off = ">= 0 (0 turns it off)"
+    ranges = {  # key: (allowed, what the fix is)
+        "train.lr": (t.lr > 0, "> 0"),
+        "train.lbl_coef": (t.lbl_coef >= 0, off),
+        "train.z_loss_coef": (t.z_loss_coef >= 0, off),
+        "train.bias_rate": (t.bias_rate >= 0, off),
+        "optim.warmup_steps": (o.warmup_steps >= 0, ">= 0"),
+        "optim.grad_clip": (o.grad_clip >= 0, ">= 0 (0 turns clipping off)"),
+        "optim.beta1": (0 <= o.beta1 < 1, "in [0, 1)"),
+        "optim.beta2": (0 <= o.beta2 < 1, "in [0, 1)"),
+        "optim.muon_momentum": (0 <= o.muon_momentum < 1, "in [0, 1)"),
+        "optim.min_lr_ratio": (0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
+        "optim.decay_fraction": (0 <= o.decay_fraction <= 1, "in [0, 1]"),
+        "optim.eps": (o.eps > 0, "> 0"),
+        "optim.weight_decay": (o.weight_decay >= 0, ">= 0"),
     }
-    for key, (value, ok, allowed) in ranges.items():
+    for key, (ok, allowed) in ranges.items():
         if not ok:
-            raise ValueError(f"{key} must be {allowed}, got {value}")
+            raise ValueError(f"{key} must be {allowed}, got {attrgetter(key)(cfg)}")
 
 
 def to_toml(cfg: Config) -> str:

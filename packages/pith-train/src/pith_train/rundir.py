@@ -7,6 +7,7 @@ import json
 import math
 import os
 import tempfile
+from operator import attrgetter
 from pathlib import Path
 
 from pith_engine import checkpoint
@@ -22,11 +23,6 @@ SCHEDULE = ("schedule", "warmup_steps", "min_lr_ratio", "decay_fraction")
 # data.val_windows where it picks held-out training windows (without data.val_path).
 DATA_ORDER = ("data.path", "data.val_path", "data.weights", "data.val_windows", "data.seq_len", "train.seed",
               "train.global_batch")  # fmt: skip
-
-
-def _value(cfg: Config, key: str):
-    section, _, name = key.partition(".")
-    return getattr(getattr(cfg, section), name)
 
 
 def read_json(path: Path):
@@ -85,7 +81,7 @@ def data_ids(cfg: Config, strict: bool = True) -> dict:
         ok = strict or (Path(path) / "meta.json").is_file()
         return PackedDataset(path, key).fingerprint() if ok else path
 
-    ids = {k: [one(p, k) for p in _value(cfg, k)] for k in DATA_ORDER[:2]}
+    ids = {k: [one(p, k) for p in attrgetter(k)(cfg)] for k in DATA_ORDER[:2]}
     ids["data.weights"] = blend_counts(cfg.data.weights).tolist()  # the shares, as the order sees them
     return ids | {"data.path": ids["data.path"] or [f"built-in, {cfg.data.tokenizer}"]}
 
@@ -101,7 +97,7 @@ def _saved(ckpt: Path, cfg: Config) -> tuple[Config, dict, list[str]]:
     held = not (saved.data.val_path and cfg.data.val_path)  # data.val_windows picks training windows
     changes = []
     for k in DATA_ORDER:
-        a, b = _value(saved, k), _value(cfg, k)
+        a, b = attrgetter(k)(saved), attrgetter(k)(cfg)
         if (then[k] != now[k] if k in then else a != b) and (k != "data.val_windows" or held):
             a, b = (then[k], now[k]) if a == b == [] else (a, b)  # the built-in corpus, by tokenizer
             changes.append(f"{k} {a!r} -> {b!r}" + " (other data there)" * (a == b))
