@@ -1,17 +1,9 @@
-"""The layer and model contract the engine executes.
-
-A decoder layer is cut at its expert-parallel communication boundaries, so a scheduler can run one
-micro-batch's compute while another's all-to-all is in flight:
-
-    stage 1 (model)   norm, attention, residual, norm, router, shared expert / dense MLP -> Stage1Out
-    stage 2 (engine)  dispatch: group the routed rows by expert (moe_permute); all-to-all under EP
-    stage 3 (model)   expert MLPs over rows grouped by (local) expert
-    stage 4 (engine)  combine: the inverse exchange, handing back rows plus (slots, weights)
-    stage 5 (model)   h + sum_k weights[t, k] * y[slots[t, k]]  (moe_unpermute), the layer output
-
-Under EP stage 5 may get other slots/weights than the router's (one pre-weighted row per destination
-rank); a slot < 0 contributes nothing. Models see process groups only through `Positions.cp_group`
-(pith-engine README, "The contract").
+"""The layer and model contract the engine executes: a decoder layer cut at its expert-parallel
+communication boundaries into the model's stages 1, 3 and 5 around the engine's dispatch (2) and
+combine (4), so one micro-batch computes while another's all-to-all is in flight (the stages: pith-engine
+README, "The contract"). Under EP stage 5 may get other slots/weights than the router's (one
+pre-weighted row per destination rank); a slot < 0 contributes nothing. Models see process groups only
+through `Positions.cp_group`.
 
 Shape legend: B batch, S sequence (local to this rank under CP), T = B*S tokens, D model dim,
 K router top-k, E experts, N rows grouped by expert (>= T*K when padded), V vocabulary, R rotary half-dim.

@@ -1,11 +1,7 @@
-"""Expert parallelism: stages 2 and 4 as all-to-all exchanges over the EP group, deduplicated.
-
-EP rank r of R holds the global experts [r*El, (r+1)*El). Dispatch sends each token once to every
-rank holding any of its top-k experts, with its combine weights and global expert ids (so their
-gradient flows back through the exchange); the receiver expands the rows over its local experts.
-Combine sends back, per received row, the weighted sum over its experts. One host sync per MoE
-layer, in dispatch (all_to_all_single needs its split sizes on the host); with FP8 rows 5 all-to-alls
-forward, not 4, of half bf16's bytes. More: pith-engine README, "Parallelism".
+"""Expert parallelism: stages 2 and 4 as all-to-all exchanges over the EP group, deduplicated (the
+design, its one host sync per MoE layer and its collectives: pith-engine README, "Parallelism"). EP
+rank r of R holds the global experts [r*El, (r+1)*El). With FP8 rows dispatch makes 5 all-to-alls
+forward, not 4, of half bf16's bytes.
 
 Shape legend: T local tokens, K top-k, D model dim, R EP ranks, El experts per rank, S rows sent
 (one per (token, destination)), M rows received, N grouped rows.
