@@ -185,8 +185,7 @@ def from_pretrained(
         lo, hi = torch.searchsorted(need, torch.tensor([first[k], first[k] + len(r)])).tolist()
         cut[k] = range(int(need[lo]) - first[k], int(need[hi - 1]) - first[k] + 1) if hi > lo else range(0)
     # A layer (the embedding, norm and lm_head: one more) in n passes of the j-th of n pieces of its held
-    # experts and other tensors' rows. A pass holds <= 4 copies of its elements (slices, file pages,
-    # conversion, rows copied out): the default keeps it within one fp32 tensor.
+    # experts and other tensors' rows (their memory: pith-models README, Hugging Face interop).
     layer = {k: k.split(".")[2] if k.startswith("model.layers.") else "" for k in seen}
     chunk = chunk or max(t.numel() for t in shapes.values()) // 4
     left = sum(len(w) for w in wanted.values())  # rows still to read
