@@ -8,6 +8,7 @@ Shape legend: B sequences, S sequence length, T = B*S tokens, D hidden, E expert
 """
 
 import functools
+import itertools
 import math
 from typing import NamedTuple
 
@@ -179,24 +180,18 @@ class _Run:
         self.tokens = micro[0][0].numel() * stages.mesh.layout.data_ranks * stages.mesh.layout.cp
 
     def run(self, actions: list) -> None:
-        i = 0
-        while i < len(actions):
-            j = i
-            while j < len(actions) and isinstance(actions[j], P2P):
-                j += 1
-            if j > i:
-                self.transfer(actions[i:j])
-                i = j
+        for transfers, items in itertools.groupby(actions, lambda a: isinstance(a, P2P)):
+            if transfers:  # consecutive transfers: one batch
+                self.transfer(list(items))
                 continue
-            item = actions[i]
-            if isinstance(item, Overlap) and self.stages.overlap:
-                f, b = item
-                tags = (f"F{f.chunk}.{f.micro}", f"B{b.chunk}.{b.micro}")
-                interleave(self.steps(f), self.steps(b), self.stages.trace, tags)
-            else:
-                for a in item if isinstance(item, Overlap) else (item,):
-                    drain(self.steps(a))
-            i += 1
+            for item in items:
+                if isinstance(item, Overlap) and self.stages.overlap:
+                    f, b = item
+                    tags = (f"F{f.chunk}.{f.micro}", f"B{b.chunk}.{b.micro}")
+                    interleave(self.steps(f), self.steps(b), self.stages.trace, tags)
+                else:
+                    for a in item if isinstance(item, Overlap) else (item,):
+                        drain(self.steps(a))
 
     def steps(self, a: Action) -> Steps:
         queue = self.stages.queue

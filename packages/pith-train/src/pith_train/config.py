@@ -285,11 +285,9 @@ def validate(cfg: Config) -> None:
         cfg.model.overrides = {k: getattr(model, k) for k in cfg.model.overrides}
     t, o = cfg.train, cfg.optim
     for section in dataclasses.fields(cfg):  # TOML has no inf or nan
-        values = dataclasses.asdict(getattr(cfg, section.name))
-        for key, value in values.items():
-            for v in value if isinstance(value, tuple) else [value]:
-                if isinstance(v, float) and not math.isfinite(v):
-                    raise ValueError(f"{section.name}.{key} must be finite, got {v}")
+        for key, value in dataclasses.asdict(getattr(cfg, section.name)).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{section.name}.{key} must be finite, got {value}")
     at_least = {  # key: the least allowed
         "train.steps": 1, "train.global_batch": 1, "train.micro_batch": 1, "data.seq_len": 1,
         "data.val_windows": 1, "checkpoint.keep": 1, "parallel.pp": 1, "parallel.dp": 1, "parallel.cp": 1,
