@@ -45,17 +45,13 @@ def check_writable(directory: Path) -> None:
         raise ValueError(f"{directory} cannot be written ({e}): fix it or choose another --run-dir") from None
 
 
-def history(run_dir: Path, config: bool = True) -> list[str]:
-    """What earlier launches left in run_dir (relative paths), with `config` its config.toml."""
+def refuse_history(run_dir: Path, why: str, config: bool = True) -> None:
+    """ValueError if earlier launches left files in run_dir (with `config` its config.toml)."""
     found = [*Path(run_dir, "checkpoints").glob("step_*")]
     found += [run_dir / n for n in ("metrics.jsonl", "metrics.png", *["config.toml"] * config)]
     if (run_dir / "metrics.jsonl").exists():  # event files alone: a launch that trained no step
         found += Path(run_dir, "tensorboard").glob("events.*")
-    return sorted(str(p.relative_to(run_dir)) for p in found if p.exists())
-
-
-def refuse_history(run_dir: Path, why: str, config: bool = True) -> None:
-    if held := history(run_dir, config):
+    if held := sorted(str(p.relative_to(run_dir)) for p in found if p.exists()):
         raise ValueError(
             f"{why}, but {run_dir} holds an earlier run ({', '.join(held)}): choose a new --run-dir, or"
             " move those files away (nothing was changed)"
