@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from pith_train import bench
+from pith_train.config import AC
 from pith_train.prepare import prepare, stdlib_corpus
 
 SHAPE = dict(layers=2, seq_len=1024, batch=4)  # 4,096 tokens/step, full width (vocab 151,936)
@@ -78,7 +79,7 @@ def verdict(family: dict[str, list[float]], candidate: list[float], margin: floa
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", nargs="?", default=os.environ.get("OUT", "loss_equivalence"))
-    parser.add_argument("--ac", default="selective", choices=bench.AC)
+    parser.add_argument("--ac", default="selective", choices=AC)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     if args.steps < END:

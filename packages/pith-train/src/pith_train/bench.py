@@ -61,8 +61,6 @@ def random_steps(V: int, B: int, S: int, micro_batch: int, device, seed: int, do
         yield [(*m, document_positions(micro_batch, S, rng)) for m in micro] if docs else micro
 
 
-AC = ("none", "selective", "full")  # pith_engine.step.Stages' recompute policies
-
 # Profile components: a kernel goes by QUANT_FRAGMENTS, the trainer's record_function range, its
 # launching ops, or its name (under cuda_graph; names of torch 2.11 on an H200).
 RANGES = {"optimizer": "optimizer", "lm_head+loss": "lm_head + loss"}

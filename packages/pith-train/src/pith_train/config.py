@@ -13,6 +13,8 @@ from pathlib import Path
 
 # Samples over which a blend's mix is exact (pith_train.data.Blend): its finest share.
 BLEND_BLOCK = 1 << 16
+# train.ac's policies, weakest first
+AC = ("none", "selective", "full")
 
 
 @dataclass
@@ -321,7 +323,7 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"train.cuda_graph runs on one process, got pp*dp*cp*ep = {cfg.world}: turn it off")
     choices = {
         "optim.schedule": ("cosine", "wsd"), "optim.name": ("adamw", "muon"),
-        "optim.muon_ns_dtype": ("bfloat16", "float32"), "train.ac": ("none", "selective", "full"),
+        "optim.muon_ns_dtype": ("bfloat16", "float32"), "train.ac": AC,
         "train.device": ("auto", "cpu", "cuda"),
     }  # fmt: skip
     for key, allowed in choices.items():

@@ -17,7 +17,7 @@ from pith_engine import schedule
 from pith_engine.parallel import Layout, check_layout, held_layers, num_experts
 from torch import nn
 
-from pith_train.config import Config, validate
+from pith_train.config import AC, Config, validate
 from pith_train.muon import hidden_matrices
 
 GIB = 2**30
@@ -205,11 +205,10 @@ def changes(cfg: Config, m: Model, cuda: bool, capacity: float | None) -> list[t
     """The nearest change that fits of each kind: a stronger `ac`, a smaller micro-batch, pipeline
     stages, more data ranks (dp, ep); the last two also with ac full. More ranks take more cards, or
     share a machine's `capacity`."""
-    t, p, out = cfg.train, cfg.parallel, []
-    ac, full = ("none", "selective", "full"), ({}, {"train.ac": "full"})
+    t, p, out, full = cfg.train, cfg.parallel, [], ({}, {"train.ac": "full"})
     mbs = [t.micro_batch >> i for i in range(t.micro_batch.bit_length())]  # it and its halves
     for kind in (
-        [{"train.ac": a} for a in ac[ac.index(t.ac) + 1 :]],
+        [{"train.ac": a} for a in AC[AC.index(t.ac) + 1 :]],
         [{"train.micro_batch": mb} for mb in mbs[1:]],
         [{"parallel.pp": p.pp * n, **f, "train.micro_batch": mb} for n in (2, 4) for f in full for mb in mbs],
         [{"parallel.dp": p.dp * n // e, "parallel.ep": p.ep * e, "train.global_batch": t.global_batch * g,
