@@ -198,10 +198,9 @@ class _Run:
         if a.op is Op.F:
             # autocast each run of compute, not across the yields (the other side may be a backward)
             cuda = self.stages.mesh.device.type == "cuda"
-            autocast = lambda: torch.autocast("cuda", torch.bfloat16, enabled=cuda)
             forward = self.forward(a)
             while True:
-                with autocast():
+                with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
                     try:
                         next(forward)
                     except StopIteration:

@@ -418,15 +418,13 @@ def summary(r: dict) -> str:
         f" {r['mfu_989']:.1%} in the TorchTitan convention over {r['datasheet_tflops']:.3g} TFLOP/s",
         f"  {mem}",
     ]
-    if r.get("memory_at_peak"):
-        m = r["memory_at_peak"]
+    if m := r.get("memory_at_peak"):
         lost = "" if m["complete"] else "; the history overflowed, its start is lost: not the run's peak"
         lines.append(
             f"  live at the warm-up's allocation peak ({m['peak_gib']:.2f} GiB beyond the start{lost}):"
         )
         lines += [f"    {x['gib']:7.2f} GiB {x['blocks']:6d} blocks  {x['site'][:100]}" for x in m["sites"]]
-    if r["step_ms_back_to_back"] is not None:
-        ms = r["step_ms_back_to_back"]
+    if (ms := r["step_ms_back_to_back"]) is not None:
         tokens = r["workload"]["tokens_per_step"] / ms * 1e3
         lines.insert(
             2, f"  back to back (one sync after {s['steps']} steps): {ms:.1f} ms/step, {tokens:,.0f} tokens/s"
@@ -441,8 +439,7 @@ def summary(r: dict) -> str:
             f"    {k['ms_per_step']:8.3f} {k['calls_per_step']:6.1f}  {k['component']:<20} {k['name'][:90]}"
             for k in r["kernels"]
         ]
-    if r.get("idle"):
-        i = r["idle"]
+    if i := r.get("idle"):
         by = ", ".join(f"{k} {ms:.2f}" for k, ms in i["by_length_ms_per_step"].items())
         lines.append(
             f"  device idle inside the profiled steps (no sync between them): {i['idle_ms_per_step']:.2f}"

@@ -98,14 +98,13 @@ def launch_local(nproc: int, argv: list[str], stdout=None) -> int:
     command, workers = [sys.executable, "-m", "pith_train", "pretrain", *argv], []
     forward = lambda signum, frame: [w.send_signal(signum) for w in workers if w.poll() is None]
     previous = {s: signal.signal(s, forward) for s in StopOnSignal.SIGNALS}  # before a worker starts
-    status = lambda: [None if c is None else 128 - c if c < 0 else c for c in (w.poll() for w in workers)]
     try:
         workers += [
             subprocess.Popen(command, stdout=stdout, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
             for r in range(nproc)
         ]
         while True:
-            codes = status()
+            codes = [None if c is None else 128 - c if c < 0 else c for c in (w.poll() for w in workers)]
             if failed := [c for c in codes if c not in (None, 0, 128 + signal.SIGINT, 128 + signal.SIGTERM)]:
                 for w in workers:
                     w.terminate()
