@@ -360,8 +360,8 @@ def to_hf_state_dict(sd: dict[str, Tensor], cfg: Config) -> dict[str, Tensor]:
     return to_hf_swiglu_state_dict(sd, cfg.tie_word_embeddings, "DeepSeek-V2")
 
 
-# For tests (vocab 260: the trainer's byte tokenizer): a dense layer then two MoE layers; query LoRA,
-# group-limited routing and YaRN on, which the tests switch off one by one.
+# For tests (vocab 260: the trainer's byte tokenizer); its query LoRA, group-limited routing and YaRN
+# the tests switch off one by one.
 TINY = Config(
     vocab_size=260, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
     num_attention_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,

@@ -108,8 +108,7 @@ def check_tensors(got: dict[str, Tensor], expected: dict[str, Tensor], where: st
             if k in got and got[k].shape != t.shape
         ],
     }
-    problems = [f"{what} {items}" for what, items in found.items() if items]
-    if problems:
+    if problems := [f"{what} {items}" for what, items in found.items() if items]:
         raise ValueError(f"{where}: " + "; ".join(problems))
 
 

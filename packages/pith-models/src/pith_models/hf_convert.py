@@ -53,11 +53,9 @@ def config_kwargs_from_hf(d: dict, cls: type, fixed: dict, ignored: tuple[str, .
     for key, allowed in fixed.items():
         if key in d and d.pop(key) != allowed:
             raise ValueError(f"config field {key}: only {allowed!r} is supported")
-    unknown = sorted(set(d) - {f.name for f in fields(cls)})
-    if unknown:
+    if unknown := sorted(set(d) - {f.name for f in fields(cls)}):
         raise ValueError(f"unsupported {cls.model_type} config fields: {unknown}")
-    missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
-    if missing:
+    if missing := [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]:
         raise ValueError(f"{cls.model_type} config lacks required fields: {missing}")
     return d
 
@@ -76,8 +74,7 @@ def yarn_params_from_hf(d: dict, default_theta: float, yarn_cls: type) -> tuple[
         return theta, None
     if rope_type != "yarn":
         raise ValueError(f"rope type {rope_type!r} is not supported (only default and yarn)")
-    unknown = sorted(set(rope) - {f.name for f in fields(yarn_cls)})
-    if unknown:
+    if unknown := sorted(set(rope) - {f.name for f in fields(yarn_cls)}):
         raise ValueError(f"unsupported yarn rope parameters: {unknown}")
     return theta, rope
 

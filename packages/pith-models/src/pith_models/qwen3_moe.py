@@ -75,8 +75,7 @@ class Config:
         check_ranges(self)
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         check_shapes(self, "num_experts")
-        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
-        if bad:
+        if bad := [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]:
             raise ValueError(f"mlp_only_layers {bad} are outside [0, {self.num_hidden_layers})")
 
     def is_moe(self, i: int) -> bool:

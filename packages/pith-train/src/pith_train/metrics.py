@@ -148,8 +148,7 @@ def plot(run_dir: str, out: str | None = None) -> Path:
             ax.plot(steps, values)
         ax.set_ylabel(key)
     ax_loss.plot(steps, [by_step[s]["loss"] for s in steps], label="train")
-    val = [s for s in steps if "val_loss" in by_step[s]]
-    if val:
+    if val := [s for s in steps if "val_loss" in by_step[s]]:
         ax_loss.plot(val, [by_step[s]["val_loss"] for s in val], "o-", label="validation")
     ax_loss.set_ylabel("loss")
     ax_loss.legend()
