@@ -154,6 +154,11 @@ def _tensors(named) -> dict[str, tuple]:
     return {k: (tuple(t.shape), t.dtype, t.numel() * t.element_size()) for k, t in named if t is not None}
 
 
+def heaviest(cfg: Config, m: plan.Model, cuda: bool) -> int:
+    """The global rank (data, context, expert 0) of the pipeline rank that holds most."""
+    return plan.plan(cfg, m, cuda).rank * (cfg.world // cfg.parallel.pp)
+
+
 def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 1) -> dict:
     """`warmup` + `steps` steps on random tokens as `rank` (default: the heaviest), mirrored unless
     under torchrun -> held tensors {kind: {name: (shape, dtype, bytes)}}, peak, plans, step s."""
@@ -161,8 +166,7 @@ def measure(cfg: Config, rank: int | None = None, steps: int = 2, warmup: int = 
     cuda, model_cfg, world = device.type == "cuda", model_config(cfg.model), cfg.world
     plan.check(cfg, model_cfg, device, "", world)
     m = plan.model_shape(model_cfg)
-    if rank is None:  # the global rank (data, context, expert 0) of the pipeline rank that holds most
-        rank = plan.plan(cfg, m, cuda).rank * (world // cfg.parallel.pp)
+    rank = heaviest(cfg, m, cuda) if rank is None else rank
     if not 0 <= rank < world or steps < 1:
         raise ValueError(f"--rank {rank}, --steps {steps}: expected a rank 0 to {world - 1}, steps >= 1")
     if mirrored := not dist.is_initialized() and "RANK" not in os.environ:  # torchrun: the real group
