@@ -69,7 +69,7 @@ class Config:
     vocab_size: int  # V
     hidden_size: int  # D
     intermediate_size: int  # F
-    num_hidden_layers: int
+    num_hidden_layers: int  # decoder layers
     num_attention_heads: int  # H
     num_key_value_heads: int  # G
     head_dim: int  # Dh (even)
@@ -77,14 +77,14 @@ class Config:
     num_experts_per_tok: int  # K
     sliding_window: int  # of sliding layers
     layer_types: tuple[str, ...] = ()  # per layer SLIDING | FULL; () alternates
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 150_000.0
+    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 150_000.0  # RoPE base
     yarn: Yarn | None = Yarn()  # None: plain RoPE
     swiglu_alpha: float = 1.702  # SwiGLU sigmoid gain
     swiglu_limit: float = 7.0  # clamp of gate (above) and up (both sides)
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight
     max_position_embeddings: int = 131072  # no effect on the math
-    initializer_range: float = 0.02
+    initializer_range: float = 0.02  # std of init_weights' draws
 
     def __post_init__(self):
         check_ranges(self)
