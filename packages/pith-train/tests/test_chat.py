@@ -24,11 +24,55 @@ def test_the_mask_is_each_assistant_turn_end_of_turn_included(chat_tokenizer, co
     tok = transformers.AutoTokenizer.from_pretrained(chat_tokenizer)
     for conv in conversations(12):
         msgs = conv["messages"]
-        ids, mask = render(tok, msgs)
+        [(ids, mask)] = render(tok, msgs)  # ChatML renders a turn alike whatever follows: one document
         assert ids == tok.apply_chat_template(msgs, return_dict=False)  # transformers' rendering
         edges = np.flatnonzero(np.diff(np.r_[0, mask, 0]))
         spans = [tok.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
         assert spans == [m["content"] + "<|im_end|>\n" for m in msgs if m["role"] == "assistant"]
+
+
+# A reasoning model's template (as Qwen3's): an assistant turn after the last user turn opens with an
+# empty thinking block, earlier ones do not: turn 1 renders otherwise once turns 2 and 3 follow.
+THINKING_TEMPLATE = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' and loop.index0 > ns.last %}"
+    "{{ '<think></think>' }}{% endif %}{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_renders_earlier_turns_otherwise_gives_each_assistant_turn_its_document(
+    chat_tokenizer, tmp_path
+):
+    """Such a template refused every conversation with two assistant turns. Each turn is now one
+    document, the conversation up to it as context, as the model sees it when it answers."""
+    shutil.copytree(chat_tokenizer, tmp_path / "tok")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(
+        json.dumps(config | {"chat_template": THINKING_TEMPLATE})
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    msgs += [{"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]
+    msgs += [{"role": "assistant", "content": "6"}, {"role": "user", "content": "thanks"}]
+    docs = render(tok, msgs)
+    assert [ids for ids, _ in docs] == [tok.apply_chat_template(msgs[:n], return_dict=False) for n in (3, 5)]
+    for _, mask in docs:  # ones on the last turn only: its thinking block, answer and end of turn
+        assert (
+            mask.dtype == np.uint8 and set(mask[: -np.sum(mask)]) == {0} and set(mask[-np.sum(mask) :]) == {1}
+        )
+    assert [tok.decode(ids[-int(np.sum(m)) :]) for ids, m in docs] == [
+        "<think></think>4<|im_end|>\n",
+        "<think></think>6<|im_end|>\n",
+    ]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": msgs}) + "\n")
+    meta = prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "d"), str(tmp_path / "tok"), 4097, False)
+    ds = PackedDataset(str(tmp_path / "d"))
+    assert meta["num_docs"] == 2 and list(ds.doc_ends) == np.cumsum([len(i) for i, _ in docs]).tolist()
+    assert ds.tokens.tolist() == docs[0][0] + docs[1][0] and meta["assistant_tokens"] == sum(
+        np.sum(m) for _, m in docs
+    )
 
 
 def test_prepare_data_chat_counts_truncated_and_dropped_conversations(
@@ -36,7 +80,7 @@ def test_prepare_data_chat_counts_truncated_and_dropped_conversations(
 ):
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(20)))
     tok = transformers.AutoTokenizer.from_pretrained(chat_tokenizer)
-    lengths = [len(render(tok, c["messages"])[0]) for c in conversations(20)]
+    lengths = [len(render(tok, c["messages"])[0][0]) for c in conversations(20)]
     limit = sorted(lengths)[10]
     longer = sum(n > limit for n in lengths)
     for how in ("truncate", "drop"):

@@ -388,3 +388,22 @@ def test_refusals_name_the_input_and_a_fix_that_works_and_leave_nothing_behind(t
         f.truncate(3)
     with pytest.raises(ValueError, match="incomplete or another dataset's: remove .*ds and run"):
         PackedDataset(str(tmp_path / "ds"))
+
+
+def test_a_deepseek_tokenizer_ends_documents_with_its_end_of_sentence_token(tmp_path):
+    """DeepSeek's tokenizers have none of the other families' end-of-text tokens: every command that
+    reads one refused it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(
+        models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, merges=[])
+    )
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.add_special_tokens(
+        ["<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<\uff5cend\u2581of\u2581sentence\uff5c>"]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("one document")
+    prepare([str(tmp_path / "a.txt")], str(tmp_path / "d"), str(tmp_path / "tokenizer.json"), progress=False)
+    ds = PackedDataset(str(tmp_path / "d"))
+    assert ds.meta["eos_id"] == 257 and ds.tokens[-1] == 257 and len(ds.tokens) == len("one document") + 1

@@ -72,6 +72,19 @@ def test_stop_and_resume_reproduces_the_uninterrupted_losses_exactly(micro_confi
     assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["step_000004", "step_000006"]
 
 
+def test_a_resume_reads_the_checkpoint_not_the_released_weights_it_started_from(
+    micro_config, micro_hf, reference, tmp_path
+):
+    """A run from a Hugging Face directory read the release's weights again on every resume (a full
+    read of a 30B model, to be overwritten), and could not resume once they had moved."""
+    shutil.copytree(micro_hf, tmp_path / "hf")
+    run, release = tmp_path / "run", f"--model.name={tmp_path / 'hf'}"
+    pretrain(micro_config(release), run, stop_at=3)
+    (tmp_path / "hf" / "model.safetensors").unlink()  # config.json stays: the model's shape
+    pretrain(micro_config(release), run)
+    assert _losses(run) == reference
+
+
 KILL_DURING_SAVE = """
 import os, signal, sys
 import torch.distributed.checkpoint as dcp
