@@ -59,9 +59,8 @@ def test_a_template_that_renders_earlier_turns_otherwise_gives_each_assistant_tu
     docs = render(tok, msgs)
     assert [ids for ids, _ in docs] == [tok.apply_chat_template(msgs[:n], return_dict=False) for n in (3, 5)]
     for _, mask in docs:  # ones on the last turn only: its thinking block, answer and end of turn
-        assert (
-            mask.dtype == np.uint8 and set(mask[: -np.sum(mask)]) == {0} and set(mask[-np.sum(mask) :]) == {1}
-        )
+        n = int(mask.sum())
+        assert mask.dtype == np.uint8 and set(mask[:-n]) == {0} and set(mask[-n:]) == {1}
     assert [tok.decode(ids[-int(np.sum(m)) :]) for ids, m in docs] == [
         "<think></think>4<|im_end|>\n",
         "<think></think>6<|im_end|>\n",

@@ -26,23 +26,27 @@ def hf_tokenizer(path):
     return tok
 
 
-def render(tok, messages: list[dict]) -> tuple[list[int], np.ndarray]:
-    """-> ids, loss mask: 1 on an assistant turn's tokens (end of turn included), what the conversation
-    up to it renders to beyond the turns before it with the generation prompt (not `{% generation %}`
-    tags: Qwen3's, GPT-OSS's and DeepSeek's templates lack them)."""
+def render(tok, messages: list[dict]) -> list[tuple[list[int], np.ndarray]]:
+    """-> documents (ids, loss mask): 1 on an assistant turn's tokens (end of turn included), what the
+    conversation up to it renders to beyond the turns before it with the generation prompt (not
+    `{% generation %}` tags: Qwen3's, GPT-OSS's and DeepSeek's templates lack them). One document, the
+    conversation, unless the template renders a turn otherwise once later turns follow (Qwen3 drops
+    earlier turns' thinking, GPT-OSS ends them with <|end|>): then one per assistant turn, the
+    conversation up to it, as the model sees it when it answers."""
 
     ids = lambda m, p=False: list(
         tok.apply_chat_template(m, add_generation_prompt=p, return_dict=False) if m else []
     )
 
-    whole = ids(messages)
+    whole, docs = ids(messages), []
     mask = np.zeros(len(whole), np.uint8)
     for i in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
         start, upto = ids(messages[:i], True), ids(messages[: i + 1])
-        if whole[: len(upto)] != upto or upto[: len(start)] != start:
-            raise ValueError(f"the chat template renders turn {i} differently once later turns follow")
+        if upto[: len(start)] != start:
+            raise ValueError(f"the generation prompt is not how the chat template begins turn {i}")
         mask[len(start) : len(upto)] = 1
-    return whole, mask
+        docs.append((upto, (np.arange(len(upto)) >= len(start)).astype(np.uint8)))
+    return [(whole, mask)] if all(whole[: len(d)] == d for d, _ in docs) else docs
 
 
 def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int, drop: bool) -> dict:
@@ -69,13 +73,14 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
             if messages[:1] and messages[0]["role"] == "assistant":
                 raise ValueError(f"{f}:{n}: the assistant speaks first: begin with a system or user turn")
             try:
-                ids, mask = render(tok, messages)
+                docs = render(tok, messages)
             except Exception as e:  # jinja's
                 raise ValueError(f"{f}:{n}: the chat template cannot render it ({e})") from None
-            n_long += len(ids) > max_tokens
-            if len(ids) <= max_tokens or not drop:
-                tokens.append(np.asarray(ids[:max_tokens]))
-                masks.append(mask[:max_tokens])
+            for ids, mask in docs:
+                n_long += len(ids) > max_tokens
+                if len(ids) <= max_tokens or not drop:
+                    tokens.append(np.asarray(ids[:max_tokens]))
+                    masks.append(mask[:max_tokens])
     if not sum(map(np.sum, masks)):
         raise ValueError(f"{files}: no assistant token: nothing to train on")
     tmp.mkdir(parents=True)

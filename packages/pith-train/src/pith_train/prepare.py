@@ -38,7 +38,14 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face tokenizer.json; EOS is the first of the usual end-of-text tokens it has."""
 
-    EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
+    EOS_NAMES = (
+        "<|endoftext|>",
+        "</s>",
+        "<|end_of_text|>",
+        "<eos>",
+        "<|eos|>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    )
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer

@@ -188,12 +188,16 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
         )
     torch.manual_seed(cfg.train.seed)
     cuda = device.type == "cuda"
-    model = build_model(cfg.model, device, cfg.train.seed, mesh, torch.bfloat16 if cuda else None)
+    dtype, ckpt = torch.bfloat16 if cuda else None, resume_from or init and init[0]
+    if ckpt:  # its weights replace the model's: not read from model.name (a release, maybe moved)
+        model = pith_models.build(model_cfg, device, cfg.train.seed, mesh, dtype)
+    else:
+        model = build_model(cfg.model, device, cfg.train.seed, mesh, dtype)
     apply_fp8(cfg, model, cuda, warn)
     optimizer = build_optimizer(model, cfg)
     step, cursor = 0, init[1] if init else 0
-    if resume_from or init:  # verified by latest_intact or check_init
-        checkpoint.load(resume_from or init[0], model, optimizer, mesh, verify=False)
+    if ckpt:  # verified by latest_intact or check_init
+        checkpoint.load(ckpt, model, optimizer, mesh, verify=False)
     if resume_from:
         state = rundir.read_json(resume_from / "trainer.json")
         step, cursor = state["step"], state["cursor"]
