@@ -361,6 +361,7 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
         (["generate", "{run}", "--prompt", "x"], "/checkpoints/step_000003"),
         (["generate", "{ckpt}", "--prompt", "x", "--temperature", "2"], "--temperature and --seed sample"),
         (["generate", "{ckpt}", "--prompt", "x", "--seed", "3"], "--seed sample: add --top-p"),
+        (["generate", "{ckpt}", "--prompt", "x", "--top-p", ".5", "--temperature", "0"], "--temperature > 0"),
         (["check-layout", "--nproc", "1", "--rtol", "-1"], "--rtol must be >= 0, got -1.0"),
         (["check-layout", "--nproc", "1", "--rtol", "nan"], "--rtol must be >= 0, got nan"),
         (["bench", "--tiny", "--json", "{tmp}/nope/b.json"], "/nope/b.json: no directory"),
