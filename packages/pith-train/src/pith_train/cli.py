@@ -193,10 +193,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     if args.top_p is None and (args.temperature, args.seed) != (None, None):
         raise ValueError("--temperature and --seed sample: add --top-p (greedy decoding uses neither)")
-    if args.top_p is not None and not 0 < args.top_p <= 1 or (args.temperature or 1) <= 0:
-        raise ValueError(
-            f"--top-p must be in (0, 1] and --temperature > 0; got {args.top_p}, {args.temperature}"
-        )
+    temperature = 1.0 if args.temperature is None else args.temperature
+    if args.top_p is not None and not 0 < args.top_p <= 1 or not temperature > 0:
+        raise ValueError(f"--top-p must be in (0, 1] and --temperature > 0; got {args.top_p}, {temperature}")
     path = Path(args.checkpoint)
     tok = run_tokenizer(path, args.tokenizer)
     text = args.prompt
@@ -210,7 +209,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not args.prompt:
         raise ValueError("--prompt is empty")
     model = _model(path, args)
-    new = generate(model, prompt, args.max_new_tokens, tok, args.top_p, args.temperature or 1, args.seed or 0)
+    new = generate(model, prompt, args.max_new_tokens, tok, args.top_p, temperature, args.seed or 0)
     print(("" if args.chat else text) + tok.decode(new))
 
 
