@@ -162,6 +162,10 @@ def test_conversations_without_an_assistant_token_are_refused_and_eval_of_no_lab
         prepare_chat([str(tmp_path / "u.jsonl")], str(tmp_path / "u"), str(chat_tokenizer), 4097, False)
     assert not (tmp_path / "u").exists()
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(4)))
+    with pytest.raises(
+        ValueError, match=r"c.jsonl: no assistant token \(4 longer than --max-tokens 5 dropped\)"
+    ):
+        prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "d"), str(chat_tokenizer), 5, True)
     prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "c"), str(chat_tokenizer), 4097, False)
     np.zeros_like(np.fromfile(tmp_path / "c" / "loss_mask.bin", np.uint8)).tofile(
         tmp_path / "c" / "loss_mask.bin"
