@@ -82,7 +82,8 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
                     tokens.append(np.asarray(ids[:max_tokens]))
                     masks.append(mask[:max_tokens])
     if not sum(map(np.sum, masks)):
-        raise ValueError(f"{files}: no assistant token: nothing to train on")
+        dropped = f" ({n_long} longer than --max-tokens {max_tokens} dropped)" * (drop and n_long > 0)
+        raise ValueError(f"{', '.join(files)}: no assistant token{dropped}: nothing to train on")
     tmp.mkdir(parents=True)
     dtype = np.uint16 if ours.vocab_size <= 1 << 16 else np.uint32
     np.concatenate(tokens).astype(dtype).tofile(tmp / "tokens.bin")
