@@ -72,6 +72,19 @@ def test_a_template_that_renders_earlier_turns_otherwise_gives_each_assistant_tu
     assert ds.tokens.tolist() == docs[0][0] + docs[1][0] and meta["assistant_tokens"] == sum(
         np.sum(m) for _, m in docs
     )
+    # Cut to --max-tokens, a turn's document keeps its context: one cut before its turn trains nothing
+    # and is dropped (it was kept, 0s only), one cut inside it is kept.
+    n1, n2 = len(docs[0][0]), len(docs[1][0])
+    for limit, kept, cut, dropped in ((n1, [n1], 0, 1), (n2 - 1, [n1, n2 - 1], 1, 0)):
+        meta = prepare_chat(
+            [str(tmp_path / "c.jsonl")], str(tmp_path / f"{limit}"), str(tmp_path / "tok"), limit, False
+        )
+        assert (meta["num_tokens"], meta["num_docs"], meta["truncated"], meta["dropped"]) == (
+            sum(kept),
+            len(kept),
+            cut,
+            dropped,
+        )
 
 
 def test_prepare_data_chat_counts_truncated_and_dropped_conversations(

@@ -186,13 +186,24 @@ def test_pretrain_refuses_a_run_directory_in_a_checkpoint_or_a_dataset_and_chang
     ckpt, data = tmp_path / "run" / "checkpoints" / "step_000003", tmp_path / "data"
     shutil.copytree(trained, ckpt)
     shutil.copytree(byte_data, data)
-    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    before = {p: p.is_file() and p.read_bytes() for p in tmp_path.rglob("*")}  # directories too
     for run_dir in (ckpt, ckpt / "new", ckpt.parent, data, data / "new"):
         with pytest.raises(SystemExit) as e:
             main(["pretrain", *micro_args, "--train.steps=1", "--run-dir", str(run_dir)])
         err = capsys.readouterr().err
         assert e.value.code == 1 and f"--run-dir {run_dir} is in a checkpoint, a dataset or" in err, err
-    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert {p: p.is_file() and p.read_bytes() for p in tmp_path.rglob("*")} == before
+    shutil.copytree(trained, tmp_path / "work" / "converted")  # a checkpoint beside a run is fine
+    main(
+        [
+            "pretrain",
+            *micro_args,
+            "--train.steps=1",
+            "--checkpoint.every=0",
+            "--run-dir",
+            str(tmp_path / "work"),
+        ]
+    )
 
 
 def test_convert_of_a_run_with_routing_bias_exports_with_a_note_or_refuses(trained, tmp_path, capsys):
@@ -364,7 +375,8 @@ def test_top_p_keeps_the_fewest_most_probable_tokens_reaching_p(weights, top_p):
         (["generate", "{ckpt}", "--prompt", "x", "--top-p", ".5", "--temperature", "0"], "--temperature > 0"),
         (["check-layout", "--nproc", "1", "--rtol", "-1"], "--rtol must be >= 0, got -1.0"),
         (["check-layout", "--nproc", "1", "--rtol", "nan"], "--rtol must be >= 0, got nan"),
-        (["bench", "--tiny", "--json", "{tmp}/nope/b.json"], "/nope/b.json: no directory"),
+        (["bench", "--tiny", "--json", "{tmp}/nope/b.json"], "/nope/b.json: not a file in a directory"),
+        (["bench", "--tiny", "--json", "{tmp}"], ": not a file in a directory"),
         (["bench", "--tiny", "--device", "cpu", "--cuda-graph"], "train.cuda_graph needs a CUDA device"),
         (["plan", "--gpus", "4", "--parallel.dp=2"], "--gpus sets parallel.dp: give one of them"),
         (["plan", "--rank", "1"], "--rank and --steps are for --measure: add it"),

@@ -1,6 +1,6 @@
 """Expert parallelism: stages 2 and 4 as all-to-all exchanges over the EP group, deduplicated (the
 design, its one host sync per MoE layer and its collectives: pith-engine README, "Parallelism"). EP
-rank r of R holds the global experts [r*El, (r+1)*El). With FP8 rows dispatch makes 5 all-to-alls
+rank r of R holds the global experts [r*El, (r+1)*El). With FP8 rows a layer makes 5 all-to-alls
 forward, not 4, of half bf16's bytes.
 
 Shape legend: T local tokens, K top-k, D model dim, R EP ranks, El experts per rank, S rows sent
