@@ -59,7 +59,7 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
     clear_leftover(tmp)
     tok = hf_tokenizer(tokenizer)
     ours = HFTokenizer(str(Path(tok.name_or_path) / "tokenizer.json"))
-    tokens, masks, n_long = [], [], 0
+    tokens, masks, n_cut, n_long = [], [], 0, 0  # documents cut, dropped
     for f in files:
         with open(f, "rb") as raw:
             lines = b"".join(decompress(f, raw)).split(b"\n")
@@ -77,12 +77,14 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
             except Exception as e:  # jinja's
                 raise ValueError(f"{f}:{n}: the chat template cannot render it ({e})") from None
             for ids, mask in docs:
-                n_long += len(ids) > max_tokens
-                if len(ids) <= max_tokens or not drop:
+                if long := len(ids) > max_tokens:  # a cut that leaves no assistant token trains nothing
+                    cut = not drop and bool(mask[:max_tokens].any())
+                    n_cut, n_long = n_cut + cut, n_long + (not cut)
+                if not long or cut:
                     tokens.append(np.asarray(ids[:max_tokens]))
                     masks.append(mask[:max_tokens])
     if not sum(map(np.sum, masks)):
-        dropped = f" ({n_long} longer than --max-tokens {max_tokens} dropped)" * (drop and n_long > 0)
+        dropped = f" ({n_long} longer than --max-tokens {max_tokens} dropped)" * (n_long > 0)
         raise ValueError(f"{', '.join(files)}: no assistant token{dropped}: nothing to train on")
     tmp.mkdir(parents=True)
     dtype = np.uint16 if ours.vocab_size <= 1 << 16 else np.uint32
@@ -93,7 +95,7 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
         "tokenizer": ours.name, "tokenizer_hash": ours.hash, "vocab_size": ours.vocab_size,
         "eos_id": ours.eos_id, "dtype": np.dtype(dtype).name, "num_tokens": sum(map(len, tokens)),
         "num_docs": len(tokens), "num_files": len(files), "assistant_tokens": int(sum(map(np.sum, masks))),
-        "truncated": 0 if drop else n_long, "dropped": n_long if drop else 0,
+        "truncated": n_cut, "dropped": n_long,
     }  # fmt: skip
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     tmp.rename(out)

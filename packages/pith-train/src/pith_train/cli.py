@@ -25,7 +25,7 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
         limit = args.max_tokens or 4097
         meta = prepare_chat(files, args.out, tokenizer, limit, args.too_long == "drop")
         print(
-            f"{args.out}: {meta['num_docs']:,} conversations, {meta['num_tokens']:,} tokens"
+            f"{args.out}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens"
             f" ({meta['assistant_tokens']:,} the assistant's, which the loss counts); {meta['truncated']:,}"
             f" truncated, {meta['dropped']:,} dropped as longer than {limit:,} tokens"
         )
@@ -225,8 +225,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     from pith_train.bench import record, run, summary
 
-    if not Path(args.json).parent.is_dir():  # before the benchmark
-        raise ValueError(f"--json {args.json}: no directory {Path(args.json).parent} to write it in")
+    if Path(args.json).is_dir() or not Path(args.json).parent.is_dir():  # before the benchmark
+        raise ValueError(f"--json {args.json}: not a file in a directory")
     on = {k: getattr(args, k) == "on" for k in ("compile", "overlap", "wgrad_delay")}
     skip = {"command", "rest", "run", "json", "record", "compare", "profile", *on}
     result = run(**{k: v for k, v in vars(args).items() if k not in skip}, **on, profile_steps=args.profile)

@@ -163,7 +163,9 @@ def check_init(cfg: Config, model_hf: dict, mesh, warn) -> tuple[Path, int]:
 def preflight(cfg: Config, run_dir: Path, model_cfg, mesh, warn) -> Path | None:
     """A launch's checks, before anything is built: -> the checkpoint to resume from (None: new run)."""
     at = run_dir.resolve()
-    ckpts = at.is_dir() and any((c / ".metadata").is_file() for c in at.iterdir())  # a run's checkpoints/
+    ckpts = (
+        at.name == "checkpoints" and at.is_dir() and any((c / ".metadata").is_file() for c in at.iterdir())
+    )
     if ckpts or any((p / ".metadata").is_file() or (p / "tokens.bin").is_file() for p in [at, *at.parents]):
         raise ValueError(
             f"--run-dir {run_dir} is in a checkpoint, a dataset or a run's checkpoints/: choose another"
