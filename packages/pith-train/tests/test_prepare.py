@@ -67,11 +67,12 @@ def _corpus(src):
     (src / "a.jsonl").write_bytes(rows[:-2])  # no newline at the end
     (src / "b.jsonl.gz").write_bytes(gzip.compress(rows))
     (src / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(rows))
+    (src / "c4-train.00000-of-01024.json.gz").write_bytes(gzip.compress(rows))  # C4's and Dolma's: lines
     pq.write_table(pa.table({"n": range(len(DOCS)), "text": DOCS}), src / "d.parquet", row_group_size=4)
     (src / "e.txt").write_text(DOCS[0] + DOCS[2])
     (src / "f.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(DOCS[3].encode()))
     (src / "g.py").write_text("not found without --glob")
-    return DOCS * 4 + [DOCS[0] + DOCS[2], DOCS[3]]
+    return DOCS * 5 + [DOCS[0] + DOCS[2], DOCS[3]]
 
 
 def _bytes(path):
@@ -84,7 +85,7 @@ def test_every_format_gives_each_documents_own_tokens_whatever_the_workers(tmp_p
     monkeypatch.setattr(prep, "BATCH_BYTES", 64)
     texts = _corpus(tmp_path / "src")
     files = find_inputs([str(tmp_path / "src")])
-    assert [Path(f).name[0] for f in files] == list("abcdef")
+    assert [Path(f).name[0] for f in files] == list("abccdef")
     spec = str(tmp_path / "tok.json")
     prep.train_bpe(files, "text", 300, Path(spec), progress=False)
     tok = HFTokenizer(spec)
