@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare-data", help="tokenize text, JSONL or Parquet files into a packed dataset")
-    p.add_argument("inputs", nargs="+", help="files, or directories searched for .txt, .jsonl, .parquet")
+    p.add_argument("inputs", nargs="+", help="files, or directories searched for .txt, .json(l), .parquet")
     p.add_argument("--glob", help="the files to take from directories instead, e.g. '*.py'")
     p.add_argument("--out", required=True, help="dataset directory to create")
     which = p.add_mutually_exclusive_group()

@@ -92,7 +92,7 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
 # parent writes them in order: 2 batches per worker in flight, and the largest document.
 BATCH_BYTES = 1 << 20
 DATA_BINS = {"tokens.bin", "doc_ends.bin", "loss_mask.bin"}
-KNOWN = re.compile(r"\.(txt|jsonl)(\.gz|\.zst)?$|\.parquet$")
+KNOWN = re.compile(r"\.(txt|jsonl?)(\.gz|\.zst)?$|\.parquet$")  # .json: JSON lines, as C4's and Dolma's
 
 
 def jsonl_rows(lines, path: str, first: int = 1):
@@ -116,7 +116,7 @@ def _jsonl_texts(block: bytes, where: tuple[str, int], field: str) -> list[str]:
 
 
 def _file_batches(path: str, field: str):
-    """(bytes of `path` read, (parse, *args)) for each batch of its texts. A file other than .jsonl
+    """(bytes of `path` read, (parse, *args)) for each batch of its texts. A file other than .json(l)
     or .parquet is one text."""
     size = os.path.getsize(path)
     if path.endswith(".parquet"):
@@ -141,7 +141,7 @@ def _file_batches(path: str, field: str):
         return
     with open(path, "rb") as raw:
         chunks = filter(None, decompress(path, raw))
-        if not re.search(r"\.jsonl(\.gz|\.zst)?$", path):
+        if not re.search(r"\.jsonl?(\.gz|\.zst)?$", path):
             yield size, (list, [b"".join(chunks).decode("utf-8", errors="replace")])
             return
         line, rest = 1, bytearray()
