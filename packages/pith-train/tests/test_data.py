@@ -90,6 +90,20 @@ def test_prepare_rejects_bad_inputs_before_writing(tmp_path):
         prepare([str(tmp_path / "broken.jsonl")], str(tmp_path / "ds3"), "byte", workers=1, progress=False)
 
 
+def test_a_truncated_or_missing_document_ends_file_is_named_with_the_fix(tmp_path, byte_data):
+    """A cut doc_ends.bin trained on: every token after its last end was one document (positions and
+    labels across documents under data.document_mask); a missing one was a bare errno."""
+    import shutil
+
+    shutil.copytree(byte_data, tmp_path / "ds")
+    ends = tmp_path / "ds" / "doc_ends.bin"
+    ends.write_bytes(ends.read_bytes()[:-8])
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"doc_ends.bin is missing or does not end at tokens.bin's end;"):
+            PackedDataset(str(tmp_path / "ds"))
+        ends.unlink()
+
+
 def test_a_truncated_tokens_file_is_named_with_the_fix(tmp_path, byte_data):
     import shutil
 
