@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("checkpoint", help="RUN/checkpoints/step_N, a converted checkpoint or an HF directory")
         p.add_argument("--tokenizer", help="default: the checkpoint's tokenizer.json, or its run's")
         p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-        # As train.cpu_threads: one thread ran eval twice as fast as torch's default on 2 busy cores
+        # As train.cpu_threads
         p.add_argument("--cpu-threads", type=int, default=1, help="intra-op threads (0: torch's default)")
     eval_p, gen_p = sub.choices["eval"], sub.choices["generate"]
     eval_p.add_argument("--data", required=True, help="a prepare-data dataset")

@@ -44,7 +44,10 @@ class PackedDataset:
         chat = "assistant_tokens" in self.meta
         if chat != mask.is_file() or chat and len(self.loss_mask) != n:
             raise ValueError(f"{mask} is missing or not one byte per token; prepare the dataset again")
-        self.doc_ends = np.fromfile(Path(path) / "doc_ends.bin", dtype=np.int64)
+        ends = Path(path) / "doc_ends.bin"
+        self.doc_ends = np.fromfile(ends, np.int64) if ends.is_file() else np.empty(0)
+        if self.doc_ends[-1:].tolist() != [n]:
+            raise ValueError(f"{ends} is missing or cut; prepare the dataset again")
 
     def fingerprint(self) -> str:
         """Sizes and 64 evenly spaced slices of tokens, document ends, loss mask (whole: minutes)."""

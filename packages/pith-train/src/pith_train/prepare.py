@@ -92,7 +92,7 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
 # parent writes them in order: 2 batches per worker in flight, and the largest document.
 BATCH_BYTES = 1 << 20
 DATA_BINS = {"tokens.bin", "doc_ends.bin", "loss_mask.bin"}
-KNOWN = re.compile(r"\.(txt|jsonl?)(\.gz|\.zst)?$|\.parquet$")  # .json: JSON lines, as C4's and Dolma's
+KNOWN = re.compile(r"\.(txt|jsonl?)(\.gz|\.zst)?$|\.parquet$")
 
 
 def jsonl_rows(lines, path: str, first: int = 1):
