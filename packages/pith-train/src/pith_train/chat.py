@@ -27,12 +27,10 @@ def hf_tokenizer(path):
 
 
 def render(tok, messages: list[dict]) -> list[tuple[list[int], np.ndarray]]:
-    """-> documents (ids, loss mask): 1 on an assistant turn's tokens (end of turn included), what the
-    conversation up to it renders to beyond the turns before it with the generation prompt (not
-    `{% generation %}` tags: Qwen3's, GPT-OSS's and DeepSeek's templates lack them). One document, the
-    conversation, unless the template renders a turn otherwise once later turns follow (Qwen3 drops
-    earlier turns' thinking, GPT-OSS ends them with <|end|>): then one per assistant turn, the
-    conversation up to it, as the model sees it when it answers."""
+    """-> documents (ids, loss mask): the mask 1 on an assistant turn's tokens, what the conversation up
+    to it renders to beyond the turns before it with the generation prompt. One document, unless the
+    template renders a turn otherwise once later turns follow (Qwen3's thinking): then one per assistant
+    turn, the conversation up to it (pith-train README, prepare-data --chat)."""
 
     ids = lambda m, p=False: list(
         tok.apply_chat_template(m, add_generation_prompt=p, return_dict=False) if m else []
