@@ -48,7 +48,6 @@ from torch.distributed import ProcessGroup
 
 from pith_models.hf_convert import (
     check_ranges,
-    check_shapes,
     config_kwargs_from_hf,
     from_hf_swiglu_state_dict,
     hf_fields,
@@ -115,8 +114,11 @@ class Config:
             raise ValueError(
                 f"topk_method must be 'greedy' or 'group_limited_greedy', got {self.topk_method!r}"
             )
-        check_shapes(self, "n_routed_experts", "qk_rope_head_dim")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
         E, K = self.n_routed_experts, self.num_experts_per_tok
+        if not 1 <= K <= E:
+            raise ValueError(f"num_experts_per_tok must be in [1, n_routed_experts={E}], got {K}")
         if self.topk_method == "group_limited_greedy":
             G, TG = self.n_group, self.topk_group
             if G is None or TG is None or E % G or not 1 <= TG <= G or K > TG * (E // G):

@@ -40,13 +40,7 @@ from pith_engine.parallel import SINGLE, Mesh
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from pith_models.hf_convert import (
-    check_ranges,
-    check_shapes,
-    config_kwargs_from_hf,
-    hf_fields,
-    yarn_params_from_hf,
-)
+from pith_models.hf_convert import check_ranges, config_kwargs_from_hf, hf_fields, yarn_params_from_hf
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -88,7 +82,8 @@ class Config:
 
     def __post_init__(self):
         check_ranges(self)
-        L = self.num_hidden_layers
+        L, H, G = self.num_hidden_layers, self.num_attention_heads, self.num_key_value_heads
+        E, K = self.num_local_experts, self.num_experts_per_tok
         types = tuple(self.layer_types or [(SLIDING, FULL)[i % 2] for i in range(L)])  # transformers' default
         object.__setattr__(self, "layer_types", types)
         if len(types) != L or not set(types) <= {SLIDING, FULL}:
@@ -96,7 +91,12 @@ class Config:
                 f"layer_types must hold num_hidden_layers={L} entries of {SLIDING!r} or {FULL!r}, "
                 f"got {list(types)}"
             )
-        check_shapes(self, "num_local_experts")
+        if H % G:
+            raise ValueError(f"num_attention_heads ({H}) must be a multiple of num_key_value_heads ({G})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 1 <= K <= E:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_local_experts={E}], got {K}")
         if not isinstance(self.sliding_window, int):
             raise ValueError(f"sliding_window must be an int, got {self.sliding_window!r}")
 

@@ -25,19 +25,6 @@ def check_ranges(cfg, zero_ok: tuple[str, ...] = ()) -> None:
             raise ValueError(f"{name} must be >= {least}, got {v}")
 
 
-def check_shapes(cfg, experts: str, rope_dim: str = "head_dim") -> None:
-    """Query heads a multiple of the key/value heads (where the Config has them), an even RoPE dim and
-    top-k within the `experts` field's count: what every family's Config checks after check_ranges."""
-    H, G = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", 1)
-    E, K, P = getattr(cfg, experts), cfg.num_experts_per_tok, getattr(cfg, rope_dim)
-    if H % G:
-        raise ValueError(f"num_attention_heads ({H}) must be a multiple of num_key_value_heads ({G})")
-    if P % 2:
-        raise ValueError(f"{rope_dim} must be even for RoPE, got {P}")
-    if not 1 <= K <= E:
-        raise ValueError(f"num_experts_per_tok must be in [1, {experts}={E}], got {K}")
-
-
 def hf_fields(d: dict, cls: type) -> dict:
     """A copy of config.json's `d` without its model_type, which must be cls's (or absent)."""
     d = dict(d)

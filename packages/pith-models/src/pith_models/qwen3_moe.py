@@ -40,7 +40,6 @@ from torch.distributed import ProcessGroup
 
 from pith_models.hf_convert import (
     check_ranges,
-    check_shapes,
     config_kwargs_from_hf,
     from_hf_swiglu_state_dict,
     hf_fields,
@@ -74,7 +73,14 @@ class Config:
     def __post_init__(self):
         check_ranges(self)
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
-        check_shapes(self, "num_experts")
+        H, G = self.num_attention_heads, self.num_key_value_heads
+        E, K = self.num_experts, self.num_experts_per_tok
+        if H % G:
+            raise ValueError(f"num_attention_heads ({H}) must be a multiple of num_key_value_heads ({G})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 1 <= K <= E:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={E}], got {K}")
         if bad := [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]:
             raise ValueError(f"mlp_only_layers {bad} are outside [0, {self.num_hidden_layers})")
 
