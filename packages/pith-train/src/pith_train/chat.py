@@ -75,7 +75,7 @@ def prepare_chat(files: list[str], out_dir: str, tokenizer: str, max_tokens: int
             except Exception as e:  # jinja's
                 raise ValueError(f"{f}:{n}: the chat template cannot render it ({e})") from None
             for ids, mask in docs:
-                if long := len(ids) > max_tokens:  # a cut that leaves no assistant token trains nothing
+                if long := len(ids) > max_tokens:  # kept if the cut leaves an assistant token
                     cut = not drop and bool(mask[:max_tokens].any())
                     n_cut, n_long = n_cut + cut, n_long + (not cut)
                 if not long or cut:

@@ -192,7 +192,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from pith_train.inference import generate, run_tokenizer
 
     if args.top_p is None and (args.temperature, args.seed) != (None, None):
-        raise ValueError("--temperature and --seed sample: add --top-p (greedy decoding uses neither)")
+        raise ValueError("--temperature and --seed sample: add --top-p")
     temperature = 1.0 if args.temperature is None else args.temperature
     if args.top_p is not None and not 0 < args.top_p <= 1 or not temperature > 0:
         raise ValueError(f"--top-p must be in (0, 1] and --temperature > 0; got {args.top_p}, {temperature}")
@@ -225,7 +225,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     from pith_train.bench import record, run, summary
 
-    if Path(args.json).is_dir() or not Path(args.json).parent.is_dir():  # before the benchmark
+    if Path(args.json).is_dir() or not Path(args.json).parent.is_dir():
         raise ValueError(f"--json {args.json}: not a file in a directory")
     on = {k: getattr(args, k) == "on" for k in ("compile", "overlap", "wgrad_delay")}
     skip = {"command", "rest", "run", "json", "record", "compare", "profile", *on}

@@ -189,7 +189,7 @@ def pretrain(cfg: Config, run_dir: str | Path, stop_at: int | None = None) -> di
     torch.manual_seed(cfg.train.seed)
     cuda = device.type == "cuda"
     dtype, ckpt = torch.bfloat16 if cuda else None, resume_from or init and init[0]
-    if ckpt:  # its weights replace the model's: not read from model.name (a release, maybe moved)
+    if ckpt:  # its weights replace all: model.name (a release, maybe moved) is not read
         model = pith_models.build(model_cfg, device, cfg.train.seed, mesh, dtype)
     else:
         model = build_model(cfg.model, device, cfg.train.seed, mesh, dtype)
